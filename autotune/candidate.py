@@ -1,0 +1,193 @@
+"""What one configuration is (Candidate) and what a real run of it measured (Measurement)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autotune.errors import InvalidCandidateError
+from autotune.schedules import Schedule, parse_schedule, validate_schedule
+
+TrialStatus = Literal["ok", "oom", "timeout", "error"]
+ErrorKind = Literal["oom", "timeout", "error"]
+WireDtype = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One point of the search space: everything a trial needs besides the model."""
+
+    schedule: Schedule
+    """Pipeline schedule."""
+    pipeline_degree: int
+    """Ranks in one pipeline (pp)."""
+    global_batch_size: int
+    """B: samples per optimizer step over all replicas."""
+    n_microbatches: int
+    """B/M per replica: micro-batches each pipeline runs per step."""
+    layers_per_stage: tuple[int, ...]
+    """Layer count of each stage in model order; pp x stages-per-rank entries."""
+    data_parallel_degree: int = 1
+    """Replicas of the pipeline (dp); gpus = pp x dp."""
+    activation_checkpointing: bool = False
+    """Recompute each stage's forward in its backward instead of keeping activations."""
+    wire_dtype: WireDtype = "float32"
+    """dtype of activations and gradients sent between stages."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_degree * self.data_parallel_degree
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.n_stages // self.pipeline_degree
+
+    @property
+    def replica_batch_size(self) -> int:
+        return self.global_batch_size // self.data_parallel_degree
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // (self.n_microbatches * self.data_parallel_degree)
+
+    @property
+    def key(self) -> str:
+        """A short stable name, used to de-duplicate trials and label plots."""
+        split = "-".join(map(str, self.layers_per_stage))
+        extra = ("+ckpt" if self.activation_checkpointing else "") + ("+bf16" if self.wire_dtype == "bfloat16" else "")
+        dp = f"dp{self.data_parallel_degree}/" if self.data_parallel_degree > 1 else ""
+        return f"{dp}{self.schedule.value}/m{self.n_microbatches}/[{split}]{extra}"
+
+    def validate(self, n_layers: int) -> None:
+        """Refuse a candidate that cannot run, before any process starts; the message says how to fix it."""
+        b, m, dp = self.global_batch_size, self.n_microbatches, self.data_parallel_degree
+        if b < 1 or m < 1 or dp < 1 or self.pipeline_degree < 1:
+            raise InvalidCandidateError("batch size, micro-batch count, pp and dp must all be at least 1")
+        if b % (m * dp):
+            raise InvalidCandidateError(
+                f"global batch {b} cannot be cut into {dp} replica(s) x {m} equal micro-batches; "
+                f"pass --microbatches with a divisor of {b // dp if b % dp == 0 else b}"
+            )
+        if self.n_stages > n_layers:
+            raise InvalidCandidateError(
+                f"{self.n_stages} stages need at least {self.n_stages} layers but the model has {n_layers}; "
+                f"use fewer GPUs or a schedule with fewer stages per rank"
+            )
+        if sum(self.layers_per_stage) != n_layers:
+            raise InvalidCandidateError(
+                f"layers_per_stage {list(self.layers_per_stage)} covers {sum(self.layers_per_stage)} layers but the "
+                f"model has {n_layers}; pass --layers-per-stage with {n_layers} in all"
+            )
+        if any(n < 1 for n in self.layers_per_stage):
+            raise InvalidCandidateError(
+                f"layers_per_stage {list(self.layers_per_stage)} has an empty stage; give every stage a layer"
+            )
+        validate_schedule(
+            self.schedule, pipeline_degree=self.pipeline_degree, n_microbatches=m, n_stages=self.n_stages
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.value,
+            "pipeline_degree": self.pipeline_degree,
+            "data_parallel_degree": self.data_parallel_degree,
+            "global_batch_size": self.global_batch_size,
+            "num_microbatches": self.n_microbatches,
+            "micro_batch_size": self.micro_batch_size,
+            "layers_per_stage": list(self.layers_per_stage),
+            "activation_checkpointing": self.activation_checkpointing,
+            "wire_dtype": self.wire_dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        return cls(
+            schedule=parse_schedule(data["schedule"]),
+            pipeline_degree=int(data["pipeline_degree"]),
+            data_parallel_degree=int(data.get("data_parallel_degree", 1)),
+            global_batch_size=int(data["global_batch_size"]),
+            n_microbatches=int(data["num_microbatches"]),
+            layers_per_stage=tuple(int(n) for n in data["layers_per_stage"]),
+            activation_checkpointing=bool(data.get("activation_checkpointing", False)),
+            wire_dtype=data.get("wire_dtype", "float32"),
+        )
+
+
+def uniform_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Layers spread as evenly as possible; earlier stages take the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialError:
+    """Why a trial did not finish, and which rank caused it."""
+
+    rank: int | None
+    """Global rank that failed first of its own accord (None when no rank can be blamed)."""
+    kind: ErrorKind
+    """oom, timeout or error."""
+    message: str
+    """The failing rank's own message, one line."""
+    bytes_requested: int | None = None
+    """For oom: the allocation (or tracked peak) that did not fit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """What a real multi-process run of one candidate measured."""
+
+    candidate: Candidate
+    status: Literal["ok", "oom", "timeout", "error"]
+    step_time_ms: float | None = None
+    """Median of the measured steps' wall time (the slowest rank's, per step)."""
+    step_times_ms: tuple[float, ...] = ()
+    """Every measured step, in order."""
+    throughput_samples_per_s: float | None = None
+    peak_memory_bytes: tuple[int, ...] = ()
+    """Per global rank: CUDA allocator peak, or live tensor bytes tracked on CPU (see trial.memory)."""
+    loss: float | None = None
+    """Mean loss of the last measured step."""
+    error: TrialError | None = None
+    wall_time_s: float = 0.0
+    """The whole trial, launch to teardown, as the parent saw it."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Where the trial's time went (launch, setup, warmup, steps, teardown), slowest rank."""
+    device: str = "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            "status": self.status,
+            "step_time_ms": self.step_time_ms,
+            "throughput_samples_per_s": self.throughput_samples_per_s,
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "loss": self.loss,
+            "step_times_ms": list(self.step_times_ms),
+            "wall_time_s": self.wall_time_s,
+            "phases_s": dict(self.phases_s),
+            "device": self.device,
+            "error": dataclasses.asdict(self.error) if self.error else None,
+        }
+        return {**self.candidate.to_dict(), **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        error = data.get("error")
+        return cls(
+            candidate=Candidate.from_dict(data),
+            status=data["status"],
+            step_time_ms=data.get("step_time_ms"),
+            step_times_ms=tuple(data.get("step_times_ms", ())),
+            throughput_samples_per_s=data.get("throughput_samples_per_s"),
+            peak_memory_bytes=tuple(data.get("peak_memory_bytes", ())),
+            loss=data.get("loss"),
+            error=TrialError(**error) if error else None,
+            wall_time_s=float(data.get("wall_time_s", 0.0)),
+            phases_s=dict(data.get("phases_s", {})),
+            device=data.get("device", "cpu"),
+        )

@@ -1,0 +1,53 @@
+"""The AutotuneError tree: every error a user can cause, with its exit code and a message that says how to fix it."""
+
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Base of every error autotune raises on purpose; the CLI prints its message in one line."""
+
+    exit_code: int = 1
+
+
+class UsageError(AutotuneError):
+    """Bad flags, a bad config or a candidate that cannot run as asked (exit 2)."""
+
+    exit_code = 2
+
+
+class ModelFileError(UsageError):
+    """The user's model file breaks the contract (exit 2)."""
+
+
+class ConfigError(UsageError):
+    """A tuned config that cannot be read or does not match the model (exit 2)."""
+
+
+class InvalidCandidateError(UsageError):
+    """A candidate refused before launch: indivisible batch, too few micro-batches, bad split (exit 2)."""
+
+
+class InfeasibleError(AutotuneError):
+    """Nothing fits the memory limit (exit 3)."""
+
+    exit_code = 3
+
+
+class LaunchError(AutotuneError):
+    """Rank processes could not be started or the device is missing (exit 4)."""
+
+    exit_code = 4
+
+
+class RegressionError(AutotuneError):
+    """`autotune check`: the config still runs but is slower than recorded (exit 1)."""
+
+    exit_code = 1
+
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_INFEASIBLE = 3
+EXIT_LAUNCH = 4
+EXIT_INTERRUPTED = 130

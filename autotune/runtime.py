@@ -1,0 +1,249 @@
+"""Build this rank's pipeline stages and schedule from a candidate or tuned config: used by trials and by your own
+training script.
+
+    import torch.distributed as dist
+    from autotune.runtime import setup_pipeline
+
+    pipe = setup_pipeline("tuned.yaml", "model.py")      # under torchrun: reads RANK / WORLD_SIZE
+    for inputs, targets in batches:                       # the same global batch on every rank
+        losses = pipe.step(inputs, targets)               # forward, backward, DP all-reduce, optimizer step
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils.checkpoint import checkpoint
+
+from autotune.candidate import Candidate
+from autotune.model_file import ModelSpec, build_layers, build_optimizer, load_model_file
+from autotune.schedules import SCHEDULES, stages_of_rank
+
+if TYPE_CHECKING:
+    from autotune.tuned_config import TunedConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """Where a global rank sits in the pp x dp grid: rank = dp_rank * pp + pp_rank."""
+
+    rank: int
+    pipeline_degree: int
+    data_parallel_degree: int
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pipeline_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pipeline_degree
+
+    def pipeline_ranks(self, dp_rank: int) -> list[int]:
+        return [dp_rank * self.pipeline_degree + p for p in range(self.pipeline_degree)]
+
+    def replica_ranks(self, pp_rank: int) -> list[int]:
+        return [d * self.pipeline_degree + pp_rank for d in range(self.data_parallel_degree)]
+
+
+class CheckpointedStage(nn.Module):
+    """Recompute the stage's forward during its backward instead of keeping its activations."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+class WireCast(nn.Module):
+    """Send activations (and so receive gradients) as `wire_dtype`; compute in the received input's original dtype.
+
+    Floating inputs are cast back to float32 on arrival; the last stage's output keeps its dtype for the loss."""
+
+    def __init__(self, inner: nn.Module, *, wire_dtype: torch.dtype, cast_output: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.wire_dtype = wire_dtype
+        self.cast_output = cast_output
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        args = tuple(a.float() if a.is_floating_point() else a for a in args)
+        out = self.inner(*args)
+        if self.cast_output and isinstance(out, torch.Tensor) and out.is_floating_point():
+            return out.to(self.wire_dtype)
+        return out
+
+
+@dataclass(kw_only=True)
+class RankPipeline:
+    """One rank's share of a pipelined training step."""
+
+    candidate: Candidate
+    layout: RankLayout
+    stage_indices: list[int]
+    """Stages this rank holds, in increasing order."""
+    modules: list[nn.Module]
+    """The module of each held stage (wrapped for checkpointing / wire casts)."""
+    schedule: Any
+    """The torch schedule object (PipelineScheduleSingle or PipelineScheduleMulti)."""
+    optimizer: torch.optim.Optimizer
+    dp_group: dist.ProcessGroup | None
+    device: torch.device
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def holds_last(self) -> bool:
+        return self.candidate.n_stages - 1 in self.stage_indices
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def replica_slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of a global batch."""
+        rows = self.candidate.replica_batch_size
+        return tensor[self.layout.dp_rank * rows : (self.layout.dp_rank + 1) * rows]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """One optimizer step on the global batch (inputs, targets); returns this rank's micro-batch losses
+        (empty unless it holds the last stage)."""
+        losses: list[torch.Tensor] = []
+        args = (self.replica_slice(inputs).to(self.device),) if self.holds_first else ()
+        target = self.replica_slice(targets).to(self.device) if self.holds_last else None
+        if self.holds_last:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(*args, return_outputs=False)
+        self.all_reduce_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def all_reduce_gradients(self) -> None:
+        """Average gradients over the replicas of this rank's stages (one flat all-reduce)."""
+        if self.dp_group is None:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.candidate.data_parallel_degree
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's pipeline group and data-parallel group (every rank must create every group, in order)."""
+    pp, dp = layout.pipeline_degree, layout.data_parallel_degree
+    if dp == 1:
+        return None, None
+    pp_group = dp_group = None
+    for d in range(dp):
+        group = dist.new_group(layout.pipeline_ranks(d))
+        if d == layout.dp_rank:
+            pp_group = group
+    for p in range(pp):
+        group = dist.new_group(layout.replica_ranks(p))
+        if p == layout.pp_rank:
+            dp_group = group
+    return pp_group, dp_group
+
+
+def build_pipeline(
+    spec: ModelSpec,
+    candidate: Candidate,
+    *,
+    rank: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> RankPipeline:
+    """Build the whole model with the shared seed, keep this rank's stages, and wrap them in torch's schedule."""
+    layout = RankLayout(
+        rank=rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
+    )
+    stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
+    layers = build_layers(spec)
+    bounds = [0]
+    for n in candidate.layers_per_stage:
+        bounds.append(bounds[-1] + n)
+    wire_dtype = torch.bfloat16 if candidate.wire_dtype == "bfloat16" else None
+    modules: list[nn.Module] = []
+    stages: list[PipelineStage] = []
+    for s in stage_indices:
+        module: nn.Module = nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
+        if candidate.activation_checkpointing:
+            module = CheckpointedStage(module)
+        if wire_dtype is not None:
+            module = WireCast(module, wire_dtype=wire_dtype, cast_output=s != candidate.n_stages - 1)
+        module.to(device)
+        modules.append(module)
+        stages.append(PipelineStage(module, s, candidate.n_stages, device, group=pp_group))
+    del layers  # drop the other ranks' layers
+    schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
+    params = [p for m in modules for p in m.parameters()]
+    return RankPipeline(
+        candidate=candidate,
+        layout=layout,
+        stage_indices=stage_indices,
+        modules=modules,
+        schedule=schedule,
+        optimizer=build_optimizer(spec, params),
+        dp_group=dp_group,
+        device=device,
+    )
+
+
+def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """torch's schedule object for the candidate's schedule over this rank's stages."""
+    cls = getattr(torch_schedules, SCHEDULES[candidate.schedule].torch_class)
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
+
+
+def setup_pipeline(
+    config: str | Path | TunedConfig, model: str | Path | None = None, *, device: str | None = None
+) -> RankPipeline:
+    """For your training script under torchrun: init the process group if needed and build this rank's pipeline
+    from a tuned config. `model` defaults to the config's model path."""
+    from autotune.tuned_config import TunedConfig, load_config
+
+    tuned = config if isinstance(config, TunedConfig) else load_config(Path(config))
+    spec = load_model_file(Path(model) if model is not None else Path(tuned.model))
+    candidate = tuned.candidate
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if dist.get_world_size() != candidate.world_size:
+        from autotune.errors import ConfigError
+
+        raise ConfigError(
+            f"the config is for {candidate.world_size} ranks but {dist.get_world_size()} were launched; "
+            f"run torchrun --nproc-per-node {candidate.world_size}"
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_device = torch.device(device, int(os.environ.get("LOCAL_RANK", rank)) if device == "cuda" else None)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    layout = RankLayout(
+        rank=rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
+    )
+    pp_group, dp_group = init_groups(layout)
+    return build_pipeline(spec, candidate, rank=rank, device=torch_device, pp_group=pp_group, dp_group=dp_group)

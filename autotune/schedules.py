@@ -1,0 +1,191 @@
+"""Schedule names, their constraints and stage placement, and per-rank action lists shared by simulator and runtime."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+from autotune.errors import InvalidCandidateError, UsageError
+
+Placement = Literal["single", "loop", "v"]
+ActionKind = Literal["F", "B", "I", "W"]
+"""F forward; B full backward; I backward for inputs only; W backward for weights only (zero-bubble split)."""
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedules, named as torch and torchtitan name them."""
+
+    GPIPE = "GPipe"
+    ONE_F_ONE_B = "1F1B"
+    INTERLEAVED_1F1B = "Interleaved1F1B"
+    LOOPED_BFS = "LoopedBFS"
+    INTERLEAVED_ZERO_BUBBLE = "InterleavedZeroBubble"
+    ZBV_ZERO_BUBBLE = "ZBVZeroBubble"
+    DUAL_PIPE_V = "DualPipeV"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleInfo:
+    placement: Placement
+    """single: one stage per rank; loop: rank r holds r, r+pp, ...; v: rank r holds r and 2pp-1-r."""
+    stages_per_rank: int | None
+    """Fixed number of stages per rank, or None where any v >= 2 works (loop placement)."""
+    torch_class: str
+    """Class name in torch.distributed.pipelining.schedules."""
+
+
+SCHEDULES: dict[Schedule, ScheduleInfo] = {
+    Schedule.GPIPE: ScheduleInfo(placement="single", stages_per_rank=1, torch_class="ScheduleGPipe"),
+    Schedule.ONE_F_ONE_B: ScheduleInfo(placement="single", stages_per_rank=1, torch_class="Schedule1F1B"),
+    Schedule.INTERLEAVED_1F1B: ScheduleInfo(
+        placement="loop", stages_per_rank=None, torch_class="ScheduleInterleaved1F1B"
+    ),
+    Schedule.LOOPED_BFS: ScheduleInfo(placement="loop", stages_per_rank=None, torch_class="ScheduleLoopedBFS"),
+    Schedule.INTERLEAVED_ZERO_BUBBLE: ScheduleInfo(
+        placement="loop", stages_per_rank=None, torch_class="ScheduleInterleavedZeroBubble"
+    ),
+    Schedule.ZBV_ZERO_BUBBLE: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleZBVZeroBubble"),
+    Schedule.DUAL_PIPE_V: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleDualPipeV"),
+}
+
+
+def parse_schedule(name: str | Schedule) -> Schedule:
+    """Case-insensitive schedule lookup; the error lists the names that exist."""
+    if isinstance(name, Schedule):
+        return name
+    for schedule in Schedule:
+        if schedule.value.lower() == name.strip().lower():
+            return schedule
+    names = ", ".join(s.value for s in Schedule)
+    raise UsageError(f"unknown schedule {name!r}; pass --schedule with one of: {names}")
+
+
+def default_stages_per_rank(schedule: Schedule) -> int:
+    """Stages per rank when the user does not say: the fixed count, or 2 for loop placement."""
+    return SCHEDULES[schedule].stages_per_rank or 2
+
+
+def stage_ranks(schedule: Schedule, pipeline_degree: int, n_stages: int) -> list[int]:
+    """The pipeline rank that holds each stage, in stage order."""
+    placement = SCHEDULES[schedule].placement
+    if placement == "v":
+        return [s if s < pipeline_degree else 2 * pipeline_degree - 1 - s for s in range(n_stages)]
+    return [s % pipeline_degree for s in range(n_stages)]
+
+
+def stages_of_rank(schedule: Schedule, pipeline_degree: int, n_stages: int, rank: int) -> list[int]:
+    """The stage indices a rank holds, in increasing order."""
+    return [s for s, r in enumerate(stage_ranks(schedule, pipeline_degree, n_stages)) if r == rank]
+
+
+def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatches: int, n_stages: int) -> None:
+    """Refuse what torch would refuse at construction (or worse, deep inside a step), with the fix."""
+    info = SCHEDULES[schedule]
+    if n_stages % pipeline_degree:
+        raise InvalidCandidateError(
+            f"{n_stages} stages cannot be spread evenly over {pipeline_degree} pipeline ranks; "
+            f"pass --layers-per-stage with a multiple of {pipeline_degree} entries"
+        )
+    v = n_stages // pipeline_degree
+    if info.stages_per_rank is not None and v != info.stages_per_rank:
+        raise InvalidCandidateError(
+            f"{schedule.value} runs exactly {info.stages_per_rank} stage(s) per rank, "
+            f"so {pipeline_degree * info.stages_per_rank} stages for {pipeline_degree} ranks, not {n_stages}; "
+            f"pass --layers-per-stage with {pipeline_degree * info.stages_per_rank} entries"
+        )
+    if info.stages_per_rank is None and v < 2:
+        raise InvalidCandidateError(
+            f"{schedule.value} needs at least 2 stages per rank ({2 * pipeline_degree} stages for "
+            f"{pipeline_degree} ranks), got {n_stages}; pass --layers-per-stage with {2 * pipeline_degree} entries "
+            f"or use 1F1B"
+        )
+    if schedule is Schedule.ONE_F_ONE_B and n_microbatches < n_stages:
+        raise InvalidCandidateError(
+            f"1F1B needs at least as many micro-batches as stages ({n_stages}), got {n_microbatches}; "
+            f"pass --microbatches {n_stages} or more, or use GPipe"
+        )
+    if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE):
+        rounds = max(1, n_microbatches // pipeline_degree)
+        if n_microbatches % rounds:
+            raise InvalidCandidateError(
+                f"{schedule.value} with {pipeline_degree} ranks needs the micro-batch count to be a multiple of "
+                f"{rounds} (max(1, n_microbatches // pp)); {n_microbatches} is not: use a multiple of "
+                f"{pipeline_degree}"
+            )
+    if schedule is Schedule.DUAL_PIPE_V and n_microbatches < 2 * pipeline_degree:
+        raise InvalidCandidateError(
+            f"DualPipeV needs at least 2 x pp = {2 * pipeline_degree} micro-batches, got {n_microbatches}; "
+            f"pass --microbatches {2 * pipeline_degree} or more"
+        )
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action of a rank: run `kind` for micro-batch `microbatch` of stage `stage`."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def action_lists(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[list[Action]]:
+    """Per-rank compute actions in execution order, taken from torch's own schedule so the simulator replays
+    exactly what the runtime runs. Communication is left to the simulator's link model."""
+    return [list(rank_actions) for rank_actions in _action_lists(schedule, pipeline_degree, n_microbatches, n_stages)]
+
+
+@functools.lru_cache(maxsize=512)
+def _action_lists(
+    schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int
+) -> tuple[tuple[Action, ...], ...]:
+    from torch.distributed.pipelining import _schedule_visualizer
+
+    validate_schedule(schedule, pipeline_degree=pipeline_degree, n_microbatches=n_microbatches, n_stages=n_stages)
+    if schedule is Schedule.ONE_F_ONE_B:
+        # torch 2.13's get_schedule_ops shifts the last rank's forward micro-batch indices by one (1F4 with 4
+        # micro-batches); Schedule1F1B itself runs the textbook order, written out here.
+        return tuple(tuple(one_f_one_b(rank, pipeline_degree, n_microbatches)) for rank in range(pipeline_degree))
+    ops = _schedule_visualizer.get_schedule_ops(
+        schedule.value, pipeline_degree, n_microbatches, num_stages_per_rank=n_stages // pipeline_degree
+    )
+    return tuple(tuple(_compute_actions(rank_ops)) for rank_ops in ops)
+
+
+def _compute_actions(rank_ops: list) -> list[Action]:  # type: ignore[type-arg]
+    # DualPipeV fuses a forward and a backward into one OVERLAP_F_B action; the runtime runs its sub-actions one
+    # after the other, so they are listed one after the other. Communication and gradient reduction are dropped.
+    actions: list[Action] = []
+    for op in rank_ops:
+        if op is None:
+            continue
+        for sub in op.sub_actions or (op,):
+            kind = sub.computation_type.value
+            if kind in ("F", "B", "I", "W"):
+                actions.append(Action(sub.stage_index, kind, sub.microbatch_index))
+    return actions
+
+
+def one_f_one_b(rank: int, pipeline_degree: int, n_microbatches: int) -> list[Action]:
+    """1F1B for one rank: pp - rank warm-up forwards, then one backward and one forward in turn, then the rest.
+
+    pp=2, m=4      t: 0   1   2   3   4   5   6   7
+      rank 0          F0  F1  B0  F2  B1  F3  B2  B3
+      rank 1          F0  B0  F1  B1  F2  B2  F3  B3
+    """
+    warmup = min(n_microbatches, pipeline_degree - rank)
+    actions = [Action(rank, "F", mb) for mb in range(warmup)]
+    next_forward = warmup
+    for mb in range(n_microbatches):
+        actions.append(Action(rank, "B", mb))
+        if next_forward < n_microbatches:
+            actions.append(Action(rank, "F", next_forward))
+            next_forward += 1
+    return actions

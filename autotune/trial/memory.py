@@ -1,0 +1,96 @@
+"""Peak memory of one training step on a rank: the CUDA allocator's peak, or on CPU a tracker of live tensor bytes.
+
+What the CPU tracker counts: the bytes of every tensor storage alive in the rank's process at the start of the
+tracked step (parameters, gradients, optimizer state, the global batch, torch's receive buffers), plus every storage
+an operator creates during the step until it is freed (activations, gradients, temporaries, optimizer updates).
+Views and in-place results share their input's storage and are counted once. Not counted: memory outside tensors
+(Python objects, gloo's own buffers, allocator slack), so it reads lower than RSS but tracks what the GPU allocator
+would hold.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """The tracked live bytes passed the memory limit: the trial counts as out of memory."""
+
+    def __init__(self, live_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"tracked live tensor memory {live_bytes} bytes passed the memory limit of {limit_bytes} bytes")
+        self.live_bytes = live_bytes
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts live tensor-storage bytes while active; `peak_bytes` is the high-water mark."""
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}
+
+    def __enter__(self) -> LiveTensorBytes:
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                self._track(obj)
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # sparse / wrapper tensors without a storage
+        key = id(storage)
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        weakref.finalize(storage, self._free, key)
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+                raise MemoryLimitExceeded(self.live_bytes, self.limit_bytes)
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._live.pop(key, 0)
+
+
+_ALLOC_BYTES = re.compile(r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?")
+_UNITS = {None: 1, "bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return (
+        isinstance(exc, (MemoryLimitExceeded, torch.OutOfMemoryError, MemoryError))
+        or "can't allocate memory" in text
+        or "CUDA out of memory" in text
+    )
+
+
+def requested_bytes(exc: BaseException) -> int | None:
+    """The allocation an out-of-memory error was refused, as its message states it."""
+    if isinstance(exc, MemoryLimitExceeded):
+        return exc.live_bytes
+    match = _ALLOC_BYTES.search(str(exc))
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2)])

@@ -1,0 +1,209 @@
+"""Rank side of a trial: join the process group, build this rank's stages, run and time the steps, write the result.
+
+Every outcome ends in a file the launcher reads: result-<rank>.json, or error-<rank>.json with the rank's own
+exception classified (oom / error, and whether it is only a broken connection to a peer that failed first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401  (preloaded by the fork server)
+
+from autotune.candidate import Candidate
+from autotune.model_file import load_model_file, make_batch
+from autotune.runtime import RankLayout, build_pipeline, init_groups
+from autotune.trial.memory import LiveTensorBytes, is_out_of_memory, requested_bytes
+
+_COMMS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+    "ProcessGroupGloo",
+    "ECONNRESET",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """Everything one rank process needs; pickled to the fork server."""
+
+    rank: int
+    world_size: int
+    model_path: str
+    candidate: dict[str, Any]
+    """Candidate.to_dict()."""
+    steps: int
+    warmup: int
+    device: str
+    """cpu or cuda."""
+    memory_limit_bytes: int | None
+    run_dir: str
+    """Folder of the store file, result, error, log and stack files."""
+    timeout_s: float
+    launched_at: float
+    """time.time() when the launcher started the trial."""
+    parent_pid: int | None
+    """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
+
+
+def run_rank(job: RankJob) -> None:
+    """Process entry point (fork server child). Never raises: the outcome is written to a file."""
+    run_dir = Path(job.run_dir)
+    _die_with_parent(job.parent_pid)
+    log = open(run_dir / f"log-{job.rank}.txt", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    stacks = open(run_dir / f"stack-{job.rank}.txt", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    phases: dict[str, float] = {"start": time.time() - job.launched_at}
+    try:
+        result = _train(job, phases)
+    except BaseException as exc:  # noqa: BLE001 - everything a rank can raise becomes data
+        traceback.print_exc()
+        _write_json(run_dir / f"error-{job.rank}.json", _classify(job.rank, exc))
+        sys.stdout.flush()
+        os._exit(1)
+    _write_json(run_dir / f"result-{job.rank}.json", result)
+    os._exit(0)
+
+
+def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if job.device == "cpu":
+        torch.set_num_threads(1)  # the stand-in for one GPU is one process with one thread
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        device = torch.device("cuda", job.rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+        if job.memory_limit_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, job.memory_limit_bytes / total), device)
+    store = dist.FileStore(str(Path(job.run_dir) / "store"), job.world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=job.rank,
+        world_size=job.world_size,
+        timeout=datetime.timedelta(seconds=max(job.timeout_s, 1.0)),
+        device_id=device if device.type == "cuda" else None,
+    )
+    candidate = Candidate.from_dict(job.candidate)
+    spec = load_model_file(job.model_path)
+    layout = RankLayout(
+        rank=job.rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
+    )
+    pp_group, dp_group = init_groups(layout)
+    pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
+    inputs, targets = make_batch(spec, candidate.global_batch_size)
+    phases["setup"] = time.perf_counter() - t0
+
+    # Warm-up: the first step infers shapes and creates optimizer state; the last warm-up step is the tracked one.
+    t0 = time.perf_counter()
+    peak_bytes = 0
+    for i in range(max(job.warmup, 1)):
+        if i == max(job.warmup, 1) - 1:
+            peak_bytes = _tracked_step(pipe, inputs, targets, job, device)
+        else:
+            pipe.step(inputs, targets)
+    phases["warmup"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    step_times_ms: list[float] = []
+    losses: list[torch.Tensor] = []
+    for _ in range(job.steps):
+        dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
+        start = time.perf_counter()
+        losses = pipe.step(inputs, targets)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_times_ms.append((time.perf_counter() - start) * 1000)
+    phases["steps"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    dist.barrier()
+    dist.destroy_process_group()
+    phases["teardown"] = time.perf_counter() - t0
+    return {
+        "rank": job.rank,
+        "step_times_ms": step_times_ms,
+        "median_step_time_ms": statistics.median(step_times_ms) if step_times_ms else None,
+        "peak_memory_bytes": peak_bytes,
+        "loss": float(torch.stack(losses).float().mean()) if losses else None,
+        "phases_s": phases,
+    }
+
+
+def _tracked_step(pipe: Any, inputs: torch.Tensor, targets: torch.Tensor, job: RankJob, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        pipe.step(inputs, targets)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker:
+        pipe.step(inputs, targets)
+    return tracker.peak_bytes
+
+
+def _classify(rank: int, exc: BaseException) -> dict[str, Any]:
+    text = f"{type(exc).__name__}: {exc}"
+    oom = is_out_of_memory(exc)
+    comms = not oom and (
+        isinstance(exc, (dist.DistBackendError, dist.DistNetworkError))
+        or any(marker in text for marker in _COMMS_MARKERS)
+    )
+    first_line = " ".join(text.split())[:500]
+    return {
+        "rank": rank,
+        "kind": "oom" if oom else "error",
+        "message": first_line,
+        "comms": comms,
+        "bytes_requested": requested_bytes(exc) if oom else None,
+        "at": time.time(),
+        "where": _user_frame(exc),
+    }
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost frame outside torch and autotune: where the user's code raised."""
+    where = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if "/torch/" not in frame.filename and "/autotune/" not in frame.filename:
+            where = f"{frame.filename}:{frame.lineno}"
+    return where
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Linux: SIGKILL this rank when the fork server (and so the tuner) dies, so no rank outlives a killed tuner."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1:
+        os._exit(1)  # the parent died before prctl took effect
