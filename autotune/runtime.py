@@ -112,6 +112,18 @@ class RankPipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
 
+    def named_layer_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameters under their name in the whole model ("<layer index>.<name in layer>"), for comparisons."""
+        named: dict[str, nn.Parameter] = {}
+        for stage, module in zip(self.stage_indices, self.modules):
+            first = sum(self.candidate.layers_per_stage[:stage])
+            while not isinstance(module, nn.Sequential):  # unwrap CheckpointedStage / WireCast
+                module = module.inner  # type: ignore[assignment]
+            for local, layer in enumerate(module):
+                for name, param in layer.named_parameters():
+                    named[f"{first + local}.{name}"] = param
+        return named
+
     def replica_slice(self, tensor: torch.Tensor) -> torch.Tensor:
         """This replica's rows of a global batch."""
         rows = self.candidate.replica_batch_size
@@ -120,6 +132,13 @@ class RankPipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """One optimizer step on the global batch (inputs, targets); returns this rank's micro-batch losses
         (empty unless it holds the last stage)."""
+        losses = self.forward_backward(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Run the schedule and average gradients over replicas, leaving them in .grad (no optimizer step)."""
         losses: list[torch.Tensor] = []
         args = (self.replica_slice(inputs).to(self.device),) if self.holds_first else ()
         target = self.replica_slice(targets).to(self.device) if self.holds_last else None
@@ -128,8 +147,6 @@ class RankPipeline:
         else:
             self.schedule.step(*args, return_outputs=False)
         self.all_reduce_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return losses
 
     def all_reduce_gradients(self) -> None:

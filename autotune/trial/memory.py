@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import re
+import warnings
 import weakref
 from typing import Any
 
@@ -40,9 +41,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __enter__(self) -> LiveTensorBytes:
         gc.collect()
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                self._track(obj)
+        with warnings.catch_warnings():  # isinstance() on some torch module objects warns about deprecations
+            warnings.simplefilter("ignore")
+            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+        for tensor in tensors:
+            self._track(tensor)
         return super().__enter__()  # type: ignore[return-value]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -167,13 +167,19 @@ def _tracked_step(pipe: Any, inputs: torch.Tensor, targets: torch.Tensor, job: R
 
 
 def _classify(rank: int, exc: BaseException) -> dict[str, Any]:
-    text = f"{type(exc).__name__}: {exc}"
-    oom = is_out_of_memory(exc)
+    # torch's stages re-raise as "Failed to run stage backward ..." from the real error: look down the chain.
+    chain = _chain(exc)
+    oom_cause = next((e for e in chain if is_out_of_memory(e)), None)
+    if oom_cause is not None:
+        exc = oom_cause
+    text = " <- ".join(f"{type(e).__name__}: {e}" for e in chain)
+    root = exc if oom_cause is not None else chain[-1]
+    oom = oom_cause is not None
     comms = not oom and (
         isinstance(exc, (dist.DistBackendError, dist.DistNetworkError))
         or any(marker in text for marker in _COMMS_MARKERS)
     )
-    first_line = " ".join(text.split())[:500]
+    first_line = " ".join(f"{type(root).__name__}: {root}".split())[:500]
     return {
         "rank": rank,
         "kind": "oom" if oom else "error",
@@ -185,12 +191,22 @@ def _classify(rank: int, exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    return chain
+
+
 def _user_frame(exc: BaseException) -> str | None:
     """The innermost frame outside torch and autotune: where the user's code raised."""
     where = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if "/torch/" not in frame.filename and "/autotune/" not in frame.filename:
-            where = f"{frame.filename}:{frame.lineno}"
+    for link in reversed(_chain(exc)):
+        for frame in traceback.extract_tb(link.__traceback__):
+            if "/torch/" not in frame.filename and "/autotune/" not in frame.filename:
+                where = f"{frame.filename}:{frame.lineno}"
+        if where:
+            return where
     return where
 
 
@@ -207,3 +223,11 @@ def _die_with_parent(parent_pid: int | None) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1:
         os._exit(1)  # the parent died before prctl took effect
+    # multiprocessing hands every fork-server child the write end of the server's "tuner alive" pipe; while a
+    # rank held it, the server would never see the tuner die, never exit, and so never trigger PDEATHSIG.
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None

@@ -1,0 +1,134 @@
+"""`autotune trial`: exit codes, one-line errors without tracebacks, and the JSON it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from autotune.cli import app
+from tests.conftest import RECIPES
+
+runner = CliRunner()
+
+GOOD = """
+import torch
+from torch import nn
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def trial_args(path, *extra):
+    return ["trial", path, "--gpus", "2", "--device", "cpu", "--batch-size", "8", "--microbatches", "2",
+            "--schedule", "GPipe", *extra]
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    text = " ".join(lines)
+    assert text.startswith("error:")
+    for fragment in fragments:
+        assert fragment in text, text
+
+
+@pytest.mark.parametrize(
+    "source,fragments",
+    [
+        ("import torch\ndef build_model(:\n", ["model.py:2", "SyntaxError"]),
+        ("import torch\nraise RuntimeError('cannot import here')\n", ["model.py:2", "cannot import here"]),
+        (GOOD.replace("def loss_fn", "def other_fn"), ["no function loss_fn()", "add loss_fn"]),
+        (GOOD.replace("return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))", "return 42"),
+         ["build_model() returned int", "nn.Sequential"]),
+        (GOOD.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "return torch.randn(batch_size, 4)"),
+         ["make_batch(8) returned a tensor", "(inputs, targets)"]),
+        (GOOD.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "torch.randn(3, 4), torch.randn(3, 2)"),
+         ["inputs of shape (3, 4)", "must be the batch size asked for (8)"]),
+        (GOOD.replace("nn.functional.mse_loss(output, target)", "(output - target) ** 2"),
+         ["loss_fn(output, target) returned a tensor of shape (2, 2)", "scalar"]),
+        (GOOD.replace("    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
+                      "    raise ValueError('bad width')"),
+         ["model.py:5", "build_model raised ValueError: bad width"]),
+    ],
+    ids=["syntax", "import-raises", "missing-function", "not-sequential", "batch-not-tuple", "batch-dim",
+         "loss-not-scalar", "build-raises"],
+)
+def test_broken_model_files_exit_2_with_one_line(tmp_path, source, fragments):
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    one_line_error(invoke(*trial_args(path)), *fragments)
+
+
+def test_missing_model_file(tmp_path):
+    one_line_error(invoke(*trial_args(tmp_path / "nope.py")), "no such file")
+
+
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["--microbatches", "3"], "cannot be cut into 1 replica(s) x 3"),
+        (["--schedule", "1F1B", "--microbatches", "1"], "at least as many micro-batches as stages"),
+        (["--layers-per-stage", "1,1"], "covers 2 layers but the model has 3"),
+        (["--schedule", "ZBVZeroBubble", "--layers-per-stage", "2,1"], "exactly 2 stage(s) per rank"),
+        (["--gpus", "4"], "need at least 4 layers but the model has 3"),
+        (["--schedule", "PipeDream"], "unknown schedule"),
+        (["--layers-per-stage", "a,b"], "cannot read --layers-per-stage"),
+        (["--memory-limit", "lots"], "cannot read size"),
+    ],
+)
+def test_invalid_candidates_are_refused_before_launch(tmp_path, extra, fragment):
+    path = tmp_path / "model.py"
+    path.write_text(GOOD)
+    one_line_error(invoke(*trial_args(path, *extra)), fragment)
+
+
+def test_cuda_without_a_gpu_says_use_cpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = tmp_path / "model.py"
+    path.write_text(GOOD)
+    result = invoke("trial", path, "--gpus", "2", "--batch-size", "8", "--microbatches", "2", "--schedule", "GPipe")
+    assert result.exit_code == 4
+    assert "--device cpu" in result.output
+
+
+@pytest.mark.dist
+def test_trial_json_in_a_real_subprocess():
+    """The installed entry point, as a user runs it: one JSON object on stdout, nothing else."""
+    out = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "trial", RECIPES / "gpt.py", "--gpus", "2", "--device", "cpu",
+         "--batch-size", "16", "--microbatches", "4", "--schedule", "Interleaved1F1B", "--steps", "2",
+         "--warmup", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("status", "step_time_ms", "throughput_samples_per_s", "peak_memory_bytes", "schedule",
+                "num_microbatches", "micro_batch_size", "layers_per_stage", "error"):
+        assert key in data
+    assert data["status"] == "ok" and data["error"] is None
+    assert data["layers_per_stage"] == [2, 2, 2, 2] and len(data["peak_memory_bytes"]) == 2
+
+
+@pytest.mark.dist
+def test_failed_trial_exit_code_and_json(model_file):
+    path = model_file("if x.device.type != 'meta':\n    torch.empty(2**50)")
+    result = invoke(*trial_args(path, "--json"))
+    assert result.exit_code == 3
+    data = json.loads(result.stdout)
+    assert data["status"] == "oom" and data["error"]["rank"] == 1

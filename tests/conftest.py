@@ -1,0 +1,77 @@
+"""Shared fixtures: small model files written on the fly, including broken and faulty ones."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+# A 4-layer MLP following the contract. {last_layer} is the class of the last layer, {extra} lines at module level.
+MODEL_TEMPLATE = '''
+import os, time
+import torch
+from torch import nn
+
+{extra}
+
+class Last(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x):
+{last_forward}
+        return self.linear(x)
+
+
+def build_model():
+    with open({pid_file!r}, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), Last())
+
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 4, generator=g)
+
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+'''
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Callable[..., Path]:
+    """model_file(last_forward="raise ValueError('boom')") -> path of a 4-layer model file with that fault."""
+
+    def write(last_forward: str = "pass", extra: str = "", name: str = "model.py") -> Path:
+        path = tmp_path / name
+        body = MODEL_TEMPLATE.format(
+            last_forward=textwrap.indent(textwrap.dedent(last_forward), " " * 8),
+            extra=textwrap.dedent(extra),
+            pid_file=str(tmp_path / "pids.txt"),
+        )
+        path.write_text(body)
+        return path
+
+    return write
+
+
+def rank_pids(model_path: Path) -> list[int]:
+    """Pids of every process that built the model from this file (the parent's meta build included)."""
+    pid_file = model_path.parent / "pids.txt"
+    return [int(line) for line in pid_file.read_text().split()] if pid_file.exists() else []
+
+
+def process_gone(pid: int) -> bool:
+    """True when pid no longer runs (gone, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,79 @@
+"""One pipelined step's gradients equal a single-process reference, for every schedule (2 CPU ranks, gloo)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from autotune.candidate import Candidate, uniform_split
+from autotune.model_file import build_layers, load_model_file, make_batch
+from autotune.schedules import Schedule, default_stages_per_rank
+from tests.conftest import RECIPES
+
+pytestmark = pytest.mark.dist
+
+
+def reference_grads(spec, candidate):
+    """Unpipelined: the mean over replicas and micro-batches of the micro-batch losses, backpropagated."""
+    model = build_layers(spec)
+    inputs, targets = make_batch(spec, candidate.global_batch_size)
+    chunks = candidate.n_microbatches * candidate.data_parallel_degree
+    loss = sum(spec.loss_fn(model(x), y) for x, y in zip(inputs.chunk(chunks), targets.chunk(chunks))) / chunks
+    loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def pipelined_grads(spec, candidate, tmp_path):
+    from tests.dist import grad_worker
+
+    context = multiprocessing.get_context("forkserver")
+    processes = [
+        context.Process(
+            target=grad_worker.run, args=(rank, candidate.world_size, str(spec.path), candidate.to_dict(), str(tmp_path))
+        )
+        for rank in range(candidate.world_size)
+    ]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout=120)
+        if p.exitcode is None:
+            p.kill()
+    assert [p.exitcode for p in processes] == [0] * len(processes)
+    grads = {}
+    for rank in range(candidate.world_size):
+        for name, grad in torch.load(tmp_path / f"grads-{rank}.pt").items():
+            grads.setdefault(name, grad)  # replicas hold the same (all-reduced) gradient
+    return grads
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_pipelined_gradients_match_reference(schedule, tmp_path):
+    spec = load_model_file(RECIPES / "mlp.py")
+    candidate = Candidate(
+        schedule=schedule,
+        pipeline_degree=2,
+        global_batch_size=16,
+        n_microbatches=4,
+        layers_per_stage=uniform_split(spec.n_layers, 2 * default_stages_per_rank(schedule)),
+    )
+    got = pipelined_grads(spec, candidate, tmp_path)
+    want = reference_grads(spec, candidate)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_data_parallel_pipeline_gradients_match_reference(tmp_path):
+    """pp=1 x dp=2: plain data parallelism, gradients averaged over replicas."""
+    spec = load_model_file(RECIPES / "gpt.py")
+    candidate = Candidate(
+        schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=2, global_batch_size=8, n_microbatches=2,
+        layers_per_stage=(spec.n_layers,),
+    )
+    got = pipelined_grads(spec, candidate, tmp_path)
+    want = reference_grads(spec, candidate)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
