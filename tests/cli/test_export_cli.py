@@ -1,0 +1,70 @@
+"""`autotune export CONFIG --format ...`: the export on stdout and exit 0, or one error line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from autotune.cli import ExportTarget, app
+from autotune.exports import ExportFormat
+from autotune.schedules import Schedule
+from autotune.tuned_config import Environment, MeasuredResult, TunedConfig, save_config
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    config = TunedConfig(
+        model="recipes/gpt.py", model_sha256="0123456789abcdef", model_layers=10, gpus=4, global_batch_size=64,
+        micro_batch_size=8, num_microbatches=8, pipeline_degree=4, data_parallel_degree=1,
+        schedule=Schedule.ONE_F_ONE_B, layers_per_stage=(3, 2, 2, 3), activation_checkpointing=False,
+        memory_limit_bytes=None,
+        measured=MeasuredResult(step_time_ms=100.0, throughput_samples_per_s=640.0, peak_memory_bytes=(1, 1, 1, 1)),
+        environment=Environment(device="cpu", torch="2.13.0", autotune="0.1.0", python="3.11.7"),
+    )
+    return save_config(config, tmp_path / "autotune.yaml")
+
+
+def test_format_choices_match_the_exporter() -> None:
+    assert [t.value for t in ExportTarget] == [f.value for f in ExportFormat]
+
+
+def test_deepspeed_json_on_stdout(config_path: Path) -> None:
+    result = runner.invoke(app, ["export", str(config_path), "--format", "deepspeed"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["train_batch_size"] == 64
+    assert result.stderr == ""
+
+
+def test_format_is_case_insensitive(config_path: Path) -> None:
+    result = runner.invoke(app, ["export", str(config_path), "-f", "Megatron"])
+    assert result.exit_code == 0, result.output
+    assert "--pipeline-model-parallel-size 4" in result.stdout
+
+
+def test_missing_config_exits_2(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["export", str(tmp_path / "none.yaml"), "--format", "torchtitan"])
+    assert result.exit_code == 2
+    assert "none.yaml: no such file" in result.stderr
+    assert result.stdout == ""
+
+
+def test_inconsistent_config_exits_2(config_path: Path) -> None:
+    data = yaml.safe_load(config_path.read_text())
+    data["gpus"] = 8
+    config_path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["export", str(config_path), "--format", "torchtitan"])
+    assert result.exit_code == 2
+    assert "pipeline_degree 4 x data_parallel_degree 1 = 4, but gpus is 8" in " ".join(result.stderr.split())
+    assert result.stdout == ""
+
+
+def test_unknown_format_exits_2(config_path: Path) -> None:
+    result = runner.invoke(app, ["export", str(config_path), "--format", "nemo"])
+    assert result.exit_code == 2
+    assert "nemo" in result.output
