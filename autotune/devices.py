@@ -21,3 +21,12 @@ def resolve_device(choice: str) -> Device:
     if choice == "cuda":
         raise LaunchError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu to use CPU processes")
     raise LaunchError("no CUDA device found; pass --device cpu to run each rank as a CPU process (the stand-in for a GPU)")
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """The memory one rank has on this device: the first GPU's total for cuda, None (no limit) for cpu."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)

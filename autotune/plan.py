@@ -1,0 +1,282 @@
+"""Pure: enumerate schedules x micro-batch counts x balanced splits, simulate each, rank them by predicted speed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from autotune.candidate import Candidate, uniform_split
+from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
+from autotune.partition import StageMemory, balance_for_schedule
+from autotune.profile import LayerCost, Profile
+from autotune.schedules import Schedule, default_stages_per_rank, parse_schedule, stage_ranks, validate_schedule
+from autotune.simulate import Estimate, LinkModel, max_in_flight, simulate_costs, step_time_lower_bound
+from autotune.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedCandidate:
+    """A candidate and what the simulator predicts for it."""
+
+    candidate: Candidate
+    """The configuration."""
+    estimate: Estimate
+    """Its simulated step time, bubble and memory (no timeline: re-simulate one candidate to draw it)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.candidate.to_dict(),
+            "predicted_step_time_ms": self.estimate.step_time_ms,
+            "predicted_throughput_samples_per_s": self.estimate.throughput_samples_per_s,
+            "predicted_bubble_fraction": self.estimate.bubble_fraction,
+            "predicted_peak_memory_bytes": list(self.estimate.peak_memory_bytes),
+            "feasible": self.estimate.feasible,
+        }
+
+
+def plan(
+    profile: Profile,
+    *,
+    gpus: int,
+    batch_size: int,
+    memory_limit_bytes: int | None,
+    schedules: Iterable[Schedule | str] | None = None,
+    top: int | None = None,
+    link: LinkModel | None = None,
+    prune_within: float | None = 0.25,
+) -> list[PlannedCandidate]:
+    """Valid (schedule, n_microbatches) points with their balanced and uniform splits, simulated; fastest first,
+    candidates over the memory limit last.
+
+    Micro-batch counts are the divisors of B that the schedule accepts (invalid ones are skipped). Splits: the
+    placement-aware min-max split of per-layer time and the uniform split; when both exceed the memory limit, a
+    memory-aware split, then the same with activation checkpointing. Points are simulated cheapest lower bound
+    first, and a point whose lower bound is more than prune_within (25 %) slower than the best feasible step so far
+    is skipped: it cannot rank near the top, and building torch's action lists for large micro-batch counts is
+    the expensive part. prune_within=None simulates everything. pp = gpus and dp = 1 for now; dp x pp layouts go
+    in _layouts."""
+    if gpus < 1 or batch_size < 1:
+        raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
+    if top is not None and top < 1:
+        raise UsageError(f"top must be at least 1, got {top}")
+    if prune_within is not None and prune_within < 0:
+        raise UsageError(f"prune_within must be at least 0, got {prune_within}")
+    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
+    link = link or LinkModel.for_device(profile.device)
+    n_layers = profile.n_layers
+    costs_at: dict[int, _Costs] = {}
+    points: list[_Point] = []
+    for pp, dp in _layouts(gpus):
+        if batch_size % dp:
+            continue
+        for schedule in chosen:
+            n_stages = pp * default_stages_per_rank(schedule)
+            if n_stages > n_layers:
+                continue
+            for m in _divisors(batch_size // dp):
+                try:
+                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
+                except InvalidCandidateError:
+                    continue
+                micro = batch_size // (m * dp)
+                costs = costs_at.get(micro) or costs_at.setdefault(micro, _Costs(profile, micro, link))
+                point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
+                               batch_size=batch_size)
+                if point.first:
+                    points.append(point)
+    if not points:
+        raise InvalidCandidateError(
+            f"no schedule can run the model's {n_layers} layers over {gpus} pipeline ranks with batch size "
+            f"{batch_size}; use --gpus {min(gpus, n_layers)} or fewer (a stage needs at least one layer)"
+        )
+    planned: dict[str, PlannedCandidate] = {}
+    best: list[float] = []  # the best feasible step time so far, once there is one
+    pruned = 0
+    for point in sorted(points, key=lambda p: p.bound):
+        limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
+        if point.bound > limit:
+            pruned += 1
+            continue
+        for entry in point.evaluate(memory_limit_bytes, limit):
+            planned.setdefault(entry.candidate.key, entry)
+            if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):
+                best[:] = [entry.estimate.step_time_ms]
+    logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
+    ranked = sorted(
+        planned.values(),
+        key=lambda p: (not p.estimate.feasible, -p.estimate.throughput_samples_per_s, p.candidate.key),
+    )
+    return ranked[:top] if top is not None else ranked
+
+
+def recommended_microbatch_range(planned: Sequence[PlannedCandidate], within: float = 0.05) -> tuple[int, int]:
+    """The smallest and largest B/M whose best candidate (any schedule, any split) comes within `within` of the best
+    predicted throughput; only feasible candidates count when there are any."""
+    if not planned:
+        raise UsageError("no planned candidates to recommend a micro-batch count from; plan first")
+    pool = [p for p in planned if p.estimate.feasible] or list(planned)
+    best_per_m: dict[int, float] = {}
+    for p in pool:
+        m = p.candidate.n_microbatches
+        best_per_m[m] = max(best_per_m.get(m, 0.0), p.estimate.throughput_samples_per_s)
+    best = max(best_per_m.values())
+    good = [m for m, t in best_per_m.items() if t >= (1.0 - within) * best]
+    return min(good), max(good)
+
+
+def ensure_feasible(planned: Sequence[PlannedCandidate]) -> None:
+    """Raise InfeasibleError, naming the leanest candidate and what it needs, when none fits the memory limit."""
+    if not planned or any(p.estimate.feasible for p in planned):
+        return
+    leanest = min(planned, key=lambda p: max(p.estimate.peak_memory_bytes))
+    need = max(leanest.estimate.peak_memory_bytes)
+    limit = leanest.estimate.memory_limit_bytes
+    raise InfeasibleError(
+        f"no candidate fits {format_bytes(limit)} per rank; the leanest ({leanest.candidate.key}) needs "
+        f"{format_bytes(need)} on its fullest rank: pass --memory-limit {_size_flag(need)} or more, or use more GPUs"
+    )
+
+
+# --- enumeration --------------------------------------------------------------------------------------------------
+
+
+def _layouts(gpus: int) -> list[tuple[int, int]]:
+    """(pp, dp) pairs to plan: the whole machine as one pipeline for now."""
+    return [(gpus, 1)]
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+class _Costs:
+    """Per-layer costs at one micro-batch size, with what every candidate at that size shares."""
+
+    def __init__(self, profile: Profile, micro_batch_size: int, link: LinkModel) -> None:
+        self.layers: list[LayerCost] = profile.layer_costs(micro_batch_size)
+        self.input_bytes = profile.input_bytes_at(micro_batch_size)
+        self.link = link
+        self.state_ratio = profile.optimizer_state_ratio
+        if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
+            self.optimizer_ms_per_byte = profile.optimizer_step_ms / profile.parameter_bytes
+        else:
+            self.optimizer_ms_per_byte = 1e3 / link.optimizer_bytes_per_s
+        self.time = [c.forward_ms + c.backward_ms for c in self.layers]
+        self.time_checkpointed = [2 * c.forward_ms + c.backward_ms for c in self.layers]
+        self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
+        self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
+        self._balanced: dict[tuple[tuple[int, ...], bool], tuple[int, ...]] = {}
+
+    def simulate(self, candidate: Candidate, memory_limit_bytes: int | None) -> Estimate:
+        return simulate_costs(
+            self.layers,
+            candidate,
+            input_bytes=self.input_bytes,
+            optimizer_ms_per_byte=self.optimizer_ms_per_byte,
+            optimizer_state_ratio=self.state_ratio,
+            link=self.link,
+            memory_limit_bytes=memory_limit_bytes,
+            with_timeline=False,
+        )
+
+    def balanced(
+        self, schedule: Schedule, pipeline_degree: int, n_stages: int, checkpointing: bool = False
+    ) -> tuple[int, ...]:
+        """The placement-aware time-balanced split; schedules with the same placement share it."""
+        key = (tuple(stage_ranks(schedule, pipeline_degree, n_stages)), checkpointing)
+        if key not in self._balanced:
+            time = self.time_checkpointed if checkpointing else self.time
+            self._balanced[key] = balance_for_schedule(time, schedule, pipeline_degree, n_stages)
+        return self._balanced[key]
+
+    def lower_bound(self, candidate: Candidate) -> float:
+        return step_time_lower_bound(
+            self.layers, candidate, input_bytes=self.input_bytes, optimizer_ms_per_byte=self.optimizer_ms_per_byte,
+            link=self.link,
+        )
+
+    def stage_memory(self, candidate: Candidate) -> StageMemory:
+        """The simulator's memory model for one stage alone, with the stage's worst in-flight count."""
+        in_flight = max_in_flight(
+            candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages
+        )
+        m, last = candidate.n_microbatches, candidate.n_stages - 1
+        wire = 0.5 if candidate.wire_dtype == "bfloat16" else 1.0
+        checkpointing = candidate.activation_checkpointing
+        static_factor = 2 + self.state_ratio
+
+        def stage_memory(stage: int, start: int, stop: int) -> float:
+            stage_in = self.input_bytes if start == 0 else self.layers[start - 1].output_bytes
+            stage_out = self.layers[stop - 1].output_bytes
+            saved = self.saved_prefix[stop] - self.saved_prefix[start]
+            held = stage_in if checkpointing else saved
+            activations = in_flight[stage] * held + (saved if checkpointing else 0)
+            receive = (m * stage_in if stage > 0 else 0) + (m * stage_out if stage < last else 0)
+            params = self.param_prefix[stop] - self.param_prefix[start]
+            return params * static_factor + activations + receive * wire
+
+        return stage_memory
+
+
+class _Point:
+    """One (layout, schedule, n_microbatches): its first candidates and a lower bound on their step time."""
+
+    def __init__(
+        self, *, costs: _Costs, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, batch_size: int
+    ) -> None:
+        self.costs, self.schedule, self.pp, self.dp, self.m = costs, schedule, pp, dp, m
+        self.n_stages, self.batch_size = n_stages, batch_size
+        n_layers = len(costs.layers)
+        splits = [costs.balanced(schedule, pp, n_stages), uniform_split(n_layers, n_stages)]
+        self.first = [self.make(split) for i, split in enumerate(splits) if split not in splits[:i]]
+        self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
+
+    def make(self, split: tuple[int, ...], checkpointing: bool = False) -> Candidate:
+        return Candidate(
+            schedule=self.schedule, pipeline_degree=self.pp, data_parallel_degree=self.dp,
+            global_batch_size=self.batch_size, n_microbatches=self.m, layers_per_stage=split,
+            activation_checkpointing=checkpointing,
+        )
+
+    def evaluate(self, memory_limit_bytes: int | None, limit_ms: float) -> list[PlannedCandidate]:
+        """Simulate the first candidates; when none fits the memory limit, try a memory-aware split, then
+        activation checkpointing (skipping any whose lower bound is over limit_ms)."""
+        costs = self.costs
+        results = [PlannedCandidate(candidate=c, estimate=costs.simulate(c, memory_limit_bytes)) for c in self.first]
+        if memory_limit_bytes is None or any(r.estimate.feasible for r in results):
+            return results
+        n_layers = len(costs.layers)
+        for checkpointing in (False, True):
+            probe = self.make(uniform_split(n_layers, self.n_stages), checkpointing)
+            time = costs.time_checkpointed if checkpointing else costs.time
+            splits = [costs.balanced(self.schedule, self.pp, self.n_stages, checkpointing)] if checkpointing else []
+            try:
+                splits.append(balance_for_schedule(
+                    time, self.schedule, self.pp, self.n_stages,
+                    stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes,
+                ))
+            except InfeasibleError:
+                pass
+            for split in splits:
+                candidate = self.make(split, checkpointing)
+                if any(r.candidate == candidate for r in results) or costs.lower_bound(candidate) > limit_ms:
+                    continue
+                results.append(PlannedCandidate(candidate=candidate,
+                                                estimate=costs.simulate(candidate, memory_limit_bytes)))
+            if any(r.estimate.feasible for r in results):
+                break
+        return results
+
+
+def _size_flag(nbytes: float) -> str:
+    """A --memory-limit value just above nbytes, in MiB or GiB."""
+    mib = nbytes / 2**20
+    if mib < 1024:
+        return f"{int(mib) + 1}MiB"
+    return f"{nbytes / 2**30 + 0.05:.1f}GiB"

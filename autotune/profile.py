@@ -1,0 +1,618 @@
+"""Per-layer costs on one device: forward, input-grad and weight-grad time, saved-activation and output bytes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from autotune.errors import ModelFileError, UsageError
+from autotune.model_file import ModelSpec, build_layers, build_optimizer, make_batch
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+MAX_DEFAULT_SIZES = 6
+
+
+class ProgressFn(Protocol):
+    """Told after each profiled micro-batch size: how many of how many are done, and which size."""
+
+    def __call__(self, completed: int, total: int, description: str) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer's cost for one micro-batch of a given size (what the partitioner and the simulator consume)."""
+
+    forward_ms: float
+    """Forward time."""
+    backward_input_ms: float
+    """Backward time for the gradient w.r.t. the layer's input (zero-bubble "B"/"I")."""
+    backward_weight_ms: float
+    """Backward time for the gradients w.r.t. the layer's parameters (zero-bubble "W")."""
+    saved_bytes: int
+    """Activation bytes autograd keeps from the forward until the backward."""
+    output_bytes: int
+    """Bytes of the layer's output: what a stage cut after this layer sends (and its gradient, back)."""
+    parameter_bytes: int
+    """Bytes of the layer's parameters."""
+
+    @property
+    def backward_ms(self) -> float:
+        """A full backward: input grad and weight grad."""
+        return self.backward_input_ms + self.backward_weight_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One layer measured at each of the profile's micro-batch sizes (medians over repeats)."""
+
+    name: str
+    """Class name of the layer."""
+    parameter_bytes: int
+    """Bytes of the layer's parameters."""
+    forward_ms: tuple[float, ...]
+    """Forward time, one entry per Profile.micro_batch_sizes."""
+    backward_input_ms: tuple[float, ...]
+    """Input-grad backward time, per micro-batch size."""
+    backward_weight_ms: tuple[float, ...]
+    """Weight-grad backward time (full backward minus input-grad backward, floored at 0), per micro-batch size."""
+    saved_bytes: tuple[int, ...]
+    """Saved-activation bytes of one micro-batch, per micro-batch size."""
+    output_bytes: tuple[int, ...]
+    """Output bytes of one micro-batch, per micro-batch size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Per-layer costs of a model on one device at several micro-batch sizes.
+
+    layer_costs(M) interpolates piecewise linearly in M between profiled sizes and extrapolates along the nearest
+    segment, so a fixed per-micro-batch cost (the intercept) survives as M shrinks: that is why B/M has an optimum."""
+
+    micro_batch_sizes: tuple[int, ...]
+    """Profiled micro-batch sizes, increasing."""
+    layers: tuple[LayerProfile, ...]
+    """Per layer, in model order."""
+    input_bytes: tuple[int, ...]
+    """Bytes of the model's input for one micro-batch, per micro-batch size."""
+    loss_forward_ms: tuple[float, ...] = ()
+    """loss_fn forward time per micro-batch size (charged to the last layer by layer_costs); () means 0."""
+    loss_backward_ms: tuple[float, ...] = ()
+    """loss_fn backward time per micro-batch size (charged to the last layer's input-grad time); () means 0."""
+    loss_saved_bytes: tuple[int, ...] = ()
+    """Bytes loss_fn saves for its backward, per micro-batch size (charged to the last layer); () means 0."""
+    optimizer_step_ms: float = 0.0
+    """One optimizer step over the whole model; the simulator charges each rank its share by parameter bytes."""
+    optimizer_state_bytes: int | None = None
+    """Optimizer state of the whole model after a step; None: assume AdamW (2 x parameter bytes)."""
+    device: str = "cpu"
+    """Where it was measured: cpu (one thread) or cuda."""
+    model: str = ""
+    """Path of the model file."""
+    batch_size: int | None = None
+    """The global batch size the sizes were chosen for."""
+    repeats: int = 0
+    """Timed repeats per size (medians are kept)."""
+    torch_version: str = ""
+    """torch.__version__ when measured."""
+
+    def __post_init__(self) -> None:
+        sizes = self.micro_batch_sizes
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise UsageError(f"profile micro-batch sizes must be distinct, increasing and >= 1, got {list(sizes)}")
+        if not self.layers:
+            raise UsageError("a profile needs at least one layer")
+        per_size = [self.input_bytes, *(getattr(layer, f) for layer in self.layers for f in _SERIES)]
+        per_size += [s for s in (self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes) if s]
+        if any(len(series) != len(sizes) for series in per_size):
+            raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Parameter bytes of the whole model."""
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+    @property
+    def optimizer_state_ratio(self) -> float:
+        """Optimizer state bytes per parameter byte (AdamW: 2)."""
+        if self.optimizer_state_bytes is None or self.parameter_bytes == 0:
+            return 2.0
+        return self.optimizer_state_bytes / self.parameter_bytes
+
+    def layer_costs(self, micro_batch_size: float) -> list[LayerCost]:
+        """Each layer's cost at micro-batch size M; the loss is charged to the last layer (the last stage runs it)."""
+        at = _Interpolator(self.micro_batch_sizes, micro_batch_size)
+        costs = []
+        for i, layer in enumerate(self.layers):
+            last = i == len(self.layers) - 1
+            forward = at(layer.forward_ms) + (at(self.loss_forward_ms) if last and self.loss_forward_ms else 0.0)
+            backward_input = at(layer.backward_input_ms) + (
+                at(self.loss_backward_ms) if last and self.loss_backward_ms else 0.0
+            )
+            saved = at(layer.saved_bytes) + (at(self.loss_saved_bytes) if last and self.loss_saved_bytes else 0.0)
+            costs.append(
+                LayerCost(
+                    forward_ms=forward,
+                    backward_input_ms=backward_input,
+                    backward_weight_ms=at(layer.backward_weight_ms),
+                    saved_bytes=math.ceil(saved),
+                    output_bytes=math.ceil(at(layer.output_bytes)),
+                    parameter_bytes=layer.parameter_bytes,
+                )
+            )
+        return costs
+
+    def input_bytes_at(self, micro_batch_size: float) -> int:
+        """Bytes of the model's input for one micro-batch of size M."""
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.input_bytes))
+
+    @classmethod
+    def from_layer_costs(
+        cls,
+        costs: Sequence[LayerCost],
+        *,
+        micro_batch_size: int = 1,
+        input_bytes: int = 0,
+        names: Sequence[str] | None = None,
+        optimizer_step_ms: float = 0.0,
+        device: str = "cpu",
+    ) -> Profile:
+        """A one-size profile from given costs (tests, benchmarks, what-if studies): other sizes scale in
+        proportion, as one size says nothing about a fixed per-micro-batch cost."""
+        return cls(
+            micro_batch_sizes=(micro_batch_size,),
+            layers=tuple(
+                LayerProfile(
+                    name=names[i] if names else f"layer{i}",
+                    parameter_bytes=c.parameter_bytes,
+                    forward_ms=(c.forward_ms,),
+                    backward_input_ms=(c.backward_input_ms,),
+                    backward_weight_ms=(c.backward_weight_ms,),
+                    saved_bytes=(c.saved_bytes,),
+                    output_bytes=(c.output_bytes,),
+                )
+                for i, c in enumerate(costs)
+            ),
+            input_bytes=(input_bytes,),
+            optimizer_step_ms=optimizer_step_ms,
+            device=device,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "model": self.model,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "repeats": self.repeats,
+            "torch_version": self.torch_version,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "input_bytes": list(self.input_bytes),
+            "loss_forward_ms": list(self.loss_forward_ms),
+            "loss_backward_ms": list(self.loss_backward_ms),
+            "loss_saved_bytes": list(self.loss_saved_bytes),
+            "optimizer_step_ms": self.optimizer_step_ms,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "layers": [
+                {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
+                 **{field: list(getattr(layer, field)) for field in _SERIES}}
+                for layer in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        version = data.get("version", PROFILE_VERSION)
+        if version != PROFILE_VERSION:
+            raise UsageError(f"profile version {version} is not supported (this autotune reads {PROFILE_VERSION}); "
+                             f"profile the model again")
+        try:
+            return cls(
+                micro_batch_sizes=tuple(int(m) for m in data["micro_batch_sizes"]),
+                layers=tuple(
+                    LayerProfile(
+                        name=str(layer["name"]),
+                        parameter_bytes=int(layer["parameter_bytes"]),
+                        forward_ms=tuple(float(x) for x in layer["forward_ms"]),
+                        backward_input_ms=tuple(float(x) for x in layer["backward_input_ms"]),
+                        backward_weight_ms=tuple(float(x) for x in layer["backward_weight_ms"]),
+                        saved_bytes=tuple(int(x) for x in layer["saved_bytes"]),
+                        output_bytes=tuple(int(x) for x in layer["output_bytes"]),
+                    )
+                    for layer in data["layers"]
+                ),
+                input_bytes=tuple(int(x) for x in data["input_bytes"]),
+                loss_forward_ms=tuple(float(x) for x in data.get("loss_forward_ms", ())),
+                loss_backward_ms=tuple(float(x) for x in data.get("loss_backward_ms", ())),
+                loss_saved_bytes=tuple(int(x) for x in data.get("loss_saved_bytes", ())),
+                optimizer_step_ms=float(data.get("optimizer_step_ms", 0.0)),
+                optimizer_state_bytes=(
+                    None if data.get("optimizer_state_bytes") is None else int(data["optimizer_state_bytes"])
+                ),
+                device=str(data.get("device", "cpu")),
+                model=str(data.get("model", "")),
+                batch_size=None if data.get("batch_size") is None else int(data["batch_size"]),
+                repeats=int(data.get("repeats", 0)),
+                torch_version=str(data.get("torch_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"cannot read profile: {type(exc).__name__}: {exc}; profile the model again") from exc
+
+
+_SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
+
+
+class _Interpolator:
+    """Piecewise-linear in M through the profiled points; beyond them, the nearest segment continued.
+
+    Below the smallest size the value never drops under plain proportional scaling (v_min * M / M_min), above the
+    largest never under v_max: measurement noise must not make a cost negative or shrink with M."""
+
+    def __init__(self, sizes: Sequence[int], m: float) -> None:
+        if m <= 0:
+            raise UsageError(f"micro-batch size must be positive, got {m}")
+        self.sizes, self.m = sizes, m
+
+    def __call__(self, values: Sequence[float]) -> float:
+        sizes, m = self.sizes, self.m
+        if len(sizes) == 1:
+            return float(values[0]) * m / sizes[0]
+        if m <= sizes[0]:
+            i = 0
+        elif m >= sizes[-1]:
+            i = len(sizes) - 2
+        else:
+            i = next(k for k in range(len(sizes) - 1) if sizes[k] <= m <= sizes[k + 1])
+        x0, x1, y0, y1 = sizes[i], sizes[i + 1], float(values[i]), float(values[i + 1])
+        value = y0 + (y1 - y0) * (m - x0) / (x1 - x0)
+        if m < sizes[0]:
+            return max(value, float(values[0]) * m / sizes[0])
+        if m > sizes[-1]:
+            return max(value, float(values[-1]))
+        return value
+
+
+def default_micro_batch_sizes(batch_size: int, *, limit: int = MAX_DEFAULT_SIZES) -> list[int]:
+    """Powers of two dividing B, plus B itself; at most `limit` of them, spread evenly in log scale, 1 and B kept."""
+    if batch_size < 1:
+        raise UsageError(f"batch size must be at least 1, got {batch_size}")
+    sizes = sorted({1 << k for k in range(batch_size.bit_length()) if batch_size % (1 << k) == 0} | {batch_size})
+    if len(sizes) <= limit:
+        return sizes
+    picks = {round(i * (len(sizes) - 1) / (limit - 1)) for i in range(limit)}
+    return [sizes[i] for i in sorted(picks)]
+
+
+def profile_model(
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    micro_batch_sizes: list[int] | None = None,
+    device: str = "cpu",
+    repeats: int = 5,
+    progress: ProgressFn | None = None,
+) -> Profile:
+    """Measure every layer in place (hooks inside one pass of the whole model) at each micro-batch size.
+
+    Per repeat: a forward and a full backward, then a forward and a backward that asks only for the gradient of the
+    first float activation (autograd then skips the weight-grad work); weight-grad time is the difference. One
+    untimed pass with saved_tensors_hooks counts saved bytes. On CPU torch runs one thread (one thread per rank is
+    the stand-in); the caller's thread count is restored afterwards."""
+    if repeats < 1:
+        raise UsageError(f"repeats must be at least 1, got {repeats}")
+    sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
+    if sizes[0] < 1:
+        raise UsageError(f"micro-batch sizes must be at least 1, got {sizes[0]}; pass --micro-batch-size 1 or more")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageError(f"cannot profile on device {device!r}; use cpu or cuda")
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        layers = build_layers(spec).to(device)
+        layers.train()
+        clock: _Clock = _CudaClock() if device.startswith("cuda") else _CpuClock()
+        measured = []
+        for done, m in enumerate(sizes):
+            inputs, targets = make_batch(spec, m)
+            measured.append(_profile_size(spec, layers, inputs.to(device), targets.to(device), clock, repeats))
+            if progress is not None:
+                progress(done + 1, len(sizes), f"micro-batch size {m}")
+        optimizer_ms, state_bytes = _profile_optimizer(spec, layers, clock, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    n = len(layers)
+    return Profile(
+        micro_batch_sizes=tuple(sizes),
+        layers=tuple(
+            LayerProfile(
+                name=type(layer).__name__,
+                parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                forward_ms=tuple(s.forward_ms[i] for s in measured),
+                backward_input_ms=tuple(s.backward_input_ms[i] for s in measured),
+                backward_weight_ms=tuple(s.backward_weight_ms[i] for s in measured),
+                saved_bytes=tuple(s.saved_bytes[i] for s in measured),
+                output_bytes=tuple(s.output_bytes[i] for s in measured),
+            )
+            for i, layer in zip(range(n), layers)
+        ),
+        input_bytes=tuple(s.input_bytes for s in measured),
+        loss_forward_ms=tuple(s.loss_forward_ms for s in measured),
+        loss_backward_ms=tuple(s.loss_backward_ms for s in measured),
+        loss_saved_bytes=tuple(s.loss_saved_bytes for s in measured),
+        optimizer_step_ms=optimizer_ms,
+        optimizer_state_bytes=state_bytes,
+        device="cuda" if device.startswith("cuda") else "cpu",
+        model=str(spec.path),
+        batch_size=batch_size,
+        repeats=repeats,
+        torch_version=torch.__version__,
+    )
+
+
+# --- measurement -------------------------------------------------------------------------------------------------
+
+
+class _Clock(Protocol):
+    def mark(self) -> Any: ...
+    def ms(self, start: Any, end: Any) -> float: ...
+    def sync(self) -> None: ...
+
+
+class _CpuClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+    def sync(self) -> None:
+        pass
+
+
+class _CudaClock:
+    """CUDA events recorded on the current stream (autograd runs each node on its forward's stream)."""
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SizeResult:
+    forward_ms: list[float]
+    backward_input_ms: list[float]
+    backward_weight_ms: list[float]
+    saved_bytes: list[int]
+    output_bytes: list[int]
+    input_bytes: int
+    loss_forward_ms: float
+    loss_backward_ms: float
+    loss_saved_bytes: int
+
+
+def _profile_size(
+    spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor, clock: _Clock, repeats: int
+) -> _SizeResult:
+    saved, loss_saved, output_bytes = _saved_bytes(spec, layers, inputs, targets)
+    _timed_pass(spec, layers, inputs, targets, clock, full=True)  # warm-up (allocator, lazy init)
+    _timed_pass(spec, layers, inputs, targets, clock, full=False)
+    forward: list[list[float]] = []
+    full: list[list[float]] = []
+    partial: list[list[float]] = []
+    loss_fwd: list[float] = []
+    loss_bwd: list[float] = []
+    for _ in range(repeats):
+        for is_full, into in ((True, full), (False, partial)):
+            f, lf, b, lb = _timed_pass(spec, layers, inputs, targets, clock, full=is_full)
+            forward.append(f)
+            into.append(b)
+            loss_fwd.append(lf)
+            if is_full:
+                loss_bwd.append(lb)
+    layers.zero_grad(set_to_none=True)
+    n = len(layers)
+    med_forward = [statistics.median(r[i] for r in forward) for i in range(n)]
+    med_full = [statistics.median(r[i] for r in full) for i in range(n)]
+    med_input = [statistics.median(r[i] for r in partial) for i in range(n)]
+    # A layer whose input-grad backward looks slower than its full one (noise) has no weight-grad work left.
+    med_input = [min(i, f) for i, f in zip(med_input, med_full)]
+    return _SizeResult(
+        forward_ms=med_forward,
+        backward_input_ms=med_input,
+        backward_weight_ms=[f - i for f, i in zip(med_full, med_input)],
+        saved_bytes=saved,
+        output_bytes=output_bytes,
+        input_bytes=_nbytes(inputs),
+        loss_forward_ms=statistics.median(loss_fwd),
+        loss_backward_ms=statistics.median(loss_bwd),
+        loss_saved_bytes=loss_saved,
+    )
+
+
+def _timed_pass(
+    spec: ModelSpec,
+    layers: nn.Sequential,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    clock: _Clock,
+    *,
+    full: bool,
+) -> tuple[list[float], float, list[float], float]:
+    """One forward and one backward with a timestamp at each layer boundary.
+
+    Forward: pre-hook and hook of each layer. Backward: a hook on each layer's output fires when that output's
+    gradient is complete, i.e. when backward enters the layer; the layer's backward ends when the previous layer's
+    output hook fires (the first layer's, when backward returns).
+
+        forward   |pre0 ... post0|pre1 ... post1| ... |postN-1| loss |
+        backward  |bwd start| loss |gradN-1| layer N-1 |gradN-2| ... |grad0| layer 0 |end|
+
+    full=False asks torch.autograd.grad for the gradient of the first float activation only, so the backward
+    computes input gradients and skips weight gradients; layers before that activation (an embedding of token
+    ids) get 0 input-grad time."""
+    n = len(layers)
+    pre: list[Any] = [None] * n
+    post: list[Any] = [None] * n
+    grad: list[Any] = [None] * n
+    outputs: list[torch.Tensor | None] = [None] * n
+    x = inputs
+    if not full and inputs.is_floating_point():
+        x = inputs.detach().requires_grad_(True)
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(_pre_hook(pre, i, clock)))
+        handles.append(layer.register_forward_hook(_post_hook(post, grad, outputs, i, clock)))
+    try:
+        output = layers(x)
+        loss_start = clock.mark()
+        loss = spec.loss_fn(output, targets)
+        loss_end = clock.mark()
+        if not loss.requires_grad:
+            raise ModelFileError(
+                f"{spec.path}: the loss does not depend on any parameter (requires_grad is False); "
+                f"build_model() must return layers with trainable parameters"
+            )
+        backward_start = clock.mark()
+        if full:
+            loss.backward()
+        else:
+            target = x if x.requires_grad else next((o for o in outputs if o is not None and o.requires_grad), None)
+            if target is not None:
+                torch.autograd.grad(loss, [target])
+        backward_end = clock.mark()
+    finally:
+        for handle in handles:
+            handle.remove()
+    clock.sync()
+    forward_ms = [clock.ms(pre[i], post[i]) for i in range(n)]
+    first_grad = 0 if full or x.requires_grad else next(
+        (i + 1 for i, o in enumerate(outputs) if o is not None and o.requires_grad), n
+    )
+    backward_ms = []
+    for i in range(n):
+        end = grad[i - 1] if i > 0 else backward_end
+        if i < first_grad or grad[i] is None:
+            backward_ms.append(0.0)
+        elif end is None:  # previous output needed no gradient (integer): this layer's backward runs to the end
+            backward_ms.append(clock.ms(grad[i], backward_end))
+        else:
+            backward_ms.append(clock.ms(grad[i], end))
+    loss_backward_ms = clock.ms(backward_start, grad[n - 1]) if grad[n - 1] is not None else 0.0
+    return forward_ms, clock.ms(loss_start, loss_end), backward_ms, loss_backward_ms
+
+
+def _pre_hook(marks: list[Any], i: int, clock: _Clock) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        marks[i] = clock.mark()
+
+    return hook
+
+
+def _post_hook(marks: list[Any], grads: list[Any], outputs: list[Any], i: int, clock: _Clock) -> Any:
+    def on_grad(_: torch.Tensor) -> None:
+        grads[i] = clock.mark()
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        marks[i] = clock.mark()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(on_grad)
+            outputs[i] = output
+
+    return hook
+
+
+def _saved_bytes(
+    spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[list[int], int, list[int]]:
+    """Bytes autograd saves for backward, per layer (a storage counts once, for the first layer saving it;
+    parameters and views of them are skipped), plus the loss's, plus each layer's output bytes."""
+    n = len(layers)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in layers.parameters()}
+    seen: set[int] = set()
+    saved = [0] * (n + 1)  # index n: the loss
+    output_bytes = [0] * n
+    current = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in parameter_storages and ptr not in seen:
+            seen.add(ptr)
+            saved[current[0]] += storage.nbytes()
+        return tensor
+
+    def enter(i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            current[0] = i
+
+        return hook
+
+    def leave(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            output_bytes[i] = _nbytes(output)
+
+        return hook
+
+    handles = [h for i, layer in enumerate(layers)
+               for h in (layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave(i)))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = layers(inputs)
+            current[0] = n
+            loss = spec.loss_fn(output, targets)
+        del loss, output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return saved[:n], saved[n], output_bytes
+
+
+def _profile_optimizer(spec: ModelSpec, layers: nn.Sequential, clock: _Clock, repeats: int) -> tuple[float, int]:
+    """Median time of one optimizer step over the whole model, and the state it keeps."""
+    params = [p for p in layers.parameters() if p.requires_grad]
+    if not params:
+        return 0.0, 0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = build_optimizer(spec, params)
+    optimizer.step()  # creates the state
+    times = []
+    for _ in range(repeats):
+        start = clock.mark()
+        optimizer.step()
+        end = clock.mark()
+        clock.sync()
+        times.append(clock.ms(start, end))
+    state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    layers.zero_grad(set_to_none=True)
+    return statistics.median(times), state
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0

@@ -1,0 +1,506 @@
+"""Pure: replay a schedule's per-rank action lists in virtual time with profiled costs -> Estimate."""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import Any
+
+from autotune.candidate import Candidate
+from autotune.errors import AutotuneError, UsageError
+from autotune.profile import LayerCost, Profile
+from autotune.schedules import Action, ActionKind, Schedule, action_lists, stage_ranks
+from autotune.units import format_bytes
+
+
+class DeadlockError(AutotuneError):
+    """An action list that can never finish: some rank waits on work that waits on it (exit 1: a schedule bug)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """What the profile does not see: moving tensors between ranks, per-action bookkeeping, the optimizer step."""
+
+    bandwidth_bytes_per_s: float
+    """Point-to-point bandwidth between two pipeline ranks (and per ring step of the data-parallel all-reduce)."""
+    latency_s: float
+    """Fixed delay of one send/recv."""
+    per_action_overhead_ms: float
+    """Runtime bookkeeping added to every compute action (schedule step, send/recv posting, small kernels)."""
+    optimizer_bytes_per_s: float
+    """Parameter bytes per second one optimizer step gets through; used only when the profile did not time it."""
+
+    @classmethod
+    def for_device(cls, device: str, **overrides: float) -> LinkModel:
+        """Defaults for cpu (gloo over loopback, one thread per rank) or cuda (NCCL); any field can be overridden.
+
+        The cpu numbers come from a gloo send/recv between two one-thread processes on the 2-core development
+        machine (about 1.7 ms one-way for small tensors, 3 GB/s for large ones); the cuda ones are conservative
+        NVLink-class figures. Calibrate them against real trials."""
+        if device.startswith("cuda"):
+            base = {"bandwidth_bytes_per_s": 50e9, "latency_s": 20e-6, "per_action_overhead_ms": 0.05,
+                    "optimizer_bytes_per_s": 200e9}
+        elif device == "cpu":
+            base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 1.5e-3, "per_action_overhead_ms": 0.3,
+                    "optimizer_bytes_per_s": 1e9}
+        else:
+            raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
+        unknown = set(overrides) - set(base)
+        if unknown:
+            raise UsageError(f"unknown link model field(s) {sorted(unknown)}; known: {sorted(base)}")
+        return cls(**{**base, **overrides})
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """One point-to-point send of nbytes."""
+        return (self.latency_s + nbytes / self.bandwidth_bytes_per_s) * 1e3 if nbytes > 0 else 0.0
+
+    def allreduce_ms(self, nbytes: float, world_size: int) -> float:
+        """Ring all-reduce of nbytes over world_size ranks: 2(d-1) steps of nbytes/d each."""
+        if world_size <= 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (world_size - 1)
+        return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimelineEvent:
+    """One compute action as simulated."""
+
+    rank: int
+    """Pipeline rank that ran it."""
+    stage: int
+    """Stage index."""
+    kind: ActionKind
+    """F, B, I or W."""
+    microbatch: int
+    """Micro-batch index."""
+    start_ms: float
+    """Start, from the beginning of the step."""
+    end_ms: float
+    """End, from the beginning of the step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What the simulator predicts for one candidate."""
+
+    step_time_ms: float
+    """One optimizer step: the pipeline, then the gradient all-reduce (dp > 1) and the optimizer, slowest rank."""
+    throughput_samples_per_s: float
+    """Global batch size / step time."""
+    bubble_fraction: float
+    """Idle share of rank-time while the pipeline runs (0: every rank busy from first action to last)."""
+    peak_memory_bytes: tuple[int, ...]
+    """Per pipeline rank: parameters, grads, optimizer state, in-flight activations and receive buffers."""
+    feasible: bool
+    """Every rank's peak is within the memory limit (True when there is no limit)."""
+    pipeline_time_ms: float
+    """From the first action to the last, all ranks."""
+    optimizer_ms: float
+    """The slowest rank's optimizer step."""
+    allreduce_ms: float
+    """The slowest rank's data-parallel gradient all-reduce (0 with dp = 1)."""
+    memory_limit_bytes: int | None = None
+    """The limit feasible was judged against."""
+    timeline: tuple[TimelineEvent, ...] = ()
+    """Every compute action with its simulated start and end (empty when not asked for)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_ms": self.step_time_ms,
+            "throughput_samples_per_s": self.throughput_samples_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "feasible": self.feasible,
+            "pipeline_time_ms": self.pipeline_time_ms,
+            "optimizer_ms": self.optimizer_ms,
+            "allreduce_ms": self.allreduce_ms,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "timeline": [
+                {"rank": e.rank, "stage": e.stage, "kind": e.kind, "microbatch": e.microbatch,
+                 "start_ms": e.start_ms, "end_ms": e.end_ms}
+                for e in self.timeline
+            ],
+        }
+
+
+def simulate(
+    profile: Profile,
+    candidate: Candidate,
+    *,
+    link: LinkModel | None = None,
+    memory_limit_bytes: int | None = None,
+    with_timeline: bool = True,
+    actions: Sequence[Sequence[Action]] | None = None,
+) -> Estimate:
+    """Replay the candidate's schedule in virtual time with the profile's costs at its micro-batch size.
+
+    Each rank runs its actions in order. F of stage s, micro-batch i waits for F of s-1 (plus a transfer when s-1
+    lives on another rank); B or I of s waits for its own F and for B/I of s+1 (plus a transfer); W waits for its
+    own I. A stage costs the sum of its layers plus link.per_action_overhead_ms per action; with activation
+    checkpointing B and I also pay one forward. `actions` replaces the schedule's own lists (custom schedules)."""
+    candidate.validate(profile.n_layers)
+    link = link or LinkModel.for_device(profile.device)
+    costs = profile.layer_costs(candidate.micro_batch_size)
+    return simulate_costs(
+        costs,
+        candidate,
+        input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
+        optimizer_ms_per_byte=_optimizer_ms_per_byte(profile, link),
+        optimizer_state_ratio=profile.optimizer_state_ratio,
+        link=link,
+        memory_limit_bytes=memory_limit_bytes,
+        with_timeline=with_timeline,
+        actions=actions,
+    )
+
+
+def simulate_costs(
+    costs: Sequence[LayerCost],
+    candidate: Candidate,
+    *,
+    input_bytes: int,
+    optimizer_ms_per_byte: float,
+    optimizer_state_ratio: float,
+    link: LinkModel,
+    memory_limit_bytes: int | None = None,
+    with_timeline: bool = True,
+    actions: Sequence[Sequence[Action]] | None = None,
+) -> Estimate:
+    """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path)."""
+    if len(costs) != sum(candidate.layers_per_stage):
+        raise UsageError(
+            f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
+            f"but the costs have {len(costs)}; profile the same model the candidate was made for"
+        )
+    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
+    if actions is None:
+        plan = _compiled(candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages)
+    else:
+        plan = _compile(tuple(tuple(rank) for rank in actions), candidate.n_stages, candidate.n_microbatches)
+    if len(plan.rank_actions) != candidate.pipeline_degree:
+        raise UsageError(
+            f"the action lists have {len(plan.rank_actions)} ranks but the candidate has pipeline_degree "
+            f"{candidate.pipeline_degree}; pass one list per pipeline rank"
+        )
+
+    # Durations and the transfer into each action, by (kind, stage).
+    duration = {"F": stages.forward, "B": stages.backward, "I": stages.backward_input, "W": stages.backward_weight}
+    incoming = {"F": stages.activation_transfer, "B": stages.grad_transfer, "I": stages.grad_transfer}
+    n = len(plan.kind)
+    finish = [0.0] * n
+    dur = [duration[plan.kind[a]][plan.stage[a]] for a in range(n)]
+    xfer = [incoming[plan.kind[a]][plan.stage[a]] if plan.cross[a] else 0.0 for a in range(n)]
+    prev, dep, own = plan.prev, plan.dep, plan.own
+    for a in plan.order:
+        t = finish[prev[a]] if prev[a] >= 0 else 0.0
+        d = dep[a]
+        if d >= 0 and finish[d] + xfer[a] > t:
+            t = finish[d] + xfer[a]
+        o = own[a]
+        if o >= 0 and finish[o] > t:
+            t = finish[o]
+        finish[a] = t + dur[a]
+
+    pp = candidate.pipeline_degree
+    rank_end = [max((finish[a] for a in ids), default=0.0) for ids in plan.rank_actions]
+    pipeline_ms = max(rank_end)
+    busy = sum(dur)
+    bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
+
+    rank_params = [0] * pp
+    for s, r in enumerate(plan.stage_rank):
+        rank_params[r] += stages.parameter_bytes[s]
+    optimizer_ms = [p * optimizer_ms_per_byte for p in rank_params]
+    allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree) for p in rank_params]
+    step_ms = max(rank_end[r] + allreduce_ms[r] + optimizer_ms[r] for r in range(pp))
+
+    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio)
+    feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
+    timeline: tuple[TimelineEvent, ...] = ()
+    if with_timeline:
+        timeline = tuple(
+            TimelineEvent(rank=plan.rank[a], stage=plan.stage[a], kind=plan.kind[a], microbatch=plan.microbatch[a],
+                          start_ms=finish[a] - dur[a], end_ms=finish[a])
+            for a in range(n)
+        )
+    return Estimate(
+        step_time_ms=step_ms,
+        throughput_samples_per_s=candidate.global_batch_size / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        bubble_fraction=max(0.0, bubble),
+        peak_memory_bytes=tuple(peaks),
+        feasible=feasible,
+        pipeline_time_ms=pipeline_ms,
+        optimizer_ms=max(optimizer_ms),
+        allreduce_ms=max(allreduce_ms),
+        memory_limit_bytes=memory_limit_bytes,
+        timeline=timeline,
+    )
+
+
+def step_time_lower_bound(
+    costs: Sequence[LayerCost],
+    candidate: Candidate,
+    *,
+    input_bytes: int,
+    optimizer_ms_per_byte: float,
+    link: LinkModel,
+) -> float:
+    """A step time no schedule order can beat, without building the action lists (the planner prunes with it).
+
+    Every rank runs all its actions one after another, then its optimizer step; and one micro-batch must pass
+    forward through every stage and back. Split backwards are counted as one action (the lower overhead)."""
+    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
+    ranks = stage_ranks(candidate.schedule, candidate.pipeline_degree, candidate.n_stages)
+    busy = [0.0] * candidate.pipeline_degree
+    params = [0] * candidate.pipeline_degree
+    for s, r in enumerate(ranks):
+        busy[r] += candidate.n_microbatches * (stages.forward[s] + stages.backward[s])
+        params[r] += stages.parameter_bytes[s]
+    per_rank = max(b + p * optimizer_ms_per_byte for b, p in zip(busy, params))
+    one_microbatch = sum(stages.forward) + sum(stages.backward)
+    return max(per_rank, one_microbatch)
+
+
+def max_in_flight(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once under the schedule's order
+    (F adds one; B, or W after I, frees one). 1F1B: pp - stage; GPipe: n_microbatches."""
+    plan = _compiled(Schedule(schedule), pipeline_degree, n_microbatches, n_stages)
+    return list(plan.in_flight)
+
+
+# --- stage costs --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StageCosts:
+    forward: list[float]
+    backward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+    activation_transfer: list[float]
+    """Into stage s: stage s-1's output, when s-1 is on another rank."""
+    grad_transfer: list[float]
+    """Into stage s: the gradient of its output from s+1."""
+    held_bytes: list[int]
+    """What one in-flight micro-batch keeps between F and B (stage input only, with checkpointing)."""
+    recompute_bytes: list[int]
+    """What a checkpointed backward rebuilds for the micro-batch it works on (0 without checkpointing)."""
+    receive_buffer_bytes: list[int]
+    """Receive buffers of the stage for the whole step: activations in, gradients in."""
+    parameter_bytes: list[int]
+
+
+def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel) -> _StageCosts:
+    bounds = list(accumulate(candidate.layers_per_stage, initial=0))
+    overhead = link.per_action_overhead_ms
+    wire = 0.5 if candidate.wire_dtype == "bfloat16" else 1.0  # activations are assumed float32
+    m = candidate.n_microbatches
+    n_stages = candidate.n_stages
+
+    def total(field: str, a: int, b: int) -> float:
+        return sum(getattr(c, field) for c in costs[a:b])
+
+    result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
+    for s, (a, b) in enumerate(pairwise(bounds)):
+        forward = total("forward_ms", a, b)
+        recompute = forward if candidate.activation_checkpointing else 0.0
+        backward_input = total("backward_input_ms", a, b)
+        backward_weight = total("backward_weight_ms", a, b)
+        stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
+        stage_out = costs[b - 1].output_bytes
+        saved = int(total("saved_bytes", a, b))
+        result["forward"].append(forward + overhead)
+        result["backward"].append(backward_input + backward_weight + recompute + overhead)
+        result["backward_input"].append(backward_input + recompute + overhead)
+        result["backward_weight"].append(backward_weight + overhead)
+        result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
+        result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
+        result["held_bytes"].append(stage_in if candidate.activation_checkpointing else saved)
+        result["recompute_bytes"].append(saved if candidate.activation_checkpointing else 0)
+        receive = (m * stage_in if s > 0 else 0) + (m * stage_out if s < n_stages - 1 else 0)
+        result["receive_buffer_bytes"].append(int(receive * wire))
+        result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
+    return _StageCosts(**result)
+
+
+def _optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
+    if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
+        return profile.optimizer_step_ms / profile.parameter_bytes
+    return 1e3 / link.optimizer_bytes_per_s
+
+
+def _peak_memory(plan: _Plan, stages: _StageCosts, candidate: Candidate, state_ratio: float) -> list[int]:
+    """Walk each rank's actions in order (a rank runs one at a time, so list order is time order):
+
+        F: +held              B: (+recompute, transient) -held
+        I: +recompute (kept)  W: -held -recompute
+    """
+    peaks = []
+    for r, ids in enumerate(plan.rank_actions):
+        rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
+        static = sum(stages.parameter_bytes[s] * (2 + state_ratio) + stages.receive_buffer_bytes[s]
+                     for s in rank_stages)
+        live = peak = 0
+        for a in ids:
+            s, kind = plan.stage[a], plan.kind[a]
+            if kind == "F":
+                live += stages.held_bytes[s]
+                peak = max(peak, live)
+            elif kind == "B":
+                peak = max(peak, live + stages.recompute_bytes[s])
+                live -= stages.held_bytes[s]
+            elif kind == "I":
+                live += stages.recompute_bytes[s]
+                peak = max(peak, live)
+            else:
+                live -= stages.held_bytes[s] + stages.recompute_bytes[s]
+        peaks.append(int(static + peak))
+    return peaks
+
+
+# --- compiling action lists into a dependency graph ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """Action lists flattened to arrays, with each action's dependencies and one topological order."""
+
+    rank: tuple[int, ...]
+    stage: tuple[int, ...]
+    kind: tuple[ActionKind, ...]
+    microbatch: tuple[int, ...]
+    prev: tuple[int, ...]
+    """Previous action on the same rank, or -1."""
+    dep: tuple[int, ...]
+    """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
+    cross: tuple[bool, ...]
+    """dep runs on another rank, so its tensor travels."""
+    own: tuple[int, ...]
+    """This stage's earlier action it needs (B/I: F; W: I), or -1."""
+    order: tuple[int, ...]
+    rank_actions: tuple[tuple[int, ...], ...]
+    stage_rank: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    """Per stage, the most micro-batches held at once."""
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> _Plan:
+    lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
+    return _compile(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
+
+
+def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> _Plan:
+    rank: list[int] = []
+    where: dict[tuple[int, str, int], int] = {}
+    stage_rank: dict[int, int] = {}
+    for r, actions in enumerate(lists):
+        for act in actions:
+            key = (act.stage, act.kind, act.microbatch)
+            if key in where:
+                raise DeadlockError(f"rank {r} runs {act} twice; each stage runs each action once per micro-batch")
+            if stage_rank.setdefault(act.stage, r) != r:
+                raise DeadlockError(
+                    f"stage {act.stage} has actions on ranks {stage_rank[act.stage]} and {r}; a stage lives on one rank"
+                )
+            where[key] = len(rank)
+            rank.append(r)
+    flat = [act for actions in lists for act in actions]
+    for s in range(n_stages):
+        for i in range(n_microbatches):
+            has_b = (s, "B", i) in where
+            split = (s, "I", i) in where, (s, "W", i) in where
+            if (s, "F", i) not in where or not (has_b or all(split)) or (has_b and any(split)):
+                raise DeadlockError(
+                    f"the action lists lack stage {s}'s work for micro-batch {i}: each stage needs F and either B or "
+                    f"I and W for every micro-batch"
+                )
+    if set(stage_rank) != set(range(n_stages)):
+        raise DeadlockError(f"the action lists name stages {sorted(stage_rank)}, expected 0..{n_stages - 1}")
+
+    n = len(flat)
+    prev, dep, own, cross = [-1] * n, [-1] * n, [-1] * n, [False] * n
+    offset = 0
+    for actions in lists:
+        for k in range(1, len(actions)):
+            prev[offset + k] = offset + k - 1
+        offset += len(actions)
+    for a, act in enumerate(flat):
+        s, i = act.stage, act.microbatch
+        if act.kind == "F":
+            d = where.get((s - 1, "F", i), -1)
+        elif act.kind in ("B", "I"):
+            d = where.get((s + 1, "B", i), where.get((s + 1, "I", i), -1)) if s < n_stages - 1 else -1
+            own[a] = where[(s, "F", i)]
+        else:
+            d = -1
+            own[a] = where[(s, "I", i)]
+        dep[a] = d
+        cross[a] = d >= 0 and rank[d] != rank[a]
+
+    # Kahn's algorithm: what never becomes ready is a deadlock.
+    waiting = [(prev[a] >= 0) + (dep[a] >= 0) + (own[a] >= 0) for a in range(n)]
+    unlocks: list[list[int]] = [[] for _ in range(n)]
+    for a in range(n):
+        for d in (prev[a], dep[a], own[a]):
+            if d >= 0:
+                unlocks[d].append(a)
+    ready = deque(a for a in range(n) if waiting[a] == 0)
+    order: list[int] = []
+    while ready:
+        a = ready.popleft()
+        order.append(a)
+        for b in unlocks[a]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+    rank_actions = []
+    offset = 0
+    for actions in lists:
+        rank_actions.append(tuple(range(offset, offset + len(actions))))
+        offset += len(actions)
+    if len(order) < n:
+        done = set(order)
+        stuck = []
+        for r, ids in enumerate(rank_actions):
+            first = next((a for a in ids if a not in done), None)
+            if first is not None:
+                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and d not in done]
+                stuck.append(f"rank {r} at {flat[first]} waits for {', '.join(needs) or 'its previous action'}")
+        raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck) + "; fix the action order")
+
+    in_flight = [0] * n_stages
+    live = [0] * n_stages
+    for act in flat:  # per stage, list order on its own rank is time order
+        if act.kind == "F":
+            live[act.stage] += 1
+            in_flight[act.stage] = max(in_flight[act.stage], live[act.stage])
+        elif act.kind in ("B", "W"):
+            live[act.stage] -= 1
+    return _Plan(
+        rank=tuple(rank),
+        stage=tuple(a.stage for a in flat),
+        kind=tuple(a.kind for a in flat),
+        microbatch=tuple(a.microbatch for a in flat),
+        prev=tuple(prev),
+        dep=tuple(dep),
+        cross=tuple(cross),
+        own=tuple(own),
+        order=tuple(order),
+        rank_actions=tuple(rank_actions),
+        stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
+        in_flight=tuple(in_flight),
+    )
+
+
+def describe_memory(peaks: Sequence[int], limit: int | None) -> str:
+    """'1.2 GiB / 1.0 GiB on rank 0' style summary of the tightest rank."""
+    worst = max(range(len(peaks)), key=lambda r: peaks[r])
+    cap = f" / {format_bytes(limit)}" if limit is not None else ""
+    return f"{format_bytes(peaks[worst])}{cap} on rank {worst}"

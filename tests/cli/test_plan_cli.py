@@ -1,0 +1,107 @@
+"""`autotune profile` and `autotune plan`: exit codes, one-line errors, and the JSON they print."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autotune.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def model(model_file):
+    return model_file()  # 4 layers: Linear, Tanh, Linear, Linear
+
+
+def test_plan_json_lists_ranked_candidates(model):
+    result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--json")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert isinstance(planned, list) and 1 <= len(planned) <= 10
+    for entry in planned:
+        assert entry["pipeline_degree"] == 2 and entry["global_batch_size"] == 8
+        assert 8 % entry["num_microbatches"] == 0
+        assert sum(entry["layers_per_stage"]) == 4
+        assert entry["predicted_step_time_ms"] > 0
+        assert len(entry["predicted_peak_memory_bytes"]) == 2
+        assert entry["feasible"] is True  # no limit on cpu
+    speeds = [entry["predicted_throughput_samples_per_s"] for entry in planned]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_plan_table_shows_the_recommended_range(model):
+    result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--top", 3)
+    assert result.exit_code == 0, result.output
+    assert "recommended B/M:" in result.stdout
+    assert "samples/s" in result.stdout
+
+
+def test_plan_with_nothing_feasible_exits_3_and_says_what_would_fit(model):
+    result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1,
+                    "--memory-limit", "1KiB")
+    assert result.exit_code == 3, result.output
+    assert "no candidate fits 1.0 KiB per rank" in result.stderr
+    assert "--memory-limit" in result.stderr and "Traceback" not in result.output
+
+
+def test_plan_top_and_memory_limit_keep_only_what_fits(model):
+    result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--json",
+                    "--top", 2, "--memory-limit", "1GiB")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert len(planned) == 2 and all(entry["feasible"] for entry in planned)
+
+
+def test_plan_more_ranks_than_layers_is_a_usage_error(model):
+    result = invoke("plan", model, "--gpus", 8, "--batch-size", 8, "--device", "cpu", "--repeats", 1)
+    assert result.exit_code == 2, result.output
+    assert "use --gpus 4 or fewer" in result.stderr
+
+
+def test_auto_device_without_cuda_says_to_pass_cpu(model, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in (["plan", model, "--gpus", 2], ["profile", model]):
+        result = invoke(*command, "--batch-size", 8)
+        assert result.exit_code == 4, result.output
+        assert "--device cpu" in result.stderr
+
+
+def test_profile_json_with_repeated_and_comma_sizes(model):
+    result = invoke("profile", model, "--batch-size", 8, "--device", "cpu", "--repeats", 1,
+                    "--micro-batch-size", "1,2", "-M", 8, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["micro_batch_sizes"] == [1, 2, 8]
+    assert len(data["layers"]) == 4
+    assert {"forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes"} <= set(
+        data["layers"][0]
+    )
+
+
+def test_profile_table(model):
+    result = invoke("profile", model, "--batch-size", 4, "--device", "cpu", "--repeats", 1)
+    assert result.exit_code == 0, result.output
+    assert "per layer, micro-batch size 4" in result.stdout
+    assert "optimizer step" in result.stdout
+
+
+@pytest.mark.parametrize("sizes, message", [("two", "cannot read --micro-batch-size"), ("0", "at least 1")])
+def test_profile_bad_sizes_are_usage_errors(model, sizes, message):
+    result = invoke("profile", model, "--batch-size", 8, "--device", "cpu", "--micro-batch-size", sizes)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+
+
+def test_missing_model_file_is_a_usage_error(tmp_path):
+    result = invoke("plan", tmp_path / "nope.py", "--gpus", 2, "--batch-size", 8, "--device", "cpu")
+    assert result.exit_code == 2
+    assert "no such file" in result.stderr

@@ -1,0 +1,192 @@
+import itertools
+import json
+import random
+
+import pytest
+
+from autotune.candidate import Candidate
+from autotune.errors import InvalidCandidateError, UsageError
+from autotune.profile import LayerCost, Profile
+from autotune.schedules import Action, Schedule, default_stages_per_rank
+from autotune.simulate import (
+    DeadlockError,
+    LinkModel,
+    max_in_flight,
+    simulate,
+    step_time_lower_bound,
+)
+
+FREE = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+
+
+def layer(f=1.0, b=2.0, w=0.0, saved=0, out=0, params=0):
+    return LayerCost(forward_ms=f, backward_input_ms=b, backward_weight_ms=w, saved_bytes=saved, output_bytes=out,
+                     parameter_bytes=params)
+
+
+def profile_of(*layers, input_bytes=0, optimizer_step_ms=0.0):
+    return Profile.from_layer_costs(list(layers), input_bytes=input_bytes, optimizer_step_ms=optimizer_step_ms)
+
+
+def candidate(schedule, pp, m, split, *, batch=None, dp=1, **extra):
+    return Candidate(schedule=schedule, pipeline_degree=pp, global_batch_size=batch or m * dp, n_microbatches=m,
+                     layers_per_stage=tuple(split), data_parallel_degree=dp, **extra)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 9)])
+def test_equal_stages_give_the_textbook_bubble(schedule, p, m):
+    est = simulate(profile_of(*[layer(f=1.0, b=2.0)] * p), candidate(schedule, p, m, [1] * p), link=FREE)
+    assert est.step_time_ms == pytest.approx((m + p - 1) * 3.0)
+    assert est.pipeline_time_ms == pytest.approx(est.step_time_ms)
+    assert est.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert est.throughput_samples_per_s == pytest.approx(m / est.step_time_ms * 1e3)
+
+
+def test_1f1b_first_rank_holds_p_microbatches_and_gpipe_holds_m():
+    p, m, saved = 4, 8, 1000
+    prof = profile_of(*[layer(saved=saved)] * p)
+    one_f_one_b = simulate(prof, candidate(Schedule.ONE_F_ONE_B, p, m, [1] * p), link=FREE)
+    gpipe = simulate(prof, candidate(Schedule.GPIPE, p, m, [1] * p), link=FREE)
+    assert one_f_one_b.peak_memory_bytes == tuple((p - r) * saved for r in range(p))
+    assert gpipe.peak_memory_bytes == (m * saved,) * p
+
+
+def test_max_in_flight_literal():
+    assert max_in_flight(Schedule.ONE_F_ONE_B, 4, 8, 4) == [4, 3, 2, 1]
+    assert max_in_flight(Schedule.GPIPE, 2, 3, 2) == [3, 3]
+
+
+def test_transfers_sit_on_the_critical_path():
+    # GPipe, 2 ranks, 1 micro-batch: F0, send, F1, B1, send grad, B0.
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=1e-3, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    prof = profile_of(layer(f=1, b=2, out=4000), layer(f=1, b=2, out=4000))
+    est = simulate(prof, candidate(Schedule.GPIPE, 2, 1, [1, 1]), link=link)
+    hop = 1.0 + 4.0  # 1 ms latency + 4000 B at 1 MB/s
+    assert est.step_time_ms == pytest.approx(1 + hop + 1 + 2 + hop + 2)
+
+
+def test_bfloat16_wire_halves_transfer_bytes_and_receive_buffers():
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    prof = profile_of(layer(f=1, b=2, out=4000), layer(f=1, b=2, out=4000))
+    fp32 = simulate(prof, candidate(Schedule.GPIPE, 2, 4, [1, 1]), link=link)
+    bf16 = simulate(prof, candidate(Schedule.GPIPE, 2, 4, [1, 1], wire_dtype="bfloat16"), link=link)
+    assert fp32.peak_memory_bytes == (4 * 4000, 4 * 4000)  # grads in on rank 0, activations in on rank 1
+    assert bf16.peak_memory_bytes == (2 * 4000, 2 * 4000)
+    assert fp32.step_time_ms - bf16.step_time_ms == pytest.approx(2 * 2.0)  # two hops on the path, 2 ms saved each
+
+
+def test_per_action_overhead_is_paid_by_every_action():
+    link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.5, optimizer_bytes_per_s=1e30)
+    est = simulate(profile_of(layer(f=1, b=2)), candidate(Schedule.GPIPE, 1, 4, [1]), link=link)
+    assert est.step_time_ms == pytest.approx(4 * (1 + 2 + 2 * 0.5))
+    assert est.bubble_fraction == pytest.approx(0.0)
+
+
+def test_activation_checkpointing_trades_memory_for_a_forward():
+    prof = profile_of(layer(f=1, b=2, saved=1000), input_bytes=10)
+    plain = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1]), link=FREE)
+    ckpt = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1], activation_checkpointing=True), link=FREE)
+    assert plain.step_time_ms == pytest.approx(2 * (1 + 2))
+    assert ckpt.step_time_ms == pytest.approx(2 * (1 + 1 + 2))
+    assert plain.peak_memory_bytes == (2 * 1000,)
+    assert ckpt.peak_memory_bytes == (2 * 10 + 1000,)  # two stage inputs kept, one micro-batch rebuilt at a time
+
+
+def test_static_memory_optimizer_and_data_parallel_all_reduce():
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=1e-3, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    params = 1000
+    prof = profile_of(layer(params=params), layer(params=params), optimizer_step_ms=10.0)
+    single = simulate(prof, candidate(Schedule.GPIPE, 2, 2, [1, 1]), link=link)
+    # params + grads + AdamW's 2x state
+    assert single.peak_memory_bytes == (4 * params, 4 * params)
+    assert single.optimizer_ms == pytest.approx(5.0)  # each rank holds half of the parameters
+    assert single.step_time_ms == pytest.approx(single.pipeline_time_ms + 5.0)
+    replicated = simulate(prof, candidate(Schedule.GPIPE, 2, 2, [1, 1], dp=2), link=link)
+    ring = 2 * (2 - 1) * (1e-3 + params / 2 / 1e6) * 1e3
+    assert replicated.allreduce_ms == pytest.approx(ring)
+    assert replicated.step_time_ms == pytest.approx(replicated.pipeline_time_ms + ring + 5.0)
+    assert replicated.throughput_samples_per_s == pytest.approx(4 / replicated.step_time_ms * 1e3)
+
+
+def test_feasible_is_judged_against_the_limit():
+    prof = profile_of(layer(saved=100), layer(saved=100))
+    c = candidate(Schedule.GPIPE, 2, 4, [1, 1])
+    assert simulate(prof, c, link=FREE).feasible
+    assert simulate(prof, c, link=FREE, memory_limit_bytes=400).feasible
+    tight = simulate(prof, c, link=FREE, memory_limit_bytes=399)
+    assert not tight.feasible and tight.memory_limit_bytes == 399
+
+
+def respects_dependencies(est, n_stages, pp):
+    ends = {(e.stage, e.kind, e.microbatch): e for e in est.timeline}
+    for e in est.timeline:
+        if e.kind == "F" and e.stage > 0:
+            assert e.start_ms >= ends[(e.stage - 1, "F", e.microbatch)].end_ms - 1e-9
+        if e.kind in ("B", "I"):
+            assert e.start_ms >= ends[(e.stage, "F", e.microbatch)].end_ms - 1e-9
+            if e.stage < n_stages - 1:
+                up = ends.get((e.stage + 1, "B", e.microbatch)) or ends[(e.stage + 1, "I", e.microbatch)]
+                assert e.start_ms >= up.end_ms - 1e-9
+        if e.kind == "W":
+            assert e.start_ms >= ends[(e.stage, "I", e.microbatch)].end_ms - 1e-9
+    for rank in range(pp):
+        events = sorted((e for e in est.timeline if e.rank == rank), key=lambda e: e.start_ms)
+        assert all(a.end_ms <= b.start_ms + 1e-9 for a, b in itertools.pairwise(events))
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_every_schedule_respects_dependencies_and_the_lower_bound(schedule):
+    rng = random.Random(schedule.value)
+    pp, m = 2, 4
+    n_stages = pp * default_stages_per_rank(schedule)
+    layers = [layer(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0, 1), saved=100, out=1000,
+                    params=10) for _ in range(n_stages)]
+    link = LinkModel.for_device("cpu")
+    c = candidate(schedule, pp, m, [1] * n_stages)
+    est = simulate(profile_of(*layers), c, link=link)
+    kinds = [e.kind for e in est.timeline]
+    assert kinds.count("F") == n_stages * m
+    assert kinds.count("B") + kinds.count("I") == n_stages * m
+    assert kinds.count("W") == kinds.count("I")
+    respects_dependencies(est, n_stages, pp)
+    bound = step_time_lower_bound(layers, c, input_bytes=0, optimizer_ms_per_byte=1e3 / link.optimizer_bytes_per_s,
+                                  link=link)
+    assert 0 < bound <= est.step_time_ms + 1e-9
+    assert 0.0 <= est.bubble_fraction < 1.0
+    json.dumps(est.to_dict())
+
+
+def test_deadlocked_action_lists_are_refused():
+    prof = profile_of(layer(), layer())
+    c = candidate(Schedule.GPIPE, 2, 1, [1, 1])
+    # rank 1 wants stage 1's backward before its forward
+    stuck = [[Action(0, "F", 0), Action(0, "B", 0)], [Action(1, "B", 0), Action(1, "F", 0)]]
+    with pytest.raises(DeadlockError, match="deadlocks: rank 0 at 0B0 waits for 1B0; rank 1 at 1B0 waits for 1F0"):
+        simulate(prof, c, link=FREE, actions=stuck)
+    crossed = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        simulate(prof, c, link=FREE, actions=crossed)
+    missing = [[Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with pytest.raises(DeadlockError, match="lack stage 0's work for micro-batch 0"):
+        simulate(prof, c, link=FREE, actions=missing)
+    good = [[Action(0, "F", 0), Action(0, "B", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    assert simulate(prof, c, link=FREE, actions=good).step_time_ms == pytest.approx(6.0)
+
+
+def test_candidate_must_fit_the_profile():
+    with pytest.raises(InvalidCandidateError, match="covers 3 layers but the model has 2"):
+        simulate(profile_of(layer(), layer()), candidate(Schedule.GPIPE, 2, 2, [2, 1]), link=FREE)
+
+
+def test_link_model_defaults_and_overrides():
+    cpu, cuda = LinkModel.for_device("cpu"), LinkModel.for_device("cuda")
+    assert cuda.bandwidth_bytes_per_s > cpu.bandwidth_bytes_per_s
+    assert cuda.per_action_overhead_ms < cpu.per_action_overhead_ms
+    assert LinkModel.for_device("cpu", latency_s=0.0).latency_s == 0.0
+    assert cpu.transfer_ms(0) == 0.0
+    assert cpu.allreduce_ms(10**6, 1) == 0.0
+    with pytest.raises(UsageError, match="unknown link model field"):
+        LinkModel.for_device("cpu", bandwidth=1.0)
+    with pytest.raises(UsageError, match="no link model for device 'tpu'"):
+        LinkModel.for_device("tpu")
