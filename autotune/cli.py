@@ -105,8 +105,8 @@ def trial(
         str,
         typer.Option(
             "--schedule", "-s",
-            help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV "
-            "(case-insensitive).",
+            help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, VHalf "
+            "or VMin (case-insensitive).",
         ),
     ],
     layers_per_stage: Annotated[
@@ -230,6 +230,444 @@ def export(
         text = export_config(load_config(config), fmt.value)
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+MicroBatchOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--micro-batch-size", "-M",
+        help="Micro-batch sizes to profile, repeatable or comma-separated (8,32). Default: powers of two dividing B, "
+        "and B (at most 6).",
+    ),
+]
+RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per micro-batch size (medians).")]
+
+
+@app.command("profile", epilog=EXIT_CODES_HELP)
+def profile_command(
+    model: ModelArg,
+    batch_size: BatchOpt,
+    micro_batch_size: MicroBatchOpt = None,
+    repeats: RepeatsOpt = 5,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Measure every layer in place at several micro-batch sizes: forward, input-grad and weight-grad backward time,
+    saved-activation, output and parameter bytes (one thread on CPU, like one rank).
+
+    Example: `autotune profile recipes/mlp.py --batch-size 64 --device cpu`
+    """
+    with _errors_to_exit_codes():
+        from autotune.devices import resolve_device
+        from autotune.model_file import check_model, load_model_file
+        from autotune.profile import profile_model
+
+        spec = load_model_file(model)
+        check_model(spec, batch_size)
+        chosen = resolve_device(device.value)
+        with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
+            result = profile_model(
+                spec, batch_size=batch_size, micro_batch_sizes=_parse_sizes(micro_batch_size), device=chosen,
+                repeats=repeats, progress=progress,
+            )
+        if json_output:
+            _print_json(result.to_dict())
+        else:
+            _render_profile(result)
+
+
+@app.command("plan", epilog=EXIT_CODES_HELP)
+def plan_command(
+    model: ModelArg,
+    gpus: GpusOpt,
+    batch_size: BatchOpt,
+    memory_limit: MemoryOpt = None,
+    top: Annotated[int, typer.Option("--top", "-k", min=1, help="Candidates to show.")] = 10,
+    micro_batch_size: MicroBatchOpt = None,
+    repeats: RepeatsOpt = 5,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Profile the model, then simulate schedules x micro-batch counts (B/M) x balanced layer splits over N ranks
+    and rank them by predicted throughput, with the B/M range worth trying. Nothing runs on N ranks: use
+    `autotune trial` or `autotune search` to measure.
+
+    `--json` prints a list of candidates: the config fields plus predicted_step_time_ms,
+    predicted_throughput_samples_per_s, predicted_peak_memory_bytes (per rank) and feasible.
+
+    Example: `autotune plan recipes/gpt.py --gpus 4 --batch-size 64 --device cpu --memory-limit 512MiB`
+    """
+    with _errors_to_exit_codes():
+        from autotune.devices import device_memory_bytes, resolve_device
+        from autotune.model_file import check_model, load_model_file
+        from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
+        from autotune.profile import profile_model
+        from autotune.units import parse_size
+
+        limit = parse_size(memory_limit) if memory_limit else None
+        spec = load_model_file(model)
+        check_model(spec, batch_size)
+        chosen = resolve_device(device.value)
+        limit = limit if limit is not None else device_memory_bytes(chosen)
+        with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
+            profile = profile_model(
+                spec, batch_size=batch_size, micro_batch_sizes=_parse_sizes(micro_batch_size), device=chosen,
+                repeats=repeats, progress=progress,
+            )
+        with err_console.status(f"planning {gpus} ranks..."):
+            planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
+        ensure_feasible(planned)
+        shown = planned[:top]
+        if json_output:
+            _print_json([p.to_dict() for p in shown])
+        else:
+            _render_plan(shown, recommended_microbatch_range(planned), limit, gpus, batch_size)
+
+
+def _parse_sizes(values: list[str] | None) -> list[int] | None:
+    if not values:
+        return None
+    from autotune.errors import UsageError
+
+    try:
+        sizes = [int(part) for value in values for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"cannot read --micro-batch-size {','.join(values)!r}; write sizes like 8,32") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--micro-batch-size needs sizes of at least 1, got {','.join(values)!r}")
+    return sizes
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str) -> Iterator[Any]:
+    """A transient progress bar on stderr, and the callback that advances it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err_console, transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def advance(completed: int, total: int, what: str) -> None:
+            bar.update(task, completed=completed, total=total, description=f"{description}: {what}")
+
+        yield advance
+
+
+def _render_profile(profile: Any) -> None:
+    from rich.table import Table
+
+    from autotune.units import format_bytes
+
+    largest = profile.micro_batch_sizes[-1]
+    table = Table(title=f"per layer, micro-batch size {largest} ({profile.device})")
+    for column in ("#", "layer", "params", "forward ms", "input-grad ms", "weight-grad ms", "saved", "output"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for i, layer in enumerate(profile.layers):
+        table.add_row(
+            str(i), layer.name, format_bytes(layer.parameter_bytes), f"{layer.forward_ms[-1]:.3f}",
+            f"{layer.backward_input_ms[-1]:.3f}", f"{layer.backward_weight_ms[-1]:.3f}",
+            format_bytes(layer.saved_bytes[-1]), format_bytes(layer.output_bytes[-1]),
+        )
+    if profile.loss_forward_ms:
+        table.add_row("", "loss_fn", "", f"{profile.loss_forward_ms[-1]:.3f}", f"{profile.loss_backward_ms[-1]:.3f}",
+                      "", format_bytes(profile.loss_saved_bytes[-1]), "")
+    console.print(table)
+
+    sizes = Table(title="whole model per micro-batch (loss included)")
+    for column in ("M", "forward ms", "input-grad ms", "weight-grad ms", "ms per sample", "saved"):
+        sizes.add_column(column, justify="right")
+    for m in profile.micro_batch_sizes:
+        costs = profile.layer_costs(m)
+        forward = sum(c.forward_ms for c in costs)
+        backward_input = sum(c.backward_input_ms for c in costs)
+        backward_weight = sum(c.backward_weight_ms for c in costs)
+        sizes.add_row(
+            str(m), f"{forward:.3f}", f"{backward_input:.3f}", f"{backward_weight:.3f}",
+            f"{(forward + backward_input + backward_weight) / m:.4f}", format_bytes(sum(c.saved_bytes for c in costs)),
+        )
+    console.print(sizes)
+    console.print(
+        f"parameters {format_bytes(profile.parameter_bytes)}, optimizer step {profile.optimizer_step_ms:.3f} ms, "
+        f"optimizer state {format_bytes(profile.optimizer_state_bytes)}",
+        highlight=False,
+    )
+
+
+def _render_plan(
+    planned: list[Any], recommended: tuple[int, int], limit: int | None, gpus: int, batch_size: int
+) -> None:
+    from rich.table import Table
+
+    from autotune.units import format_bytes
+
+    title = f"plan: {gpus} ranks, batch {batch_size}" + (f", limit {format_bytes(limit)}/rank" if limit else "")
+    table = Table(title=title)
+    for column in ("#", "schedule", "B/M", "M", "layers per stage", "step ms", "samples/s", "bubble", "peak memory"):
+        table.add_column(column, justify="left" if column in ("schedule", "layers per stage") else "right")
+    for i, p in enumerate(planned, start=1):
+        c, e = p.candidate, p.estimate
+        peak = format_bytes(max(e.peak_memory_bytes)) + (f" / {format_bytes(limit)}" if limit else "")
+        table.add_row(
+            str(i), c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""), str(c.n_microbatches),
+            str(c.micro_batch_size), ",".join(map(str, c.layers_per_stage)), f"{e.step_time_ms:.1f}",
+            f"{e.throughput_samples_per_s:.1f}", f"{e.bubble_fraction:.0%}",
+            peak if e.feasible else f"[red]{peak}[/red]",
+        )
+    console.print(table)
+    lo, hi = recommended
+    span = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    console.print(
+        f"recommended B/M: {span} (within 5% of the best predicted throughput). Predictions come from a one-device "
+        f"profile; measure with `autotune trial` or `autotune search`.",
+        highlight=False,
+    )
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def search(
+    model: ModelArg,
+    gpus: GpusOpt,
+    batch_size: BatchOpt,
+    trials: Annotated[int, typer.Option("--trials", "-n", min=2, help="Real trial runs to spend (leader re-runs included).")] = 20,
+    timeout: Annotated[str | None, typer.Option(help="Stop launching trials after this long, e.g. 20m.")] = None,
+    memory_limit: MemoryOpt = None,
+    storage: Annotated[
+        str | None, typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: .autotune/<study>.db")
+    ] = None,
+    study_name: Annotated[str | None, typer.Option(help="Default: <model>-<device>-g<gpus>-b<batch>.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted study; finished trials are kept.")] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the tuned config.")] = Path("autotune.yaml"),
+    report_dir: Annotated[Path, typer.Option(help="Where to write the report.")] = Path("autotune-report"),
+    min_improvement: Annotated[
+        float,
+        typer.Option(help="Keep an existing --output config unless the new best beats it by more than this (0.03 = 3 %)."),
+    ] = 0.03,
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
+    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
+    trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
+    checkpointing and the dtype between stages, under the memory limit. Writes the tuned config and a report.
+
+    How: profile the layers, simulate every schedule x B/M x balanced split, try the planner's best first (and the
+    rule-of-thumb default, for comparison), then let Optuna's TPE sampler propose more. A candidate the simulator
+    says cannot fit, or cannot come within 20 % of the best measured one, is recorded as pruned and not launched.
+    Failed trials (oom, error, timeout) are recorded with their reason. At the end the top 3 are re-run side by side
+    and the best median wins, so a lucky run on a noisy machine does not decide.
+
+    Ctrl-C stops the running trial, writes the best config so far and exits 130; `--resume` continues the study.
+
+    Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
+    """
+    with _errors_to_exit_codes():
+        _search(**locals())
+
+
+def _search(
+    *, model: Path, gpus: int, batch_size: int, trials: int, timeout: str | None, memory_limit: str | None,
+    storage: str | None, study_name: str | None, resume: bool, output: Path, report_dir: Path,
+    min_improvement: float, seed: int, steps: int, warmup: int, trial_timeout: float, device: DeviceChoice,
+    json_output: bool,
+) -> None:
+    from autotune.devices import device_memory_bytes, resolve_device
+    from autotune.model_file import check_model, load_model_file
+    from autotune.plan import ensure_feasible, plan
+    from autotune.profile import profile_model
+    from autotune.search import SearchOptions, default_storage, default_study_name, explain_infeasible, run_search
+    from autotune.trial import TrialOptions
+    from autotune.units import parse_duration, parse_size
+
+    chosen = resolve_device(device.value)
+    limit = parse_size(memory_limit) if memory_limit else device_memory_bytes(chosen)
+    timeout_s = parse_duration(timeout) if timeout else None
+    spec = load_model_file(model)
+    check_model(spec, batch_size)
+    name = study_name or default_study_name(model, gpus, batch_size, chosen)
+    url = storage or default_storage(name)
+    incumbent = _incumbent(output, spec, gpus, batch_size)
+    with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
+        profile = profile_model(spec, batch_size=batch_size, device=chosen, progress=progress)
+    with err_console.status(f"planning {gpus} ranks..."):
+        planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
+    ensure_feasible(planned)
+    options = SearchOptions(
+        gpus=gpus, batch_size=batch_size, n_trials=trials, timeout_s=timeout_s, memory_limit_bytes=limit,
+        study_name=name, storage=url, resume=resume, seed=seed, incumbent=incumbent.candidate if incumbent else None,
+        trial=TrialOptions(steps=steps, warmup=warmup, timeout_s=trial_timeout, memory_limit_bytes=limit, device=chosen),
+    )
+    with _SearchProgress(trials) as reporter:
+        result = run_search(spec, profile, planned, options, study_name=name, storage=url, reporter=reporter)
+    if result.best is None:
+        if result.interrupted:
+            raise KeyboardInterrupt
+        if any(r.outcome in ("oom", "pruned") for r in result.records) and limit is not None:
+            raise explain_infeasible(result, limit)
+        from autotune.errors import AutotuneError
+
+        raise AutotuneError("no trial ran successfully; run `autotune report` on the study to see each reason")
+    kept, written = _write_config(result, spec, model, output, limit, incumbent, min_improvement, chosen)
+    report_path = _write_report_if_available(result, spec, profile, output, report_dir, limit)
+    summary = _search_summary(result, output, kept, written, report_path)
+    if json_output:
+        _print_json(summary)
+    else:
+        _render_search(result, summary)
+    if result.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _incumbent(output: Path, spec: Any, gpus: int, batch_size: int) -> Any:
+    """The config already at --output, when it is for this model, GPU count and batch size."""
+    if not output.exists():
+        return None
+    from autotune.errors import ConfigError
+    from autotune.tuned_config import load_config
+
+    try:
+        config = load_config(output)
+    except ConfigError as exc:
+        err_console.print(f"[yellow]warning:[/yellow] ignoring the existing {output}: {exc}", highlight=False)
+        return None
+    if (config.model_layers, config.gpus, config.global_batch_size) != (spec.n_layers, gpus, batch_size):
+        err_console.print(
+            f"[yellow]warning:[/yellow] {output} is for another model, GPU count or batch size; it will be replaced",
+            highlight=False,
+        )
+        return None
+    return config
+
+
+def _write_config(
+    result: Any, spec: Any, model: Path, output: Path, limit: int | None, incumbent: Any, min_improvement: float,
+    device: str,
+) -> tuple[bool, bool]:
+    """Write the best config unless the existing one holds within min_improvement. Returns (kept_old, wrote_new)."""
+    import sys as _sys
+
+    from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password, save_config
+
+    best = result.best
+    if incumbent is not None:
+        old = next((leader for leader in result.leaders if leader.candidate.key == incumbent.candidate.key), None)
+        new_ms = best.step_time_ms
+        if old is not None and (old.candidate.key == best.candidate.key or old.step_time_ms <= new_ms * (1 + min_improvement)):
+            return True, False
+    estimate = result.best_estimate
+    config = TunedConfig.from_measurement(
+        best,
+        model=str(model),
+        memory_limit_bytes=limit,
+        model_layers=spec.n_layers,
+        predicted=PredictedResult(step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes))
+        if estimate else None,
+        search=SearchSummary(
+            study=result.study_name, storage=mask_password(result.storage), trials=len(result.records),
+            feasible=result.feasible, best_trial=result.best_trial,
+        ),
+        environment=Environment.current(device),
+    )
+    save_config(config, output, command="autotune " + " ".join(_sys.argv[1:]))
+    return False, True
+
+
+def _write_report_if_available(result: Any, spec: Any, profile: Any, output: Path, report_dir: Path, limit: Any) -> Path | None:
+    try:
+        from autotune.report import write_search_report
+    except ImportError:
+        return None
+    return write_search_report(result, spec=spec, profile=profile, config_path=output, report_dir=report_dir,
+                               memory_limit_bytes=limit)
+
+
+def _search_summary(result: Any, output: Path, kept: bool, written: bool, report: Path | None) -> dict[str, Any]:
+    best = result.best
+    return {
+        "status": "interrupted" if result.interrupted else "ok",
+        "config": str(output),
+        "config_written": written,
+        "kept_existing_config": kept,
+        "report": str(report / "report.md") if report else None,
+        "study": result.study_name,
+        "storage": result.storage,
+        "best": best.to_dict(),
+        "best_trial": result.best_trial,
+        "trials": len(result.records),
+        "launched": result.launched,
+        "feasible": result.feasible,
+        "pruned": sum(1 for r in result.records if r.outcome == "pruned"),
+        "wall_time_s": result.wall_time_s,
+        "too_noisy_to_separate_leaders": result.too_noisy,
+        "leaders": [
+            {"candidate": leader.candidate.key, "step_time_ms": leader.step_time_ms, "runs": list(leader.step_times_ms)}
+            for leader in result.leaders[:5]
+        ],
+    }
+
+
+def _render_search(result: Any, summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="fastest configurations (median over every run)")
+    for column in ("#", "candidate", "step ms", "samples/s", "runs"):
+        table.add_column(column, justify="right" if column != "candidate" else "left")
+    for i, leader in enumerate(result.leaders[:5], start=1):
+        table.add_row(
+            str(i), leader.candidate.key, f"{leader.step_time_ms:.1f}",
+            f"{leader.candidate.global_batch_size / leader.step_time_ms * 1000:.0f}", str(len(leader.step_times_ms)),
+        )
+    console.print(table)
+    if summary["kept_existing_config"]:
+        console.print(f"kept the existing {summary['config']}: the new best does not beat it by the required margin")
+    else:
+        console.print(f"wrote {summary['config']}" + (f" and {summary['report']}" if summary["report"] else ""))
+    console.print(
+        f"{summary['trials']} trials ({summary['launched']} launched, {summary['pruned']} pruned, "
+        f"{summary['feasible']} ok) in {summary['wall_time_s']:.0f} s; study {summary['study']} in {summary['storage']}"
+    )
+    if result.too_noisy:
+        console.print("[yellow]the two fastest are within measurement noise: either is a sound choice[/yellow]")
+
+
+class _SearchProgress:
+    """Live progress on stderr: trials run of the budget, each trial's result, the best so far, time left."""
+
+    def __init__(self, budget: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"),
+            console=err_console, transient=False,
+        )
+        self.task = self.progress.add_task("", total=budget)
+
+    def __enter__(self) -> _SearchProgress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def phase(self, text: str) -> None:
+        self.progress.console.print(f"[dim]{text}[/dim]", highlight=False)
+
+    def trial(self, record: Any, best: Any, launched: int, budget: int) -> None:
+        colour = {"ok": "green", "pruned": "dim", "oom": "yellow"}.get(record.outcome, "red")
+        key = record.candidate.key if record.candidate else "(invalid)"
+        if record.outcome == "ok":
+            what = f"{record.throughput_samples_per_s:.0f} samples/s"
+        else:
+            what = record.reason[:120]
+        self.progress.console.print(
+            f"#{record.number:<3} [{colour}]{record.outcome:<8}[/{colour}] {key}  {what}", highlight=False
+        )
+        best_text = f"best {best.throughput_samples_per_s:.0f} samples/s ({best.candidate.key})" if best else ""
+        self.progress.update(self.task, completed=launched, description=best_text)
 
 
 def main() -> None:

@@ -1,0 +1,86 @@
+"""`autotune search` as a user runs it: a real CPU search, the memory limit nothing fits, Ctrl-C and --resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from autotune.cli import app
+
+runner = CliRunner()
+
+SCHEMA_KEYS = {
+    "version", "model", "gpus", "global_batch_size", "micro_batch_size", "num_microbatches", "pipeline_degree",
+    "data_parallel_degree", "schedule", "layers_per_stage", "activation_checkpointing", "memory_limit_bytes",
+    "measured", "predicted", "search", "environment",
+}
+
+
+def search_args(model, tmp_path, *extra):
+    return ["search", str(model), "--gpus", "2", "--device", "cpu", "--batch-size", "16", "--output",
+            str(tmp_path / "tuned.yaml"), "--storage", f"sqlite:///{tmp_path / 'study.db'}", "--report-dir",
+            str(tmp_path / "report"), *extra]
+
+
+def test_memory_limit_nothing_fits_exits_3_saying_what_would(model_file, tmp_path):
+    result = runner.invoke(app, search_args(model_file(), tmp_path, "--trials", "4", "--memory-limit", "1KiB"))
+    assert result.exit_code == 3, result.output
+    assert "--memory-limit" in result.output and "needs" in result.output
+    assert not (tmp_path / "tuned.yaml").exists()
+
+
+@pytest.mark.dist
+def test_real_search_writes_the_config_and_one_json_object(model_file, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *search_args(model_file(), tmp_path, "--trials", "5", "--steps", "2",
+                                                            "--warmup", "1", "--json")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    config = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert SCHEMA_KEYS <= config.keys()
+    assert summary["launched"] == 5 and summary["config_written"]
+    best = summary["best"]
+    assert (config["schedule"], config["layers_per_stage"]) == (best["schedule"], best["layers_per_stage"])
+    # the chosen config is the fastest median among the candidates that ran
+    assert summary["leaders"][0]["candidate"].startswith(("dp2/", best["schedule"]))
+    assert config["measured"]["throughput_samples_per_s"] == pytest.approx(best["throughput_samples_per_s"])
+
+
+@pytest.mark.dist
+def test_ctrl_c_writes_the_best_so_far_and_resume_continues(model_file, tmp_path):
+    # Each step sleeps a little on the last rank, so there is time to interrupt between trials.
+    path = model_file("if x.device.type != 'meta':\n    time.sleep(0.05)")
+    args = search_args(path, tmp_path, "--trials", "12", "--steps", "2", "--warmup", "1")
+    tuner = subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    deadline = time.time() + 120
+    completed = 0
+    while time.time() < deadline and completed < 2:
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+            completed = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+        except (KeyError, IndexError, Exception):
+            continue
+    tuner.send_signal(signal.SIGINT)
+    _, err = tuner.communicate(timeout=60)
+    assert tuner.returncode == 130, err
+    assert (tmp_path / "tuned.yaml").exists()
+    before = len(optuna.load_study(study_name=study.study_name, storage=storage).trials)
+
+    resumed = runner.invoke(app, [*args[:-6], "--steps", "2", "--warmup", "1", "--trials", "6", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    after = optuna.load_study(study_name=study.study_name, storage=storage).trials
+    assert len(after) > before
+    assert sum(bool(t.user_attrs.get("launched")) for t in after) == 6

@@ -1,0 +1,157 @@
+"""The search loop with a fake trial runner: seeding, pruning, failures as data, re-measurement, resume."""
+
+from __future__ import annotations
+
+import itertools
+
+import optuna
+import pytest
+
+from autotune.candidate import Candidate, Measurement, TrialError
+from autotune.errors import UsageError
+from autotune.model_file import load_model_file
+from autotune.plan import plan
+from autotune.profile import LayerCost, Profile
+from autotune.schedules import Schedule
+from autotune.search import SearchOptions, SearchSpace, _shifted, rule_of_thumb, run_search
+from autotune.simulate import simulate
+from tests.conftest import RECIPES
+
+COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+
+
+def profile() -> Profile:
+    layers = [
+        LayerCost(forward_ms=c, backward_input_ms=c, backward_weight_ms=c, saved_bytes=1000, output_bytes=100,
+                  parameter_bytes=400)
+        for c in COSTS
+    ]
+    return Profile.from_layer_costs(layers, micro_batch_size=4, input_bytes=100)
+
+
+class FakeRunner:
+    """Measures by simulation (plus noise-free scaling), fails on request, counts launches."""
+
+    def __init__(self, fail=lambda c: None, interrupt_after=None):
+        self.calls: list[Candidate] = []
+        self.fail = fail
+        self.interrupt_after = interrupt_after
+
+    def __call__(self, spec, candidate, options):
+        self.calls.append(candidate)
+        if self.interrupt_after is not None and len(self.calls) > self.interrupt_after:
+            raise KeyboardInterrupt
+        kind = self.fail(candidate)
+        if kind:
+            return Measurement(candidate=candidate, status=kind,
+                               error=TrialError(rank=1, kind=kind, message=f"injected {kind}"))
+        step = simulate(profile(), candidate, with_timeline=False).step_time_ms
+        return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
+                           throughput_samples_per_s=candidate.global_batch_size / step * 1000,
+                           peak_memory_bytes=(1000, 1000))
+
+
+@pytest.fixture
+def spec():
+    return load_model_file(RECIPES / "gpt.py")  # any spec: the fake runner never uses it
+
+
+def search(spec, tmp_path, runner, **options):
+    p = profile()
+    opts = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1, **options)
+    planned = plan(p, gpus=2, batch_size=32, memory_limit_bytes=opts.memory_limit_bytes)
+    return run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}",
+                      runner=runner)
+
+
+def test_shifted_keeps_every_stage_non_empty():
+    assert _shifted((3, 3, 2), [1, -1]) == (4, 1, 3)
+    assert _shifted((1, 1, 1), [5, 5]) == (1, 1, 1)
+    assert _shifted((4, 4), [-9]) == (1, 7)
+
+
+def test_rule_of_thumb_is_uniform_1f1b_with_4x_stages():
+    c = rule_of_thumb(8, 2, 32)
+    assert (c.schedule, c.n_microbatches, c.layers_per_stage) == (Schedule.ONE_F_ONE_B, 8, (4, 4))
+
+
+def test_space_round_trips_planned_candidates():
+    p = profile()
+    space = SearchSpace(p, SearchOptions(gpus=2, batch_size=32))
+    for planned in plan(p, gpus=2, batch_size=32, memory_limit_bytes=None)[:10]:
+        params = space.params_for(planned.candidate)
+        assert params is not None
+        trial = optuna.trial.FixedTrial(params)
+        assert space.suggest(trial) == planned.candidate
+
+
+def test_search_chooses_the_fastest_measured_and_respects_budget(spec, tmp_path):
+    runner = FakeRunner()
+    result = search(spec, tmp_path, runner)
+    assert result.launched == len(runner.calls) == 8
+    ok = [r for r in result.records if r.outcome == "ok"]
+    fastest = min(ok, key=lambda r: r.step_time_ms)
+    assert result.best.candidate == fastest.candidate
+    assert result.records[0].phase == "default" and result.records[0].candidate == rule_of_thumb(8, 2, 32)
+    assert any(r.phase == "remeasure" for r in result.records)
+
+
+def test_failed_trials_are_recorded_and_the_search_goes_on(spec, tmp_path):
+    kinds = itertools.cycle(["oom", "error", "timeout", None])
+    runner = FakeRunner(fail=lambda c: next(kinds))
+    result = search(spec, tmp_path, runner)
+    outcomes = {r.outcome for r in result.records}
+    assert {"oom", "error", "timeout"} <= outcomes
+    assert result.best is not None
+    failed = [r for r in result.records if r.outcome == "error"]
+    assert failed and failed[0].reason == "rank 1: injected error"
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
+    states = {t.state for t in study.trials}
+    assert optuna.trial.TrialState.FAIL in states
+
+
+def test_memory_limit_prunes_before_launch(spec, tmp_path):
+    runner = FakeRunner()
+    p = profile()
+    lean = min(simulate(p, pc.candidate, with_timeline=False).peak_memory_bytes[0]
+               for pc in plan(p, gpus=2, batch_size=32, memory_limit_bytes=None))
+    result = search(spec, tmp_path, runner, memory_limit_bytes=lean + 1)
+    pruned = [r for r in result.records if r.outcome == "pruned" and "limit" in r.reason]
+    assert all(max(simulate(p, c, with_timeline=False).peak_memory_bytes) <= lean + 1 for c in runner.calls)
+    assert pruned or all(r.outcome != "pruned" for r in result.records)
+
+
+def test_interrupted_search_resumes_without_losing_trials(spec, tmp_path):
+    first = search(spec, tmp_path, FakeRunner(interrupt_after=3))
+    assert first.interrupted and first.launched == 4
+    done = [r.number for r in first.records if r.launched and r.outcome == "ok"]
+    with pytest.raises(UsageError, match="--resume"):
+        search(spec, tmp_path, FakeRunner())
+    runner = FakeRunner()
+    second = search(spec, tmp_path, runner, resume=True)
+    assert [r.number for r in second.records if r.number in done and r.outcome == "ok"] == done
+    interrupted = [r for r in second.records if r.outcome == "interrupted"]
+    assert len(interrupted) == 1 and interrupted[0].launched
+    assert second.launched == 8  # the budget counts the launches before the interruption
+    assert len(runner.calls) == 8 - 4
+
+
+def test_a_trial_left_running_by_a_crash_is_failed_on_resume(spec, tmp_path):
+    search(spec, tmp_path, FakeRunner(interrupt_after=2))
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
+    crashed = study.ask()  # as if the tuner died (SIGKILL) in the middle of this trial
+    crashed.set_user_attr("launched", True)
+    result = search(spec, tmp_path, FakeRunner(), resume=True)
+    record = next(r for r in result.records if r.number == crashed.number)
+    assert record.outcome == "interrupted" and "died" in record.reason
+    assert study.trials[crashed.number].state == optuna.trial.TrialState.FAIL
+
+
+def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
+    from autotune.search import load_search
+
+    result = search(spec, tmp_path, FakeRunner())
+    loaded, prof, setup = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
+    assert loaded.best.candidate == result.best.candidate
+    assert [r.outcome for r in loaded.records] == [r.outcome for r in result.records]
+    assert prof.n_layers == len(COSTS) and setup["gpus"] == 2 and setup["batch_size"] == 32
