@@ -18,6 +18,10 @@ StageMemory = Callable[[int, int, int], float]
 
 The memory-aware searches are exact when a stage that fits still fits after losing a layer at either end."""
 
+_WORK_BUDGET = 4_000_000
+"""Stage-cost evaluations one balance_for_schedule may spend (a round of moves over S stages costs S^2 (S+1)):
+16 stages use ~0.3-0.5M, 32 stages ~2.8M, so it binds from ~48 stages on, keeping one call under ~0.5 s."""
+
 # Relative slack when comparing a segment sum with a bottleneck drawn from the same prefix sums: a + (b - a) can
 # round one ulp above b.
 _EPS = 1e-12
@@ -143,15 +147,18 @@ def balance_for_schedule(
     # Integer costs (1e-9 of the total each) make every sum exact, so a key that looks lower is lower.
     total = sum(costs) or 1.0
     prefix = list(accumulate((round(c / total * 1e9) for c in costs), initial=0))
+    budget = [_WORK_BUDGET]  # stage-cost evaluations left; bounds the time on big pipelines, deterministically
     search = functools.partial(
         _local_search, prefix, ranks=ranks, pipeline_degree=pipeline_degree, stage_memory=stage_memory,
-        memory_cap=memory_cap,
+        memory_cap=memory_cap, budget=budget,
     )
     best, best_key = min((search(list(accumulate(s, initial=0))) for s in seeds), key=lambda found: found[1])
     # Kicks: move a few random cuts anywhere between their neighbours and descend again; keep what improves.
     # Seeded by the problem, so the same costs always give the same split.
     rng = random.Random(hash((tuple(prefix), pipeline_degree, n_stages)))
     for _ in range(kicks):
+        if budget[0] <= 0:
+            break
         cuts = best.copy()
         for _ in range(rng.randint(1, 3)):
             j = rng.randrange(1, n_stages)
@@ -200,6 +207,7 @@ def _local_search(
     pipeline_degree: int,
     stage_memory: StageMemory | None,
     memory_cap: float | None,
+    budget: list[int],
 ) -> tuple[list[int], tuple[int, ...]]:
     # Moves: shift a run of consecutive cuts j..k by one layer, left or right (k = j moves one cut; longer runs
     # carry load between ranks whose stages are far apart, which single-cut moves cannot). Each round takes the move
@@ -208,7 +216,8 @@ def _local_search(
     #   cuts      0 |  a   b   c   d  | n        shift cuts a..c right by one:
     #   before      [s0 ][ s1 ][ s2 ][ s3 ]      s0 gains a layer, s1 and s2 slide by one, s3 loses one
     key = _key(prefix, cuts, ranks, pipeline_degree)
-    while True:
+    while budget[0] > 0:
+        budget[0] -= len(ranks) * len(ranks) * (len(ranks) + 1)  # one round: ~S^2 moves of O(S) each
         best: tuple[tuple[int, ...], list[int]] | None = None
         for j in range(1, len(cuts) - 1):
             for k in range(j, len(cuts) - 1):
@@ -229,8 +238,9 @@ def _local_search(
                     ):
                         best = (moved_key, moved)
         if best is None:
-            return cuts, key
+            break
         key, cuts = best
+    return cuts, key
 
 
 def _key(prefix: list[int], cuts: list[int], ranks: list[int], pipeline_degree: int) -> tuple[int, ...]:

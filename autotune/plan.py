@@ -90,9 +90,15 @@ def plan(
                 if point.first:
                     points.append(point)
     if not points:
+        if gpus > n_layers:
+            raise InvalidCandidateError(
+                f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "
+                f"one layer); use --gpus {n_layers} or fewer"
+            )
+        names = ", ".join(s.value for s in chosen)
         raise InvalidCandidateError(
-            f"no schedule can run the model's {n_layers} layers over {gpus} pipeline ranks with batch size "
-            f"{batch_size}; use --gpus {min(gpus, n_layers)} or fewer (a stage needs at least one layer)"
+            f"none of {names} runs {n_layers} layers over {gpus} pipeline ranks with any micro-batch count dividing "
+            f"batch size {batch_size}; use a larger batch size (a multiple of {gpus}) or add GPipe"
         )
     planned: dict[str, PlannedCandidate] = {}
     best: list[float] = []  # the best feasible step time so far, once there is one

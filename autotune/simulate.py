@@ -13,7 +13,6 @@ from autotune.candidate import Candidate
 from autotune.errors import AutotuneError, UsageError
 from autotune.profile import LayerCost, Profile
 from autotune.schedules import Action, ActionKind, Schedule, action_lists, stage_ranks
-from autotune.units import format_bytes
 
 
 class DeadlockError(AutotuneError):
@@ -390,7 +389,7 @@ class _Plan:
     """Per stage, the most micro-batches held at once."""
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
 def _compiled(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> _Plan:
     lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
     return _compile(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
@@ -497,10 +496,3 @@ def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatche
         stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
         in_flight=tuple(in_flight),
     )
-
-
-def describe_memory(peaks: Sequence[int], limit: int | None) -> str:
-    """'1.2 GiB / 1.0 GiB on rank 0' style summary of the tightest rank."""
-    worst = max(range(len(peaks)), key=lambda r: peaks[r])
-    cap = f" / {format_bytes(limit)}" if limit is not None else ""
-    return f"{format_bytes(peaks[worst])}{cap} on rank {worst}"
