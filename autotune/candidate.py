@@ -151,6 +151,9 @@ class Measurement:
     throughput_samples_per_s: float | None = None
     peak_memory_bytes: tuple[int, ...] = ()
     """Per global rank: CUDA allocator peak, or live tensor bytes tracked on CPU (see trial.memory)."""
+    peak_activation_bytes: tuple[int, ...] = ()
+    """Per global rank: peak of the activations autograd saved for backward, part of peak_memory_bytes (see
+    trial.memory.SavedActivationBytes); empty for measurements from before it was recorded."""
     loss: float | None = None
     """Mean loss of the last measured step."""
     error: TrialError | None = None
@@ -166,6 +169,7 @@ class Measurement:
             "step_time_ms": self.step_time_ms,
             "throughput_samples_per_s": self.throughput_samples_per_s,
             "peak_memory_bytes": list(self.peak_memory_bytes),
+            "peak_activation_bytes": list(self.peak_activation_bytes),
             "loss": self.loss,
             "step_times_ms": list(self.step_times_ms),
             "wall_time_s": self.wall_time_s,
@@ -185,6 +189,7 @@ class Measurement:
             step_times_ms=tuple(data.get("step_times_ms", ())),
             throughput_samples_per_s=data.get("throughput_samples_per_s"),
             peak_memory_bytes=tuple(data.get("peak_memory_bytes", ())),
+            peak_activation_bytes=tuple(data.get("peak_activation_bytes", ())),
             loss=data.get("loss"),
             error=TrialError(**error) if error else None,
             wall_time_s=float(data.get("wall_time_s", 0.0)),

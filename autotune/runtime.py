@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune.candidate import Candidate
 from autotune.model_file import ModelSpec, build_layers, build_optimizer, load_model_file
-from autotune.schedules import SCHEDULES, stages_of_rank
+from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
@@ -227,10 +227,40 @@ def build_pipeline(
 
 def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
     """torch's schedule object for the candidate's schedule over this rank's stages."""
-    cls = getattr(torch_schedules, SCHEDULES[candidate.schedule].torch_class)
+    torch_class = SCHEDULES[candidate.schedule].torch_class
+    if torch_class is None:
+        return _run_own_order(candidate, stages, loss_fn=loss_fn)
+    cls = getattr(torch_schedules, torch_class)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
+
+
+_TORCH_KINDS = {
+    "F": torch_schedules._ComputationType.FORWARD,
+    "B": torch_schedules._ComputationType.FULL_BACKWARD,
+    "I": torch_schedules._ComputationType.BACKWARD_INPUT,
+    "W": torch_schedules._ComputationType.BACKWARD_WEIGHT,
+}
+
+
+def _run_own_order(
+    candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]
+) -> torch_schedules._PipelineScheduleRuntime:
+    """A schedule torch does not ship (VHalf, VMin): our action lists, the ones the simulator replays, on torch's
+    runtime. The one place that uses torch's private pipelining API, as torchtitan's CSV schedules do (torch 2.13):
+    `pipeline_order` holds every rank's compute actions, and `_prepare_schedule_with_comms` validates them, infers
+    the stage -> rank placement from them and inserts the sends and receives."""
+    lists = action_lists(candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages)
+    schedule = torch_schedules._PipelineScheduleRuntime(
+        stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn
+    )
+    schedule.pipeline_order = {
+        rank: [torch_schedules._Action(a.stage, _TORCH_KINDS[a.kind], a.microbatch) for a in actions]
+        for rank, actions in enumerate(lists)
+    }
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    return schedule
 
 
 def setup_pipeline(

@@ -24,6 +24,10 @@ class Schedule(str, enum.Enum):
     INTERLEAVED_ZERO_BUBBLE = "InterleavedZeroBubble"
     ZBV_ZERO_BUBBLE = "ZBVZeroBubble"
     DUAL_PIPE_V = "DualPipeV"
+    V_HALF = "VHalf"
+    """Qi et al. 2024, controllable memory: about 1/2 of 1F1B's activations; torch has no class, see vshape."""
+    V_MIN = "VMin"
+    """Qi et al. 2024, controllable memory: about 1/3 of 1F1B's activations; torch has no class, see vshape."""
 
     def __str__(self) -> str:
         return self.value
@@ -35,8 +39,9 @@ class ScheduleInfo:
     """single: one stage per rank; loop: rank r holds r, r+pp, ...; v: rank r holds r and 2pp-1-r."""
     stages_per_rank: int | None
     """Fixed number of stages per rank, or None where any v >= 2 works (loop placement)."""
-    torch_class: str
-    """Class name in torch.distributed.pipelining.schedules."""
+    torch_class: str | None
+    """Class name in torch.distributed.pipelining.schedules; None for a schedule torch does not ship, whose order
+    autotune generates (action_lists) and runs on torch's _PipelineScheduleRuntime (runtime.make_schedule)."""
 
 
 SCHEDULES: dict[Schedule, ScheduleInfo] = {
@@ -51,6 +56,8 @@ SCHEDULES: dict[Schedule, ScheduleInfo] = {
     ),
     Schedule.ZBV_ZERO_BUBBLE: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleZBVZeroBubble"),
     Schedule.DUAL_PIPE_V: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleDualPipeV"),
+    Schedule.V_HALF: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None),
+    Schedule.V_MIN: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None),
 }
 
 
@@ -122,6 +129,8 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
             f"DualPipeV needs at least 2 x pp = {2 * pipeline_degree} micro-batches, got {n_microbatches}; "
             f"pass --microbatches {2 * pipeline_degree} or more"
         )
+    # VHalf and VMin need exactly 2 stages per rank (checked above) and nothing of n_microbatches: autotune.vshape
+    # builds a valid order for any count; with fewer micro-batches than the memory cap the cap just never binds.
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,8 @@ class Action:
 
 def action_lists(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[list[Action]]:
     """Per-rank compute actions in execution order, taken from torch's own schedule so the simulator replays
-    exactly what the runtime runs. Communication is left to the simulator's link model."""
+    exactly what the runtime runs; 1F1B, VHalf and VMin are generated here, and the runtime runs VHalf and VMin
+    from these very lists. Communication is left to the simulator's link model."""
     return [list(rank_actions) for rank_actions in _action_lists(schedule, pipeline_degree, n_microbatches, n_stages)]
 
 
@@ -146,13 +156,18 @@ def action_lists(schedule: Schedule, pipeline_degree: int, n_microbatches: int, 
 def _action_lists(
     schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int
 ) -> tuple[tuple[Action, ...], ...]:
-    from torch.distributed.pipelining import _schedule_visualizer
-
     validate_schedule(schedule, pipeline_degree=pipeline_degree, n_microbatches=n_microbatches, n_stages=n_stages)
+    if schedule in (Schedule.V_HALF, Schedule.V_MIN):
+        from autotune.vshape import v_shape_actions
+
+        lists = v_shape_actions("half" if schedule is Schedule.V_HALF else "min", pipeline_degree, n_microbatches)
+        return tuple(tuple(rank_actions) for rank_actions in lists)
     if schedule is Schedule.ONE_F_ONE_B:
         # torch 2.13's get_schedule_ops shifts the last rank's forward micro-batch indices by one (1F4 with 4
         # micro-batches); Schedule1F1B itself runs the textbook order, written out here.
         return tuple(tuple(one_f_one_b(rank, pipeline_degree, n_microbatches)) for rank in range(pipeline_degree))
+    from torch.distributed.pipelining import _schedule_visualizer
+
     ops = _schedule_visualizer.get_schedule_ops(
         schedule.value, pipeline_degree, n_microbatches, num_stages_per_rank=n_stages // pipeline_degree
     )

@@ -234,6 +234,7 @@ def _measure(
             step_times_ms=tuple(per_step),
             throughput_samples_per_s=candidate.global_batch_size / (step_ms / 1000),
             peak_memory_bytes=tuple(int(r["peak_memory_bytes"]) for r in per_rank),
+            peak_activation_bytes=tuple(int(r["peak_activation_bytes"]) for r in per_rank),
             loss=sum(losses) / len(losses) if losses else None,
             phases_s=phases,
             **base,

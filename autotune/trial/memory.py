@@ -1,4 +1,5 @@
-"""Peak memory of one training step on a rank: the CUDA allocator's peak, or on CPU a tracker of live tensor bytes.
+"""Peak memory of one training step on a rank: the CUDA allocator's peak, or on CPU a tracker of live tensor bytes;
+and on both, the peak of saved activations alone (SavedActivationBytes).
 
 What the CPU tracker counts: the bytes of every tensor storage alive in the rank's process at the start of the
 tracked step (parameters, gradients, optimizer state, the global batch, torch's receive buffers), plus every storage
@@ -14,9 +15,11 @@ import gc
 import re
 import warnings
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -74,6 +77,74 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)
+
+
+class SavedActivationBytes:
+    """Counts the bytes autograd keeps for backward (saved activations) while they are kept; `peak_bytes` is the
+    high-water mark.
+
+    pack() wraps each saved tensor in a holder whose lifetime is counted, not the tensor's: a receive buffer or a
+    stage output outlives the graph, but the graph lets go of its holder when the backward (W, after a split
+    backward) is done. Each storage counts once however many holders share it (a layer's output saved again as the
+    next layer's input). Not counted: parameters (and views of them, such as a Linear's weight.t()), the storages
+    in `exclude` (the step's batch: it lives anyway), and, with activation checkpointing, what checkpoint's own
+    hooks keep and recompute."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._holders: dict[int, list[int]] = {}
+        """storage data_ptr -> [live holders, storage bytes]."""
+
+    def __enter__(self) -> SavedActivationBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return tensor
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        key = storage.data_ptr()
+        if key == 0 or key in self._excluded:
+            return tensor
+        entry = self._holders.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live_bytes += entry[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        # detach(): a tensor autograd saves may be the op's own output; holding it with its grad_fn would make a
+        # reference cycle through autograd's graph (grad_fn -> holder -> tensor -> grad_fn).
+        return _SavedHolder(tensor.detach(), lambda: self._release(key))
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _SavedHolder) else packed
+
+    def _release(self, key: int) -> None:
+        entry = self._holders[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._holders[key]
+
+
+class _SavedHolder:
+    __slots__ = ("_on_free", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, on_free: Callable[[], None]) -> None:
+        self.tensor = tensor
+        self._on_free = on_free
+
+    def __del__(self) -> None:
+        self._on_free()
 
 
 _ALLOC_BYTES = re.compile(r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?")

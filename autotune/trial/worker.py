@@ -27,7 +27,7 @@ import torch.distributed.pipelining  # noqa: F401  (preloaded by the fork server
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
 from autotune.runtime import RankLayout, build_pipeline, init_groups
-from autotune.trial.memory import LiveTensorBytes, is_out_of_memory, requested_bytes
+from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
 
 _COMMS_MARKERS = (
     "Connection closed by peer",
@@ -120,10 +120,10 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
 
     # Warm-up: the first step infers shapes and creates optimizer state; the last warm-up step is the tracked one.
     t0 = time.perf_counter()
-    peak_bytes = 0
+    peak_bytes = activation_bytes = 0
     for i in range(max(job.warmup, 1)):
         if i == max(job.warmup, 1) - 1:
-            peak_bytes = _tracked_step(pipe, inputs, targets, job, device)
+            peak_bytes, activation_bytes = _tracked_step(pipe, inputs, targets, job, device)
         else:
             pipe.step(inputs, targets)
     phases["warmup"] = time.perf_counter() - t0
@@ -149,21 +149,32 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         "step_times_ms": step_times_ms,
         "median_step_time_ms": statistics.median(step_times_ms) if step_times_ms else None,
         "peak_memory_bytes": peak_bytes,
+        "peak_activation_bytes": activation_bytes,
         "loss": float(torch.stack(losses).float().mean()) if losses else None,
         "phases_s": phases,
     }
 
 
-def _tracked_step(pipe: Any, inputs: torch.Tensor, targets: torch.Tensor, job: RankJob, device: torch.device) -> int:
+def _tracked_step(
+    pipe: Any, inputs: torch.Tensor, targets: torch.Tensor, job: RankJob, device: torch.device
+) -> tuple[int, int]:
+    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank."""
+    if device.type == "cpu" or pipe.candidate.data_parallel_degree == 1:
+        # The batch on the device first (a no-op on CPU; with one replica, the copy the step makes anyway), so the
+        # micro-batches the first stage saves are views of an excluded storage: the batch is there whatever the
+        # schedule. With dp > 1 on CUDA the step copies only its replica's rows, and rank 0 counts that copy.
+        inputs, targets = inputs.to(device), targets.to(device)
+    activations = SavedActivationBytes(exclude=[*pipe.parameters(), inputs, targets])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        pipe.step(inputs, targets)
+        with activations:
+            pipe.step(inputs, targets)
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker:
+        return int(torch.cuda.max_memory_allocated(device)), activations.peak_bytes
+    with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker, activations:
         pipe.step(inputs, targets)
-    return tracker.peak_bytes
+    return tracker.peak_bytes, activations.peak_bytes
 
 
 def _classify(rank: int, exc: BaseException) -> dict[str, Any]:
