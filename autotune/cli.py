@@ -65,17 +65,22 @@ def _main(
 
 
 @contextlib.contextmanager
-def _errors_to_exit_codes() -> Iterator[None]:
-    """One line on stderr and the error's exit code; tracebacks only with --debug."""
+def _errors_to_exit_codes(json_output: bool = False) -> Iterator[None]:
+    """One line on stderr and the error's exit code; tracebacks only with --debug. With --json, stdout also gets
+    one JSON object {"status": "error", "error": ..., "exit_code": ...}, so scripts always have one to parse."""
     try:
         yield
     except AutotuneError as exc:
         if _state["debug"]:
             raise
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        if json_output:
+            _print_json({"status": "error", "error": str(exc), "exit_code": exc.exit_code})
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err_console.print("interrupted", highlight=False)
+        if json_output:
+            _print_json({"status": "interrupted", "error": "interrupted", "exit_code": EXIT_INTERRUPTED})
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
@@ -128,7 +133,7 @@ def trial(
 
     Example: `autotune trial recipes/mlp.py --gpus 2 --device cpu --batch-size 32 --microbatches 4 --schedule 1F1B`
     """
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(json_output):
         from autotune.candidate import Candidate, uniform_split
         from autotune.devices import resolve_device
         from autotune.errors import UsageError
@@ -257,7 +262,7 @@ def profile_command(
 
     Example: `autotune profile recipes/mlp.py --batch-size 64 --device cpu`
     """
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(json_output):
         from autotune.devices import resolve_device
         from autotune.model_file import check_model, load_model_file
         from autotune.profile import profile_model
@@ -297,7 +302,7 @@ def plan_command(
 
     Example: `autotune plan recipes/gpt.py --gpus 4 --batch-size 64 --device cpu --memory-limit 512MiB`
     """
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(json_output):
         from autotune.devices import device_memory_bytes, resolve_device
         from autotune.model_file import check_model, load_model_file
         from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
@@ -362,7 +367,7 @@ def _render_profile(profile: Any) -> None:
 
     largest = profile.micro_batch_sizes[-1]
     table = Table(title=f"per layer, micro-batch size {largest} ({profile.device})")
-    for column in ("#", "layer", "params", "forward ms", "input-grad ms", "weight-grad ms", "saved", "output"):
+    for column in ("#", "layer", "params", "fwd ms", "in-grad ms", "w-grad ms", "saved", "output"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     for i, layer in enumerate(profile.layers):
         table.add_row(
@@ -404,11 +409,11 @@ def _render_plan(
 
     title = f"plan: {gpus} ranks, batch {batch_size}" + (f", limit {format_bytes(limit)}/rank" if limit else "")
     table = Table(title=title)
-    for column in ("#", "schedule", "B/M", "M", "layers per stage", "step ms", "samples/s", "bubble", "peak memory"):
+    for column in ("#", "schedule", "B/M", "M", "layers per stage", "step ms", "samples/s", "bubble", "peak mem"):
         table.add_column(column, justify="left" if column in ("schedule", "layers per stage") else "right")
     for i, p in enumerate(planned, start=1):
         c, e = p.candidate, p.estimate
-        peak = format_bytes(max(e.peak_memory_bytes)) + (f" / {format_bytes(limit)}" if limit else "")
+        peak = format_bytes(max(e.peak_memory_bytes))  # the fullest rank; the limit is in the title
         table.add_row(
             str(i), c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""), str(c.n_microbatches),
             str(c.micro_batch_size), ",".join(map(str, c.layers_per_stage)), f"{e.step_time_ms:.1f}",
@@ -464,7 +469,7 @@ def search(
 
     Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
     """
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(json_output):
         _search(**locals())
 
 
@@ -668,6 +673,99 @@ class _SearchProgress:
         )
         best_text = f"best {best.throughput_samples_per_s:.0f} samples/s ({best.candidate.key})" if best else ""
         self.progress.update(self.task, completed=launched, description=best_text)
+
+
+@app.command(epilog="Exit codes: 0 still fits and within tolerance, 1 regressed (or the trial failed), 2 the config "
+             "does not match the model (or cannot be read), 3 no longer fits the memory limit, 4 cannot launch.")
+def check(
+    config: Annotated[Path, typer.Argument(help="A tuned config written by autotune search.")],
+    model: Annotated[Path | None, typer.Option(help="The model file. Default: the config's model path.")] = None,
+    tolerance: Annotated[float, typer.Option(min=0, max=1, help="Allowed slowdown vs the recorded throughput.")] = 0.05,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs at most, before a slowdown counts as a regression.")] = 3,
+    memory_limit: Annotated[
+        str | None, typer.Option("--memory-limit", help="Override the config's memory limit, e.g. 40GiB.")
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps per run.")] = 5,
+    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per run.")] = 2,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Re-run a tuned config's trial, for CI: does it still match the model, fit the memory limit, and run within
+    `--tolerance` of the recorded throughput? A slow run is repeated (up to `--repeats`) and the median decides.
+
+    Example: `autotune check autotune.yaml --device cpu --json`
+    """
+    with _errors_to_exit_codes(json_output):
+        from autotune.check import check_config, resolve_model
+        from autotune.devices import resolve_device
+        from autotune.trial import TrialOptions
+        from autotune.tuned_config import load_config
+        from autotune.units import format_bytes, parse_size
+
+        tuned = load_config(config)
+        spec = resolve_model(tuned, config, model)
+        limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
+        options = TrialOptions(steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(device.value))
+        with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
+            result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)
+        if json_output:
+            _print_json(result.to_dict())
+        else:
+            colour = "green" if result.status == "ok" else "red"
+            console.print(f"[{colour}]{result.status}[/{colour}]: {result.message}", highlight=False)
+        codes = {"ok": 0, "regressed": EXIT_INTERNAL, "failed": EXIT_INTERNAL, "oom": EXIT_INFEASIBLE}
+        if codes[result.status]:
+            raise typer.Exit(codes[result.status])
+
+
+
+@app.command(
+    "report",
+    epilog="Exit codes: 0 written, 1 internal error, 2 no such config or study, a masked password in the config's "
+    "storage URL (pass --storage), or the report folder cannot be written.",
+)
+def report_command(
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="A tuned config written by `autotune search`; its search.storage and search.study name the study."),
+    ] = None,
+    storage: Annotated[
+        str | None, typer.Option(help="Optuna storage URL of the study; overrides the config's (whose password is masked).")
+    ] = None,
+    study_name: Annotated[str | None, typer.Option(help="The study's name; overrides the config's.")] = None,
+    report_dir: Annotated[Path, typer.Option(help="Where to write report.md, figures/ and report.html.")] = Path(
+        "autotune-report"
+    ),
+) -> None:
+    """Rebuild the report of a search from its study: report.md with figures/*.png beside it, and one self-contained
+    report.html (figures inlined, opens offline). It says which config was chosen, by how much it beats the
+    rule-of-thumb default and why, with every trial, the warnings that apply and the exports.
+
+    Example: `autotune report autotune.yaml --report-dir autotune-report` or
+    `autotune report --storage sqlite:///.autotune/mlp-cpu-g2-b256.db --study-name mlp-cpu-g2-b256`
+    """
+    with _errors_to_exit_codes():
+        from autotune.errors import AutotuneError
+        from autotune.model_file import load_model_file
+        from autotune.report import write_search_report
+        from autotune.report.source import load_study, locate_study
+
+        source = locate_study(config, storage, study_name)
+        result, profile, setup = load_study(source)
+        spec = None
+        model = Path(str(setup.get("model") or profile.model or ""))
+        if model.name and model.is_file():
+            try:
+                spec = load_model_file(model)
+            except AutotuneError as exc:
+                err_console.print(f"[yellow]warning:[/yellow] no BatchNorm check: {exc}", highlight=False)
+        with err_console.status(f"writing the report of study {source.study_name}..."):
+            written = write_search_report(
+                result, spec=spec, profile=profile, config_path=source.config_path, report_dir=report_dir,
+                memory_limit_bytes=setup.get("memory_limit_bytes"), setup=setup,
+            )
+    console.print(f"wrote {written / 'report.md'} (figures in {written / 'figures'}) and {written / 'report.html'}",
+                  highlight=False, soft_wrap=True)
 
 
 def main() -> None:

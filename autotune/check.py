@@ -1,0 +1,118 @@
+"""Re-verify a tuned config: does it still match the model, still fit the memory limit, still run as fast as recorded?
+
+Noise-aware: one run that comes within tolerance passes at once; a slower one is repeated, and only the median of
+all runs decides a regression, so a single unlucky run on a busy machine does not fail a CI job.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from autotune.candidate import Measurement
+from autotune.errors import ConfigError, InvalidCandidateError
+from autotune.model_file import ModelSpec, check_model, load_model_file
+from autotune.trial import TrialOptions, TrialRunner, run_trial
+from autotune.tuned_config import TunedConfig
+from autotune.units import format_bytes
+
+CheckStatus = Literal["ok", "regressed", "oom", "failed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckResult:
+    status: CheckStatus
+    """ok: fits and within tolerance; regressed: slower than recorded; oom: no longer fits; failed: error/timeout."""
+    message: str
+    recorded_throughput_samples_per_s: float
+    measured_throughput_samples_per_s: float | None
+    """Median over the runs that finished."""
+    ratio: float | None
+    """measured / recorded."""
+    tolerance: float
+    runs: tuple[Measurement, ...] = field(default_factory=tuple)
+    memory_limit_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        last = self.runs[-1] if self.runs else None
+        return {
+            "status": self.status,
+            "message": self.message,
+            "recorded_throughput_samples_per_s": self.recorded_throughput_samples_per_s,
+            "measured_throughput_samples_per_s": self.measured_throughput_samples_per_s,
+            "ratio": self.ratio,
+            "tolerance": self.tolerance,
+            "runs": [m.throughput_samples_per_s for m in self.runs],
+            "peak_memory_bytes": list(last.peak_memory_bytes) if last else [],
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "error": None if last is None or last.error is None else last.error.message,
+        }
+
+
+def resolve_model(config: TunedConfig, config_path: Path, model: Path | None) -> ModelSpec:
+    """The model the config is for (--model, else the config's path as written or next to the config), checked
+    against what the config recorded: a changed layer count means the config no longer applies."""
+    if model is None:
+        written = Path(config.model)
+        candidates = [written, config_path.parent / written] if not written.is_absolute() else [written]
+        model = next((p for p in candidates if p.exists()), written)
+    spec = load_model_file(model)
+    if spec.n_layers != config.model_layers:
+        raise ConfigError(
+            f"{config_path}: the config is for a model of {config.model_layers} layers but {model} has "
+            f"{spec.n_layers}; the model changed: run autotune search again to write a new config"
+        )
+    try:
+        config.candidate.validate(spec.n_layers)
+    except InvalidCandidateError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+    check_model(spec, config.global_batch_size)
+    return spec
+
+
+def check_config(
+    config: TunedConfig,
+    spec: ModelSpec,
+    *,
+    tolerance: float = 0.05,
+    repeats: int = 3,
+    options: TrialOptions,
+    runner: TrialRunner = run_trial,
+) -> CheckResult:
+    recorded = config.measured.throughput_samples_per_s
+    runs: list[Measurement] = []
+    while len(runs) < max(1, repeats):
+        m = runner(spec, config.candidate, options)
+        runs.append(m)
+        if m.status == "oom":
+            peak = f" ({format_bytes(m.error.bytes_requested)} asked)" if m.error and m.error.bytes_requested else ""
+            return CheckResult(
+                status="oom", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
+                measured_throughput_samples_per_s=None, ratio=None, memory_limit_bytes=options.memory_limit_bytes,
+                message=f"the config no longer fits the memory limit of {format_bytes(options.memory_limit_bytes)}"
+                f"{peak} on rank {m.error.rank if m.error else '?'}: run autotune search again, or raise the limit",
+            )
+        if m.status != "ok":
+            return CheckResult(
+                status="failed", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
+                measured_throughput_samples_per_s=None, ratio=None, memory_limit_bytes=options.memory_limit_bytes,
+                message=f"the trial ended with {m.status}: {m.error.message if m.error else 'no reason given'}",
+            )
+        if m.throughput_samples_per_s is not None and m.throughput_samples_per_s >= recorded * (1 - tolerance):
+            break  # within tolerance: no need to repeat
+    measured = statistics.median(m.throughput_samples_per_s or 0.0 for m in runs)
+    ratio = measured / recorded
+    if ratio >= 1 - tolerance:
+        return CheckResult(
+            status="ok", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
+            measured_throughput_samples_per_s=measured, ratio=ratio, memory_limit_bytes=options.memory_limit_bytes,
+            message=f"fits and runs at {measured:.1f} samples/s, {ratio:.0%} of the recorded {recorded:.1f}",
+        )
+    return CheckResult(
+        status="regressed", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
+        measured_throughput_samples_per_s=measured, ratio=ratio, memory_limit_bytes=options.memory_limit_bytes,
+        message=f"regressed: {measured:.1f} samples/s (median of {len(runs)} runs) is {1 - ratio:.0%} below the "
+        f"recorded {recorded:.1f} (tolerance {tolerance:.0%}); run autotune search to refresh the config",
+    )
