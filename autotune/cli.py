@@ -89,6 +89,14 @@ def _print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def _start_fork_server() -> None:
+    """Rank processes fork from a server that imports torch; start it now so that its import overlaps this
+    process's own (torch, the model file, profiling) instead of following it."""
+    from autotune.trial import server
+
+    server.start()
+
+
 def _parse_split(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -134,6 +142,7 @@ def trial(
     Example: `autotune trial recipes/mlp.py --gpus 2 --device cpu --batch-size 32 --microbatches 4 --schedule 1F1B`
     """
     with _errors_to_exit_codes(json_output):
+        _start_fork_server()
         from autotune.candidate import Candidate, uniform_split
         from autotune.devices import resolve_device
         from autotune.errors import UsageError
@@ -470,6 +479,7 @@ def search(
     Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
     """
     with _errors_to_exit_codes(json_output):
+        _start_fork_server()
         _search(**locals())
 
 
@@ -696,6 +706,7 @@ def check(
     Example: `autotune check autotune.yaml --device cpu --json`
     """
     with _errors_to_exit_codes(json_output):
+        _start_fork_server()
         from autotune.check import check_config, resolve_model
         from autotune.devices import resolve_device
         from autotune.trial import TrialOptions

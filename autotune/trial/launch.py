@@ -14,7 +14,6 @@ torch.distributed is the culprit, the ranks waiting in torch.distributed are its
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -23,10 +22,8 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +31,7 @@ from typing import Any, Protocol
 from autotune.candidate import Candidate, Measurement, TrialError
 from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
+from autotune.trial import server
 from autotune.trial.worker import RankJob, run_rank
 
 log = logging.getLogger(__name__)
@@ -68,12 +66,12 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
     trial (oom, error, timeout are returned as data); raises LaunchError when ranks cannot be started at all."""
     candidate.validate(spec.n_layers)
     _check_device(options.device, candidate.world_size)
-    context = _context()
+    ctx = server.context()
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
     started = time.time()
     processes: list[Any] = []
     try:
-        server_pid = _fork_server_pid()
+        server_pid = server.start()
         for rank in range(candidate.world_size):
             job = RankJob(
                 rank=rank,
@@ -89,8 +87,8 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
                 launched_at=started,
                 parent_pid=server_pid,
             )
-            process = context.Process(target=run_rank, args=(job,), name=f"autotune-rank-{rank}")
-            with _main_module_hidden():
+            process = ctx.Process(target=run_rank, args=(job,), name=f"autotune-rank-{rank}")
+            with server.main_module_hidden():
                 process.start()
             processes.append(process)
         timed_out = _wait(processes, deadline=started + options.timeout_s)
@@ -104,39 +102,6 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
             log.warning("rank logs kept in %s", run_dir)
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _context() -> Any:
-    context = multiprocessing.get_context("forkserver")
-    # torchrun's default too: one OpenMP thread per rank. Read by the fork server when it starts.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context.set_forkserver_preload(["torch", "torch.distributed.pipelining", "autotune.trial.worker"])
-    return context
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """multiprocessing re-imports the caller's __main__ in every child (spawn semantics): a user's script without
-    an `if __name__ == "__main__":` guard would run again in each rank. Ranks need nothing from __main__, so it is
-    hidden while a rank starts."""
-    main = sys.modules["__main__"]
-    saved_file = main.__dict__.pop("__file__", None)
-    saved_spec = getattr(main, "__spec__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__spec__ = saved_spec
-        if saved_file is not None:
-            main.__file__ = saved_file
-
-
-def _fork_server_pid() -> int | None:
-    from multiprocessing import forkserver
-
-    with _main_module_hidden():
-        forkserver.ensure_running()
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # type: ignore[attr-defined]
 
 
 def _check_device(device: str, world_size: int) -> None:

@@ -1,0 +1,34 @@
+import pytest
+
+from autotune import model_file
+from autotune.errors import ModelFileError
+from tests.conftest import RECIPES
+
+NON_SCALAR = """
+import torch
+from torch import nn
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+def loss_fn(output, target):
+    return (output - target) ** 2
+"""
+
+
+@pytest.mark.parametrize("threshold", [0, model_file.REAL_CHECK_MAX_BYTES], ids=["meta-device", "real"])
+def test_check_model_catches_a_non_scalar_loss_either_way(tmp_path, monkeypatch, threshold):
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", threshold)
+    path = tmp_path / "model.py"
+    path.write_text(NON_SCALAR)
+    spec = model_file.load_model_file(path)
+    with pytest.raises(ModelFileError, match="returned a tensor of shape"):
+        model_file.check_model(spec, 8)
+
+
+@pytest.mark.parametrize("recipe", ["mlp", "gpt", "cnn"])
+def test_recipes_pass_the_meta_device_check(monkeypatch, recipe):
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", 0)
+    spec = model_file.load_model_file(RECIPES / f"{recipe}.py")
+    model_file.check_model(spec, 4)
+    assert spec.n_layers >= 8 and not spec.has_batchnorm
