@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining  # noqa: F401  (preloaded by the fork server)
+import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
@@ -69,6 +69,8 @@ def run_rank(job: RankJob) -> None:
     """Process entry point (fork server child). Never raises: the outcome is written to a file."""
     run_dir = Path(job.run_dir)
     _die_with_parent(job.parent_pid)
+    # As torchrun does, so the user's code can tell which rank it runs on.
+    os.environ.update(RANK=str(job.rank), LOCAL_RANK=str(job.rank), WORLD_SIZE=str(job.world_size))
     log = open(run_dir / f"log-{job.rank}.txt", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
