@@ -1,0 +1,217 @@
+"""Pure: the report as a list of blocks (headings, paragraphs, tables, figures, code), rendered to Markdown and HTML
+by markdown.py and html.py so both say the same thing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import autotune
+from autotune.candidate import Measurement
+from autotune.report.facts import ReportFacts
+from autotune.report.figures import FigureImage, is_repeat
+from autotune.report.measures import describe_gain
+from autotune.search import TrialRecord
+from autotune.simulate import Estimate
+from autotune.tuned_config import mask_password
+from autotune.units import format_bytes
+
+Align = Literal["left", "right"]
+
+
+@dataclass(frozen=True)
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    text: str
+    """Inline Markdown: `code`, **bold**, *italic*."""
+
+
+@dataclass(frozen=True)
+class Bullets:
+    items: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    align: tuple[Align, ...]
+    highlight: tuple[int, ...] = ()
+    """Row indices to emphasise (the chosen config's trials)."""
+
+
+@dataclass(frozen=True)
+class Code:
+    text: str
+    language: str = ""
+
+
+@dataclass(frozen=True)
+class Image:
+    figure: FigureImage
+
+
+@dataclass(frozen=True)
+class Callout:
+    title: str
+    text: str
+
+
+Block = Heading | Paragraph | Bullets | Table | Code | Image | Callout
+
+
+def build_document(facts: ReportFacts, figures: Sequence[FigureImage]) -> list[Block]:
+    """The report, top to bottom: the answer first, then why, warnings, figures, every trial, how to reproduce."""
+    blocks: list[Block] = [Heading(1, facts.title)]
+    blocks += _summary(facts)
+    if facts.warnings:
+        blocks.append(Heading(2, "Warnings"))
+        blocks += [Callout(w.title, w.text) for w in facts.warnings]
+    if facts.why:
+        blocks += [Heading(2, "Why this configuration"), Bullets(facts.why)]
+    if figures:
+        blocks.append(Heading(2, "Figures"))
+        for figure in figures:
+            blocks += [Heading(3, figure.title), Image(figure), Paragraph(figure.caption)]
+    blocks += [Heading(2, "Every trial"), *_trials(facts)]
+    blocks += [Heading(2, "Reproduce")]
+    for what, command in facts.commands:
+        blocks += [Paragraph(what + ":"), Code(command, "bash")]
+    if facts.exports:
+        blocks += [
+            Heading(2, "Use the config in another trainer"),
+            Paragraph("The same settings exported with `autotune export CONFIG --format ...`; comments in each name "
+                      "what the target cannot express."),
+        ]
+        for fmt, language, text in facts.exports:
+            blocks += [Heading(3, fmt), Code(text.rstrip("\n"), language)]
+    blocks.append(Paragraph(_footer(facts)))
+    return blocks
+
+
+def _summary(facts: ReportFacts) -> list[Block]:
+    chosen = facts.chosen
+    if chosen is None:
+        return [Paragraph("**No configuration was chosen**: no trial of this search ran successfully. The warnings "
+                          "and the trial table below say why each one failed.")]
+    c = chosen.candidate
+    layout = f"{c.pipeline_degree} pipeline rank(s) x {c.data_parallel_degree} data-parallel replica(s)"
+    extras = [x for x in ("activation checkpointing" if c.activation_checkpointing else "",
+                          "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "") if x]
+    text = (
+        f"**Chosen configuration: `{c.key}`** — schedule **{c.schedule.value}**, {layout}, **B/M = "
+        f"{c.n_microbatches}** micro-batches of {c.micro_batch_size} samples, layers per stage "
+        f"**{list(c.layers_per_stage)}**" + (", " + ", ".join(extras) if extras else "") + ". "
+        f"It ran at **{chosen.throughput_samples_per_s or 0:.0f} samples/s** ({chosen.step_time_ms or 0:.1f} ms per "
+        f"step, median of {facts.chosen_runs} run{'s' if facts.chosen_runs != 1 else ''})"
+    )
+    gain = facts.gain
+    if gain is not None and gain.ratio is not None and gain.default != c:
+        text += (f", **{describe_gain(gain)} over the rule-of-thumb default** `{gain.default.key}` "
+                 f"({gain.default_samples_per_s:.0f} samples/s)")
+    elif gain is not None and gain.default == c:
+        text += "; it *is* the rule-of-thumb default: nothing the search tried beat it"
+    elif gain is not None:
+        text += f"; the rule-of-thumb default `{gain.default.key}` could not run ({gain.note})"
+    blocks: list[Block] = [Paragraph(text + ".")]
+    if facts.estimate is not None:
+        blocks.append(_glance(facts, chosen, facts.estimate))
+    return blocks
+
+
+def _glance(facts: ReportFacts, chosen: Measurement, estimate: Estimate) -> Table:
+    c = chosen.candidate
+    gain = facts.gain
+    d = gain.default if gain else None
+    de = facts.default_estimate
+    default_measured = gain.default_samples_per_s if gain and gain.basis == "measured" else None
+    limit = f" (limit {format_bytes(facts.memory_limit_bytes)})" if facts.memory_limit_bytes else ""
+
+    def peak(values: Sequence[int], source: str) -> str:
+        return f"{format_bytes(max(values))} {source}{limit}" if values else "-"
+
+    default_runs = [r.peak_memory_bytes for r in facts.result.records
+                    if d is not None and r.candidate == d and r.launched and r.peak_memory_bytes]
+    if default_runs:
+        default_peak = peak([max(run) for run in default_runs], "measured")
+    else:
+        default_peak = peak(de.peak_memory_bytes, "predicted") if de else "-"
+
+    rows = [
+        ("configuration", f"`{c.key}`", f"`{d.key}`" if d else "-"),
+        ("schedule", c.schedule.value, d.schedule.value if d else "-"),
+        ("pp x dp", f"{c.pipeline_degree} x {c.data_parallel_degree}",
+         f"{d.pipeline_degree} x {d.data_parallel_degree}" if d else "-"),
+        ("B/M (micro-batch size)", f"{c.n_microbatches} ({c.micro_batch_size})",
+         f"{d.n_microbatches} ({d.micro_batch_size})" if d else "-"),
+        ("layers per stage", str(list(c.layers_per_stage)), str(list(d.layers_per_stage)) if d else "-"),
+        ("throughput, measured", f"**{chosen.throughput_samples_per_s or 0:.0f} samples/s**",
+         f"{default_measured:.0f} samples/s" if default_measured else "not measured" if d else "-"),
+        ("throughput, predicted", f"{estimate.throughput_samples_per_s:.0f} samples/s",
+         f"{de.throughput_samples_per_s:.0f} samples/s" if de else "-"),
+        ("gain over the default", describe_gain(gain) if gain else "-", ""),
+        ("bubble, predicted", f"{estimate.bubble_fraction:.0%}", f"{de.bubble_fraction:.0%}" if de else "-"),
+        ("peak memory, fullest rank", peak(chosen.peak_memory_bytes, "measured"), default_peak),
+    ]
+    return Table(("", "chosen", "rule-of-thumb default"), tuple(rows), ("left", "left", "left"))
+
+
+_STATUS = {"ok": "ok", "oom": "**oom**", "error": "**error**", "timeout": "**timeout**", "pruned": "pruned",
+           "interrupted": "**interrupted**", "duplicate": "repeat"}
+
+
+def _trials(facts: ReportFacts) -> list[Block]:
+    result = facts.result
+    chosen = facts.chosen.candidate if facts.chosen else None
+    rows, highlight = [], []
+    for i, r in enumerate(result.records):
+        rows.append(_trial_row(r))
+        if chosen is not None and r.candidate == chosen:
+            highlight.append(i)
+    launched = sum(1 for r in result.records if r.launched)
+    intro = (
+        f"{len(result.records)} trials: {launched} launched as real runs, the rest pruned by the simulator or "
+        f"repeats of a configuration already measured. *phase*: default (the rule of thumb), seed (the planner's "
+        f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config)."
+        + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
+    )
+    header = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory", "predicted samples/s",
+              "reason")
+    align: tuple[Align, ...] = ("right", "left", "left", "left", "right", "right", "right", "right", "left")
+    return [Paragraph(intro), Table(header, tuple(rows), align, tuple(highlight))]
+
+
+def _trial_row(r: TrialRecord) -> tuple[str, ...]:
+    status = _STATUS.get(r.outcome, r.outcome)
+    if is_repeat(r):
+        status = "repeat (not launched)"
+    reason = r.reason.replace("\n", " ")
+    if len(reason) > 160:
+        reason = reason[:157] + "..."
+    return (
+        str(r.number),
+        r.phase,
+        f"`{r.candidate.key}`" if r.candidate else "(invalid)",
+        status,
+        f"{r.throughput_samples_per_s:.0f}" if r.throughput_samples_per_s else "",
+        f"{r.step_time_ms:.1f}" if r.step_time_ms else "",
+        format_bytes(max(r.peak_memory_bytes)) if r.peak_memory_bytes else "",
+        f"{r.predicted_throughput_samples_per_s:.0f}" if r.predicted_throughput_samples_per_s else "",
+        reason,
+    )
+
+
+def _footer(facts: ReportFacts) -> str:
+    result = facts.result
+    return (
+        f"*Study `{result.study_name}` in `{mask_password(result.storage)}`: {len(result.records)} trials, "
+        f"{result.launched} launched, {result.feasible} ok, {result.wall_time_s:.0f} s of trial time. Report "
+        f"written by autotune {autotune.__version__}. Measurements are real multi-process runs on {facts.device}; "
+        f"predictions come from the simulator and a one-device profile.*"
+    )

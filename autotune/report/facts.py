@@ -1,0 +1,159 @@
+"""Pure: what a search's report says, as data: the choice, why it won, how it compares with the rule-of-thumb
+default, what to watch out for, and the series the figures draw."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.candidate import Candidate, Measurement
+from autotune.profile import Profile
+from autotune.report.measures import (
+    Curve,
+    Gain,
+    RunMemory,
+    StageBalance,
+    balance_of,
+    bm_curves,
+    compare_with_default,
+    leader_memory,
+    ms_per_sample,
+)
+from autotune.report.reasons import ReportWarning, reproduce_commands, warnings_for, why_chosen
+from autotune.search import SearchResult
+from autotune.simulate import Estimate, simulate
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportFacts:
+    """Everything the report renders, computed once."""
+
+    title: str
+    """The report's heading: model, ranks, batch."""
+    model: str
+    """The model file as the search was given it."""
+    gpus: int | None
+    """Ranks of the search (None when nothing says)."""
+    batch_size: int | None
+    """Global batch size B of the search."""
+    device: str
+    """cpu or cuda."""
+    memory_limit_bytes: int | None
+    """The per-rank limit the search respected; None: none."""
+    result: SearchResult
+    """The search, every trial included."""
+    chosen: Measurement | None
+    """The best measurement (median over its runs); None when nothing ran ok."""
+    chosen_runs: int
+    """Runs behind the chosen config's median."""
+    estimate: Estimate | None
+    """The chosen config simulated, with its timeline."""
+    default_estimate: Estimate | None
+    """The rule-of-thumb default simulated."""
+    gain: Gain | None
+    """The chosen config against the default; None when there is no default or no choice."""
+    balance: StageBalance | None
+    """Per-rank compute of the chosen split and the uniform one; None with one rank per pipeline."""
+    curves: tuple[Curve, ...]
+    """Predicted throughput over B/M, one per schedule (and the chosen layout when dp > 1)."""
+    recommended: tuple[int, int] | None
+    """Recommended B/M range (within 5 % of the best predicted throughput)."""
+    rivals: tuple[RunMemory, ...]
+    """The chosen config first, then the next leaders, with measured memory."""
+    why: tuple[str, ...]
+    """Bullets: why this config won."""
+    warnings: tuple[ReportWarning, ...]
+    """What a practitioner must know, in order of appearance."""
+    commands: tuple[tuple[str, str], ...]
+    """(what it does, shell command)."""
+    exports: tuple[tuple[str, str, str], ...]
+    """(format, code language, text) for each export of the config file."""
+    batchnorm_layers: tuple[str, ...]
+    """Layers that are or contain a BatchNorm ('1 (BatchNorm1d)')."""
+
+
+def gather_facts(
+    result: SearchResult,
+    *,
+    profile: Profile,
+    memory_limit_bytes: int | None,
+    setup: Mapping[str, Any] | None = None,
+    model: str | None = None,
+    batchnorm_layers: Sequence[str] = (),
+    config_candidate: Candidate | None = None,
+    config_path: str | None = None,
+    exports: Sequence[tuple[str, str, str]] = (),
+    report_dir: str | None = None,
+) -> ReportFacts:
+    """The report's content. setup is the study's setup (model, gpus, batch_size, device, n_trials, seed); missing
+    values are taken from the candidates and the profile."""
+    setup = dict(setup or {})
+    chosen = result.best
+    any_candidate = chosen.candidate if chosen else result.default or next(
+        (r.candidate for r in result.records if r.candidate is not None), None
+    )
+    gpus = _int_or_none(setup.get("gpus")) or (any_candidate.world_size if any_candidate else None)
+    batch = _int_or_none(setup.get("batch_size")) or (any_candidate.global_batch_size if any_candidate else None)
+    model_name = str(setup.get("model") or model or profile.model or "the model")
+    device = str(setup.get("device") or profile.device)
+    limit = memory_limit_bytes if memory_limit_bytes is not None else _int_or_none(setup.get("memory_limit_bytes"))
+
+    estimate = simulate(profile, chosen.candidate, memory_limit_bytes=limit) if chosen else None
+    default_estimate = (
+        simulate(profile, result.default, memory_limit_bytes=limit, with_timeline=False) if result.default else None
+    )
+    gain = compare_with_default(result, chosen, estimate, default_estimate)
+    balance = balance_of(profile, chosen.candidate) if chosen and chosen.candidate.pipeline_degree > 1 else None
+    default_balance = (
+        balance_of(profile, result.default) if result.default and result.default.pipeline_degree > 1 else None
+    )
+    curves, recommended = bm_curves(profile, gpus, batch, limit, chosen.candidate if chosen else None)
+    rivals = leader_memory(result, chosen)
+    chosen_runs = len(result.leaders[0].step_times_ms) if chosen and result.leaders else 0
+    warnings = warnings_for(result, chosen, batchnorm_layers, config_candidate, config_path)
+    per_sample = (
+        (ms_per_sample(profile, chosen.candidate), ms_per_sample(profile, result.default))
+        if chosen and result.default else None
+    )
+    why = why_chosen(
+        result, chosen, chosen_runs, estimate, default_estimate, gain, balance, default_balance, recommended, limit,
+        per_sample,
+    )
+    commands = reproduce_commands(result, setup, model_name, gpus, batch, device, limit, report_dir)
+    gpus_text = f" on {gpus} {device} rank(s)" if gpus else ""
+    batch_text = f", global batch {batch}" if batch else ""
+    return ReportFacts(
+        title=f"autotune report: {_short_model(model_name)}{gpus_text}{batch_text}",
+        model=model_name,
+        gpus=gpus,
+        batch_size=batch,
+        device=device,
+        memory_limit_bytes=limit,
+        result=result,
+        chosen=chosen,
+        chosen_runs=chosen_runs,
+        estimate=estimate,
+        default_estimate=default_estimate,
+        gain=gain,
+        balance=balance,
+        curves=curves,
+        recommended=recommended,
+        rivals=rivals,
+        why=why,
+        warnings=warnings,
+        commands=commands,
+        exports=tuple(exports),
+        batchnorm_layers=tuple(batchnorm_layers),
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _short_model(model: str) -> str:
+    return model.replace("\\", "/").rsplit("/", 1)[-1]

@@ -1,0 +1,324 @@
+"""Pure: the report's sentences: why the chosen config won, the warnings that apply, the commands that repeat it."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from autotune.candidate import Candidate, Measurement
+from autotune.report.measures import Gain, StageBalance, percent
+from autotune.search import SearchResult, TrialRecord
+from autotune.simulate import Estimate
+from autotune.tuned_config import mask_password
+from autotune.units import format_bytes
+
+WarningKind = Literal["batchnorm", "oom_neighbour", "too_noisy", "interrupted", "no_result", "config_differs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportWarning:
+    """Something a practitioner must know before using the chosen config."""
+
+    kind: WarningKind
+    title: str
+    """One line."""
+    text: str
+    """What was seen and what to do (inline Markdown: `code`, **bold**)."""
+
+
+# --- why ---------------------------------------------------------------------------------------------------------
+
+
+def why_chosen(
+    result: SearchResult,
+    chosen: Measurement | None,
+    chosen_runs: int,
+    estimate: Estimate | None,
+    default_estimate: Estimate | None,
+    gain: Gain | None,
+    balance: StageBalance | None,
+    default_balance: StageBalance | None,
+    recommended: tuple[int, int] | None,
+    limit: int | None,
+    per_sample: tuple[float, float] | None = None,
+) -> tuple[str, ...]:
+    """Bullets, strongest reason first: measured speed, gain over the default, bubble, balance, memory, B/M, the
+    runner-up, and how well the simulator predicted it."""
+    if chosen is None or estimate is None:
+        return ()
+    c = chosen.candidate
+    why = []
+    runs = f"median of {chosen_runs} run{'s' if chosen_runs != 1 else ''}"
+    why.append(
+        f"**Fastest measured**: {chosen.throughput_samples_per_s or 0:.0f} samples/s, "
+        f"{chosen.step_time_ms or 0:.1f} ms per step ({runs}) of {result.feasible} successful trials."
+    )
+    if gain is not None:
+        d = gain.default
+        default_text = f"`{d.key}` (1F1B, B/M {d.n_microbatches}, uniform split {list(d.layers_per_stage)})"
+        if gain.ratio is None:
+            why.append(f"**Against the rule-of-thumb default** {default_text}: {gain.note}; the chosen config runs.")
+        elif c == d:
+            why.append(f"**The rule-of-thumb default itself won**: nothing the search tried beat {default_text}.")
+        else:
+            basis = "measured, median over each config's runs" if gain.basis == "measured" else gain.note
+            why.append(
+                f"**{percent(gain.ratio - 1.0, signed=True)} throughput over the rule-of-thumb default** "
+                f"{default_text}: {gain.chosen_samples_per_s:.0f} vs {gain.default_samples_per_s:.0f} samples/s "
+                f"({basis})."
+            )
+    bubble = f"**Bubble**: the simulator puts idle time at {percent(estimate.bubble_fraction)} of rank-time"
+    default = result.default
+    if default_estimate is not None and default is not None and c != default:
+        bubble += f" (the default: {percent(default_estimate.bubble_fraction)})"
+        if (estimate.bubble_fraction > default_estimate.bubble_fraction and per_sample is not None
+                and c.micro_batch_size > default.micro_batch_size):
+            bubble += (
+                f", a price worth paying: micro-batches of {c.micro_batch_size} cost {per_sample[0]:.3f} ms of "
+                f"compute per sample against {per_sample[1]:.3f} ms at the default's {default.micro_batch_size}"
+            )
+    if c.pipeline_degree == 1:
+        bubble += "; with one rank per pipeline there is no pipeline bubble to fill"
+    why.append(bubble + ".")
+    if balance is not None:
+        chosen_imb = StageBalance.imbalance(balance.chosen_ms)
+        uniform_imb = StageBalance.imbalance(balance.uniform_ms)
+        slowest = max(sum(r) for r in balance.chosen_ms)
+        text = (
+            f"**Stage balance**: split {list(c.layers_per_stage)}; its slowest rank computes {slowest:.2f} ms per "
+            f"micro-batch of {balance.micro_batch_size}, {percent(chosen_imb)} above the mean rank"
+        )
+        if balance.uniform_split != balance.chosen_split:
+            text += f" (the uniform split {list(balance.uniform_split)}: {percent(uniform_imb)} above)"
+            if chosen_imb > uniform_imb + 0.02:
+                text += "; balance is not what won here, the measured step time is"
+        why.append(text + ".")
+    else:
+        text = "**Stage balance**: one rank runs every stage of its pipeline, so no rank waits on a slower one"
+        if default_balance is not None:
+            text += (
+                f" (the default's uniform split {list(default_balance.uniform_split)} leaves its slowest rank "
+                f"{percent(StageBalance.imbalance(default_balance.uniform_ms))} above the mean at micro-batch "
+                f"{default_balance.micro_batch_size})"
+            )
+        why.append(text + ".")
+    if c.data_parallel_degree > 1:
+        why.append(
+            f"**Layout**: {c.data_parallel_degree} data-parallel replicas of a {c.pipeline_degree}-rank pipeline; each "
+            f"replica runs {c.replica_batch_size} samples per step and the gradients are all-reduced (the simulator "
+            f"charges {estimate.allreduce_ms:.1f} ms for it)."
+        )
+    peak = max(chosen.peak_memory_bytes) if chosen.peak_memory_bytes else max(estimate.peak_memory_bytes)
+    source = "measured" if chosen.peak_memory_bytes else "predicted"
+    if limit:
+        spare = f"{percent(1 - peak / limit)} to spare" if peak <= limit else f"{percent(peak / limit - 1)} OVER it"
+        why.append(
+            f"**Memory headroom**: peak {format_bytes(peak)} ({source}, fullest rank) of the {format_bytes(limit)} "
+            f"limit: {spare}."
+        )
+    else:
+        why.append(f"**Memory**: peak {format_bytes(peak)} ({source}, fullest rank); no memory limit was set.")
+    span = ""
+    if recommended is not None:
+        lo, hi = recommended
+        span = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    bm = f"**B/M = {c.n_microbatches}** (micro-batches of {c.micro_batch_size} samples"
+    bm += " per replica)" if c.data_parallel_degree > 1 else ")"
+    if c.pipeline_degree == 1:
+        text = (f"{bm}: with a one-rank pipeline more micro-batches cannot shrink a bubble, they only make each one "
+                f"smaller and slower per sample")
+        if span:
+            text += f"; for one pipeline over all ranks the simulator recommends B/M {span}"
+        why.append(text + ".")
+    elif span:
+        inside = recommended is not None and recommended[0] <= c.n_microbatches <= recommended[1]
+        if inside and "to" not in span:
+            where = "is the B/M the simulator recommends"
+        else:
+            where = f"lies {'inside' if inside else 'outside'} the recommended range {span}"
+        layout_note = " (the range is for one pipeline over all ranks)" if c.data_parallel_degree > 1 else ""
+        why.append(
+            f"{bm} {where}{layout_note}: fewer micro-batches leave a longer bubble, more make each one too small to "
+            f"run the device well."
+        )
+    extras = []
+    if c.wire_dtype == "bfloat16" and c.pipeline_degree > 1:
+        extras.append("sends bfloat16 between stages (half the bytes on the wire)")
+    if c.activation_checkpointing:
+        extras.append("recomputes each stage's forward in its backward (activation checkpointing) to save memory")
+    if extras:
+        why.append("**Also**: it " + " and ".join(extras) + ".")
+    if len(result.leaders) > 1 and result.leaders[0].candidate == c:
+        runner_up = result.leaders[1]
+        margin = runner_up.step_time_ms / result.leaders[0].step_time_ms - 1.0
+        why.append(
+            f"**Runner-up** `{runner_up.candidate.key}`: {runner_up.step_time_ms:.1f} ms per step, "
+            f"{percent(margin)} slower" + (" — within measurement noise" if result.too_noisy else "") + "."
+        )
+    if chosen.step_time_ms:
+        error = estimate.step_time_ms / chosen.step_time_ms - 1.0
+        why.append(
+            f"**Prediction check**: the simulator predicted {estimate.step_time_ms:.1f} ms per step, "
+            f"{percent(abs(error))} {'above' if error >= 0 else 'below'} the measurement."
+        )
+    return tuple(why)
+
+
+# --- warnings ----------------------------------------------------------------------------------------------------
+
+
+def warnings_for(
+    result: SearchResult,
+    chosen: Measurement | None,
+    batchnorm_layers: Sequence[str],
+    config_candidate: Candidate | None,
+    config_path: str | None,
+) -> tuple[ReportWarning, ...]:
+    """Each warning whose condition holds: nothing ran, interrupted, BatchNorm over micro-batches, an OOM next to
+    the choice, leaders within noise, a config file that kept an earlier choice."""
+    warnings = []
+    if chosen is None:
+        counts = _outcome_counts(result.records)
+        warnings.append(ReportWarning(
+            kind="no_result", title="No configuration ran successfully",
+            text=f"Outcomes: {counts}. The trial table below gives each reason; the most common fixes are a higher "
+            f"--memory-limit, more GPUs, or a smaller --batch-size.",
+        ))
+    if result.interrupted:
+        warnings.append(ReportWarning(
+            kind="interrupted", title="The search was interrupted",
+            text="It stopped before its budget was spent; continue it with `--resume` and the same --study-name.",
+        ))
+    if batchnorm_layers and chosen is not None and chosen.candidate.n_microbatches > 1:
+        c = chosen.candidate
+        warnings.append(ReportWarning(
+            kind="batchnorm", title="BatchNorm statistics come from small micro-batches",
+            text=f"Layer(s) {', '.join(batchnorm_layers)} use BatchNorm. Under pipelining each micro-batch is "
+            f"normalised on its own: statistics over **M = {c.micro_batch_size}** samples, not the global batch of "
+            f"{c.global_batch_size}, and they change whenever B/M does, which can cost accuracy. Use **GroupNorm** (or "
+            f"LayerNorm), which does not depend on the micro-batch size; with data parallelism, SyncBatchNorm shares "
+            f"statistics across replicas but not across micro-batches.",
+        ))
+    if chosen is not None:
+        neighbours = oom_neighbours(chosen.candidate, result.records)
+        if neighbours:
+            listed = "; ".join(f"trial {r.number} `{r.candidate.key}`" for r in neighbours if r.candidate)
+            same = any(r.candidate == chosen.candidate for r in neighbours)
+            lead = ("The chosen config itself ran out of memory in one run, and" if same
+                    else "The chosen config fits, but")
+            warnings.append(ReportWarning(
+                kind="oom_neighbour", title="Out of memory next to the chosen config",
+                text=f"{lead} a neighbouring configuration (same schedule, a neighbouring B/M or split) ran out of "
+                f"memory: {listed}. The chosen one sits close to the edge: a longer sequence, a bigger model or "
+                f"another process on the device may push it over. Keep headroom, or prefer a config further from it.",
+            ))
+    if result.too_noisy and len(result.leaders) >= 2:
+        a, b = result.leaders[0], result.leaders[1]
+        warnings.append(ReportWarning(
+            kind="too_noisy", title="Measurements too noisy to separate the leaders",
+            text=f"`{a.candidate.key}` ran {_runs(a.step_times_ms)} ms and `{b.candidate.key}` ran "
+            f"{_runs(b.step_times_ms)} ms per step: their runs overlap, so the choice between them is within noise "
+            f"(either is sound). To separate them, re-run with more --steps and on a quiet machine.",
+        ))
+    if config_candidate is not None and chosen is not None and config_candidate != chosen.candidate and config_path:
+        warnings.append(ReportWarning(
+            kind="config_differs", title=f"{config_path} holds the earlier config",
+            text=f"The config file keeps `{config_candidate.key}`; the search's best was `{chosen.candidate.key}` but "
+            f"did not beat it by the required margin (--min-improvement).",
+        ))
+    return tuple(warnings)
+
+
+def oom_neighbours(chosen: Candidate, records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """Trials that ran out of memory with the chosen config's schedule and layout and either the chosen config
+    itself, a neighbouring B/M (at most 2x away) with the same split, or the same B/M with each stage boundary
+    moved by at most 2 layers."""
+    found = []
+    for r in records:
+        c = r.candidate
+        if r.outcome != "oom" or c is None:
+            continue
+        if (c.schedule, c.pipeline_degree, c.data_parallel_degree) != (
+            chosen.schedule, chosen.pipeline_degree, chosen.data_parallel_degree
+        ) or c.n_stages != chosen.n_stages:
+            continue
+        near_m = abs(math.log2(c.n_microbatches / chosen.n_microbatches)) <= 1.0
+        shift = max(abs(a - b) for a, b in zip(_bounds(c.layers_per_stage), _bounds(chosen.layers_per_stage)))
+        same_split = c.layers_per_stage == chosen.layers_per_stage
+        if (near_m and same_split) or (c.n_microbatches == chosen.n_microbatches and shift <= 2):
+            found.append(r)
+    return found
+
+
+def _bounds(split: Sequence[int]) -> list[int]:
+    bounds = [0]
+    for n in split:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+# --- commands ----------------------------------------------------------------------------------------------------
+
+
+def reproduce_commands(
+    result: SearchResult,
+    setup: Mapping[str, Any],
+    model: str,
+    gpus: int | None,
+    batch: int | None,
+    device: str,
+    limit: int | None,
+    report_dir: str | None,
+) -> tuple[tuple[str, str], ...]:
+    """(what, command): repeat the search as a new study, continue this one, rebuild this report."""
+    storage = mask_password(result.storage)
+    masked = storage != result.storage
+    args = ["autotune", "search", model]
+    if gpus:
+        args += ["--gpus", str(gpus)]
+    if batch:
+        args += ["--batch-size", str(batch)]
+    args += ["--device", device]
+    if limit is not None:
+        args += ["--memory-limit", size_flag(limit)]
+    if setup.get("n_trials"):
+        args += ["--trials", str(setup["n_trials"])]
+    if setup.get("seed") is not None:
+        args += ["--seed", str(setup["seed"])]
+    repeat = _join(args + ["--study-name", f"{result.study_name}-again"])
+    resume = _join(args + ["--storage", storage, "--study-name", result.study_name, "--resume"])
+    report = ["autotune", "report", "--storage", storage, "--study-name", result.study_name]
+    if report_dir:
+        report += ["--report-dir", report_dir]
+    note = " (put the storage password back in place of ***)" if masked else ""
+    return (
+        ("Repeat the search as a new study (same sampler seed; measurements vary run to run)", repeat),
+        (f"Continue this study with more trials{note}", resume),
+        (f"Rebuild this report from the study{note}", _join(report)),
+    )
+
+
+def size_flag(nbytes: int) -> str:
+    """A --memory-limit value that reads back to exactly nbytes: 40GiB, 512MiB, or plain bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return str(nbytes)
+
+
+def _join(args: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _runs(times: Sequence[float]) -> str:
+    return ", ".join(f"{t:.1f}" for t in times)
+
+
+def _outcome_counts(records: Sequence[TrialRecord]) -> str:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "no trials"

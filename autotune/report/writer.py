@@ -1,0 +1,203 @@
+"""Write a search's report: report.md with figures/*.png beside it, and one self-contained report.html."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from autotune.candidate import Candidate
+from autotune.errors import AutotuneError, UsageError
+from autotune.model_file import ModelSpec
+from autotune.profile import Profile
+from autotune.report.document import build_document
+from autotune.report.facts import ReportFacts, gather_facts
+from autotune.report.figures import (
+    FigureImage,
+    MeasuredPoint,
+    memory_per_rank,
+    pipeline_timeline,
+    search_history,
+    stage_balance,
+    throughput_vs_microbatches,
+)
+from autotune.report.html import render_html
+from autotune.report.markdown import FIGURES_DIR, render_markdown
+from autotune.search import SearchResult
+from autotune.tuned_config import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+FIGURE_NAMES = ("throughput_vs_bm", "timeline", "stage_balance", "memory_per_rank", "search_history")
+_EXPORTS = (("torchtitan", "toml"), ("deepspeed", "json"), ("megatron", "bash"))
+
+
+def write_search_report(
+    result: SearchResult,
+    *,
+    spec: ModelSpec | None,
+    profile: Profile,
+    config_path: Path | None,
+    report_dir: Path,
+    memory_limit_bytes: int | None,
+    setup: dict[str, Any] | None = None,
+) -> Path:
+    """Write report_dir/report.md (+ figures/*.png) and report_dir/report.html; return report_dir.
+
+    spec: the loaded model file, for the BatchNorm check (None when the file is not at hand). config_path: the tuned
+    config written from this search; when it exists its exports are included. setup: the study's setup (model, gpus,
+    batch_size, device, n_trials, seed), for the command that reproduces the search."""
+    report_dir = Path(report_dir)
+    if setup is None:
+        setup = _stored_setup(result)
+    config_candidate, exports = _config_exports(config_path)
+    facts = gather_facts(
+        result,
+        profile=profile,
+        memory_limit_bytes=memory_limit_bytes,
+        setup=setup,
+        model=str(spec.path) if spec is not None else None,
+        batchnorm_layers=batchnorm_layers(spec, profile),
+        config_candidate=config_candidate,
+        config_path=str(config_path) if config_path is not None else None,
+        exports=exports,
+        report_dir=str(report_dir),
+    )
+    figures = draw_figures(facts)
+    blocks = build_document(facts, figures)
+    try:
+        figures_dir = report_dir / FIGURES_DIR
+        figures_dir.mkdir(parents=True, exist_ok=True)
+        for figure in figures:
+            _atomic_write_bytes(figures_dir / figure.filename, figure.png)
+        drawn = {figure.name for figure in figures}
+        for name in FIGURE_NAMES:  # a figure an earlier report drew but this one cannot: do not leave it stale
+            if name not in drawn:
+                with contextlib.suppress(FileNotFoundError):
+                    (figures_dir / f"{name}.png").unlink()
+        atomic_write_text(report_dir / "report.md", render_markdown(blocks))
+        atomic_write_text(report_dir / "report.html", render_html(blocks, title=facts.title))
+    except OSError as exc:
+        raise UsageError(
+            f"{report_dir}: cannot write the report ({exc.strerror or exc}); pass --report-dir with a writable folder"
+        ) from None
+    return report_dir
+
+
+def draw_figures(facts: ReportFacts) -> list[FigureImage]:
+    """Every figure the facts allow, in reading order."""
+    result = facts.result
+    chosen = facts.chosen
+    figures = []
+    measured = [
+        MeasuredPoint(schedule=r.candidate.schedule, n_microbatches=r.candidate.n_microbatches,
+                      data_parallel_degree=r.candidate.data_parallel_degree,
+                      throughput_samples_per_s=r.throughput_samples_per_s)
+        for r in result.records
+        if r.outcome == "ok" and r.launched and r.candidate is not None and r.throughput_samples_per_s
+    ]
+    if facts.curves or measured:
+        default_point = None
+        gain = facts.gain
+        if gain is not None and gain.default_samples_per_s:
+            default_point = (gain.default.n_microbatches, gain.default_samples_per_s, gain.default.key)
+        figures.append(throughput_vs_microbatches(
+            facts.curves, measured,
+            chosen=(chosen.candidate.n_microbatches, chosen.throughput_samples_per_s or 0.0, chosen.candidate.key)
+            if chosen else None,
+            default=default_point,
+            recommended=facts.recommended,
+        ))
+    if chosen is not None and facts.estimate is not None and facts.estimate.timeline:
+        figures.append(pipeline_timeline(
+            facts.estimate.timeline, pipeline_degree=chosen.candidate.pipeline_degree, candidate=chosen.candidate,
+            bubble_fraction=facts.estimate.bubble_fraction, pipeline_time_ms=facts.estimate.pipeline_time_ms,
+        ))
+    if facts.balance is not None:
+        figures.append(stage_balance(facts.balance))
+    if facts.rivals:
+        figures.append(memory_per_rank(facts.rivals, facts.memory_limit_bytes))
+    if result.records:
+        figures.append(search_history(result.records, chosen.candidate if chosen else None))
+    return figures
+
+
+def batchnorm_layers(spec: ModelSpec | None, profile: Profile) -> list[str]:
+    """'layer 3 (BatchNorm1d)' for each top-level layer that is or contains a BatchNorm.
+
+    The layer names of the spec and the profile are top-level classes only, so a BatchNorm inside a block
+    (nn.Sequential(conv, bn, relu)) is found by building the model on the meta device, which allocates nothing."""
+    names = spec.layer_names if spec is not None else tuple(layer.name for layer in profile.layers)
+    found = [f"{i} ({name})" for i, name in enumerate(names) if "BatchNorm" in name]
+    if found or spec is None:
+        return found
+    try:
+        import torch
+
+        with torch.device("meta"):
+            model = spec.build_model()
+        layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else []
+    except Exception as exc:  # noqa: BLE001 - the user's code: whatever it raises, the report goes on without this check
+        log.debug("could not build the model to look for BatchNorm: %s", exc)
+        return found
+    for i, layer in enumerate(layers):
+        inner = sorted({type(m).__name__ for m in layer.modules() if "BatchNorm" in type(m).__name__})
+        if inner:
+            found.append(f"{i} ({type(layer).__name__} with {', '.join(inner)})")
+    return found
+
+
+def _config_exports(config_path: Path | None) -> tuple[Candidate | None, list[tuple[str, str, str]]]:
+    """The config file's candidate and its exports, or nothing when there is no readable config."""
+    if config_path is None or not Path(config_path).exists():
+        return None, []
+    from autotune.exports import export_config
+    from autotune.tuned_config import load_config
+
+    try:
+        config = load_config(config_path)
+    except AutotuneError as exc:
+        log.warning("report without exports: %s", exc)
+        return None, []
+    exports: list[tuple[str, str, str]] = []
+    for fmt, language in _EXPORTS:
+        try:
+            exports.append((fmt, language, export_config(config, fmt)))
+        except AutotuneError as exc:
+            exports.append((fmt, "", f"cannot export: {exc}"))
+    return config.candidate, exports
+
+
+def _stored_setup(result: SearchResult) -> dict[str, Any] | None:
+    """The setup `autotune search` stored in the study (trial budget, seed, ...), for the reproduce command."""
+    if result.storage.startswith("sqlite:///") and not Path(result.storage[len("sqlite:///"):]).is_file():
+        return None  # optuna would create an empty database there
+    try:
+        import optuna
+
+        study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+        setup = study.user_attrs.get("setup")
+    except Exception as exc:  # noqa: BLE001 - best effort: without it the command just omits --trials and --seed
+        log.debug("no stored setup for study %s: %s", result.study_name, exc)
+        return None
+    return dict(setup) if isinstance(setup, dict) else None
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Temp file in the same folder, then os.replace: a reader never sees half a PNG."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+

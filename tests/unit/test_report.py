@@ -1,0 +1,309 @@
+"""The report: every figure report.md names exists, the HTML is self-contained, the choice and its gain and reasons
+are stated, and each warning appears exactly when its condition holds."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from torch import nn
+
+from autotune.candidate import Candidate, Measurement, TrialError
+from autotune.model_file import ModelSpec, load_model_file
+from autotune.plan import plan
+from autotune.profile import LayerCost, Profile
+from autotune.report import write_search_report
+from autotune.report.document import build_document
+from autotune.report.facts import gather_facts
+from autotune.report.html import _inline, render_html
+from autotune.report.markdown import render_markdown
+from autotune.report.measures import bm_curves
+from autotune.report.reasons import oom_neighbours, size_flag
+from autotune.report.writer import FIGURE_NAMES, batchnorm_layers
+from autotune.schedules import Schedule
+from autotune.search import SearchOptions, SearchResult, TrialRecord, run_search
+from autotune.simulate import simulate
+from autotune.tuned_config import SearchSummary, TunedConfig, save_config
+from tests.conftest import RECIPES
+
+COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+LIMIT = 64 * 2**20
+WARNING_TITLES = {
+    "batchnorm": "BatchNorm statistics come from small micro-batches",
+    "oom": "Out of memory next to the chosen config",
+    "noise": "Measurements too noisy to separate the leaders",
+}
+
+
+def make_profile() -> Profile:
+    layers = [
+        LayerCost(forward_ms=c, backward_input_ms=c, backward_weight_ms=c, saved_bytes=1000, output_bytes=100,
+                  parameter_bytes=400)
+        for c in COSTS
+    ]
+    return Profile.from_layer_costs(layers, micro_batch_size=4, input_bytes=100)
+
+
+class FakeRunner:
+    """Measures by simulation (noise-free), with the simulator's peak memory; fails where `fail` says."""
+
+    def __init__(self, fail=lambda c: None):
+        self.fail = fail
+
+    def __call__(self, spec, candidate, options):
+        kind = self.fail(candidate)
+        if kind:
+            return Measurement(candidate=candidate, status=kind,
+                               error=TrialError(rank=0, kind=kind, message=f"injected {kind}"))
+        estimate = simulate(make_profile(), candidate, with_timeline=False)
+        step = estimate.step_time_ms
+        peaks = tuple(estimate.peak_memory_bytes) * candidate.data_parallel_degree
+        return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
+                           throughput_samples_per_s=candidate.global_batch_size / step * 1000,
+                           peak_memory_bytes=peaks)
+
+
+def make_study(tmp_path: Path, *, n_trials: int = 5, fail=lambda c: None, name: str = "s") -> SearchResult:
+    """A real (small) search over a fake runner, stored in tmp_path/<name>.db."""
+    profile = make_profile()
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=n_trials, seed=1, memory_limit_bytes=LIMIT,
+                            layouts=((2, 1),))
+    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=LIMIT)
+    spec = load_model_file(RECIPES / "mlp.py")  # recorded as the study's model; the fake runner never builds it
+    return run_search(spec, profile, planned, options, study_name=name, storage=f"sqlite:///{tmp_path / name}.db",
+                      runner=FakeRunner(fail))
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory) -> SearchResult:
+    result = make_study(tmp_path_factory.mktemp("study"))
+    assert result.best is not None and result.default is not None
+    return dataclasses.replace(result, too_noisy=False)
+
+
+def write(result: SearchResult, tmp_path: Path, *, spec: ModelSpec | None = None, config: Path | None = None,
+          limit: int | None = LIMIT) -> tuple[str, str]:
+    """The whole report on disk (figures drawn: about a second)."""
+    out = write_search_report(result, spec=spec, profile=make_profile(), config_path=config,
+                              report_dir=tmp_path / "report", memory_limit_bytes=limit)
+    assert out == tmp_path / "report"
+    return (out / "report.md").read_text(), (out / "report.html").read_text()
+
+
+def text(result: SearchResult, *, spec: ModelSpec | None = None) -> tuple[str, str]:
+    """What the report says, without drawing figures (fast)."""
+    facts = gather_facts(result, profile=make_profile(), memory_limit_bytes=LIMIT,
+                         batchnorm_layers=batchnorm_layers(spec, make_profile()))
+    blocks = build_document(facts, [])
+    return render_markdown(blocks), render_html(blocks, title=facts.title)
+
+
+def fake_spec(layer_names: tuple[str, ...], build=None) -> ModelSpec:
+    return ModelSpec(
+        path=Path("/models/net.py"), build_model=build or (lambda: nn.Sequential()), make_batch=lambda b: None,
+        loss_fn=lambda o, t: o, build_optimizer=None, layer_names=layer_names, parameter_bytes=(0,) * len(layer_names),
+    )
+
+
+def record(number: int, candidate: Candidate, outcome: str, **fields) -> TrialRecord:
+    return TrialRecord(number=number, candidate=candidate, outcome=outcome, reason=fields.pop("reason", ""),
+                       launched=outcome != "pruned", phase="explore", **fields)
+
+
+# --- files -------------------------------------------------------------------------------------------------------
+
+
+def test_every_image_report_md_names_exists_and_is_a_png(study, tmp_path):
+    markdown, _ = write(study, tmp_path)
+    paths = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
+    assert sorted(Path(p).stem for p in paths) == sorted(FIGURE_NAMES)
+    for relative in paths:
+        assert not Path(relative).is_absolute() and relative.startswith("figures/")
+        with Image.open(tmp_path / "report" / relative) as image:
+            assert image.format == "PNG" and image.width > 500 and image.height > 150
+
+
+def test_html_is_one_self_contained_file(study, tmp_path):
+    _, html = write(study, tmp_path)
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|file:)""", html, re.IGNORECASE)
+    assert "<script" not in html.lower() and "<link" not in html.lower() and "@import" not in html
+    images = re.findall(r"<img\b[^>]*>", html)
+    assert len(images) == len(FIGURE_NAMES)
+    for tag in images:
+        src = re.search(r'src="([^"]+)"', tag).group(1)
+        assert src.startswith("data:image/png;base64,")
+        width, height = (int(re.search(rf'{a}="(\d+)"', tag).group(1)) for a in ("width", "height"))
+        with Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))) as image:
+            assert image.size == (width, height)
+
+
+def test_a_second_report_replaces_the_first_and_drops_figures_it_cannot_draw(study, tmp_path):
+    write(study, tmp_path)
+    nothing = dataclasses.replace(study, best=None, best_trial=None, best_estimate=None, leaders=())
+    markdown, _ = write(nothing, tmp_path)
+    figures = {p.stem for p in (tmp_path / "report" / "figures").glob("*.png")}
+    named = {Path(p).stem for p in re.findall(r"\]\((figures/[^)]+)\)", markdown)}
+    assert figures == named and "timeline" not in figures
+    assert not list((tmp_path / "report").rglob("*.tmp"))
+
+
+# --- what it says ------------------------------------------------------------------------------------------------
+
+
+def test_states_the_choice_the_gain_over_the_default_and_why(study):
+    markdown, html = text(study)
+    best, default = study.best, study.default
+    default_ms = next(lead.step_time_ms for lead in study.leaders if lead.candidate == default)
+    gain = best.throughput_samples_per_s / (default.global_batch_size / default_ms * 1000) - 1
+    for page in (markdown, html):
+        assert "Chosen configuration: " in page and best.candidate.key in page
+        assert f"{gain * 100:+.0f} % (measured)" in page
+        assert "over the rule-of-thumb default" in page and default.key in page
+        assert "Why this configuration" in page
+        for reason in ("Fastest measured", "Bubble", "Stage balance", "Memory headroom", "B/M = "):
+            assert reason in page
+    assert "64.0 MiB limit" in markdown
+
+
+def test_gain_is_predicted_and_says_so_when_the_default_never_ran(study):
+    others = tuple(r for r in study.records if r.candidate != study.default)
+    leaders = tuple(lead for lead in study.leaders if lead.candidate != study.default)
+    result = dataclasses.replace(study, records=others, leaders=leaders)
+    markdown, _ = text(result)
+    assert "(predicted)" in markdown and "the default was not run in this search" in markdown
+    assert "(measured)" not in markdown
+
+
+def failed(records: tuple[TrialRecord, ...], outcomes: list[str]) -> tuple[TrialRecord, ...]:
+    """The records with the first ones turned into failures of the given kinds."""
+    changed = [
+        dataclasses.replace(r, outcome=o, reason=f"rank 0: injected {o}", throughput_samples_per_s=None,
+                            step_time_ms=None, peak_memory_bytes=())
+        for r, o in zip(records, outcomes)
+    ]
+    return tuple(changed) + records[len(changed):]
+
+
+def test_every_trial_is_listed_with_status_and_reason(study):
+    result = dataclasses.replace(study, records=failed(study.records, ["oom", "error", "timeout"]))
+    markdown, html = text(result)
+    rows = [line for line in markdown.splitlines() if re.match(r"\| \d+( ★)? \|", line)]
+    assert [int(row.split()[1]) for row in rows] == [r.number for r in result.records]
+    for status in ("**oom**", "**error**", "**timeout**"):
+        assert status in markdown
+    assert "rank 0: injected timeout" in markdown and "rank 0: injected timeout" in html
+
+
+def test_reproduce_commands_and_exports(study, tmp_path):
+    config = TunedConfig.from_measurement(
+        study.best, model="recipes/mlp.py", model_sha256="0123456789abcdef", memory_limit_bytes=LIMIT,
+        search=SearchSummary(study="s", storage=study.storage, trials=len(study.records)),
+    )
+    path = save_config(config, tmp_path / "autotune.yaml")
+    markdown, _ = write(study, tmp_path, config=path)
+    assert "autotune search" in markdown and "--memory-limit 64MiB" in markdown and "--study-name s-again" in markdown
+    assert f"autotune report --storage {study.storage} --study-name s" in markdown
+    for heading, snippet in (("### torchtitan", "pipeline_parallel_degree"), ("### deepspeed", "train_batch_size"),
+                             ("### megatron", "--pipeline-model-parallel-size")):
+        assert heading in markdown and snippet in markdown
+
+
+def test_no_exports_without_a_config(study, tmp_path):
+    markdown, _ = write(study, tmp_path, config=tmp_path / "missing.yaml")
+    assert "Use the config in another trainer" not in markdown
+
+
+def test_a_search_where_nothing_ran_still_reports_every_reason(study, tmp_path):
+    records = failed(study.records, ["oom"] * len(study.records))
+    result = dataclasses.replace(study, records=records, best=None, best_trial=None, best_estimate=None, leaders=())
+    markdown, html = write(result, tmp_path)
+    assert "No configuration was chosen" in markdown and "No configuration ran successfully" in markdown
+    assert "injected oom" in html
+
+
+# --- warnings ----------------------------------------------------------------------------------------------------
+
+
+def test_no_warning_when_no_condition_holds(study):
+    markdown, html = text(study, spec=fake_spec(("Linear",) * 8))
+    assert "## Warnings" not in markdown
+    for title in WARNING_TITLES.values():
+        assert title not in markdown and title not in html
+
+
+def test_batchnorm_model_is_warned_about_with_the_micro_batch_size(study):
+    spec = fake_spec(("Linear", "BatchNorm1d") + ("Linear",) * 6)
+    markdown, _ = text(study, spec=spec)
+    assert WARNING_TITLES["batchnorm"] in markdown and "GroupNorm" in markdown
+    assert f"M = {study.best.candidate.micro_batch_size}" in markdown and "1 (BatchNorm1d)" in markdown
+
+
+def test_batchnorm_inside_a_block_is_found():
+    def build():
+        return nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.ReLU(), nn.Linear(4, 2))
+
+    found = batchnorm_layers(fake_spec(("Sequential", "ReLU", "Linear"), build), make_profile())
+    assert found == ["0 (Sequential with BatchNorm1d)"]
+    assert batchnorm_layers(fake_spec(("Linear", "ReLU")), make_profile()) == []
+
+
+def test_oom_next_to_the_chosen_config_is_warned_about(study):
+    chosen = study.best.candidate
+    doubled = dataclasses.replace(chosen, n_microbatches=chosen.n_microbatches * 2)
+    neighbour = record(90, doubled, "oom", reason="rank 0: CUDA out of memory")
+    result = dataclasses.replace(study, records=study.records + (neighbour,))
+    markdown, _ = text(result)
+    assert WARNING_TITLES["oom"] in markdown and "trial 90" in markdown
+
+
+def test_oom_of_another_schedule_or_a_far_split_is_not_a_neighbour(study):
+    chosen = study.best.candidate
+    other = Schedule.GPIPE if chosen.schedule is not Schedule.GPIPE else Schedule.ONE_F_ONE_B
+    far_m = dataclasses.replace(chosen, n_microbatches=chosen.n_microbatches * 8)
+    records = [
+        record(1, dataclasses.replace(chosen, schedule=other), "oom"),
+        record(2, far_m, "oom"),
+        record(3, dataclasses.replace(chosen, n_microbatches=chosen.n_microbatches * 2), "ok"),
+    ]
+    assert oom_neighbours(chosen, records) == []
+    split = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_batch_size=32, n_microbatches=8,
+                      layers_per_stage=(4, 4))
+    near = record(4, dataclasses.replace(split, layers_per_stage=(2, 6)), "oom")
+    far = record(5, dataclasses.replace(split, layers_per_stage=(1, 7)), "oom")
+    assert oom_neighbours(split, [near, far]) == [near]
+
+
+def test_too_noisy_leaders_are_warned_about(study):
+    markdown, _ = text(dataclasses.replace(study, too_noisy=True))
+    assert WARNING_TITLES["noise"] in markdown
+    assert study.leaders[0].candidate.key in markdown and study.leaders[1].candidate.key in markdown
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+
+def test_inline_markdown_to_html_escapes_and_keeps_code_literal():
+    assert _inline("**a `x<*y*>` b** & *c*") == "<strong>a <code>x&lt;*y*&gt;</code> b</strong> &amp; <em>c</em>"
+
+
+def test_size_flag_reads_back_exactly():
+    assert size_flag(40 * 2**30) == "40GiB" and size_flag(512 * 2**20) == "512MiB" and size_flag(1000) == "1000"
+
+
+def test_bm_curves_follow_each_schedules_rules_and_add_the_chosen_layout():
+    curves, recommended = bm_curves(make_profile(), 2, 32, None, None)
+    one_f_one_b = next(c for c in curves if c.schedule is Schedule.ONE_F_ONE_B)
+    assert [m for m, _ in one_f_one_b.points] == [2, 4, 8, 16, 32]  # 1F1B needs B/M >= stages
+    assert all(c.pipeline_degree == 2 and c.data_parallel_degree == 1 for c in curves)
+    assert recommended is not None and recommended[0] <= recommended[1] and 32 % recommended[0] == 0
+    chosen = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=2, global_batch_size=32,
+                       n_microbatches=2, layers_per_stage=(8,))
+    with_layout, _ = bm_curves(make_profile(), 2, 32, None, chosen)
+    assert len(with_layout) == len(curves) + 1
+    assert (with_layout[-1].pipeline_degree, with_layout[-1].data_parallel_degree) == (1, 2)
+    assert [m for m, _ in with_layout[-1].points] == [1, 2, 4, 8, 16]  # divisors of the replica batch
