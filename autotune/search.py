@@ -58,6 +58,10 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = tuple(Schedule)
     layouts: tuple[tuple[int, int], ...] | None = None
     """(pp, dp) pairs; None: every pp x dp = gpus that the model and batch allow."""
+    checkpointing: tuple[bool, ...] = (False, True)
+    """Activation checkpointing choices to search."""
+    wire_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """dtypes between stages to search."""
     max_shift: int = 2
     """How far the search moves each stage boundary from the balanced (or uniform) split, in layers."""
     prune_margin: float = 0.2
@@ -222,8 +226,8 @@ class SearchSpace:
             trial.suggest_int(f"shift{j}_of_{n_stages}", -self.options.max_shift, self.options.max_shift)
             for j in range(1, n_stages)
         ]
-        checkpointing = trial.suggest_categorical("activation_checkpointing", [False, True])
-        wire = trial.suggest_categorical("wire_dtype", ["float32", "bfloat16"])
+        checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
+        wire = trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes))
         candidate = Candidate(
             schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp,
             global_batch_size=self.options.batch_size, n_microbatches=m,
@@ -242,7 +246,12 @@ class SearchSpace:
     def params_for(self, candidate: Candidate) -> dict[str, Any] | None:
         """Parameters that make suggest() return this candidate, or None when it lies outside the space."""
         pp, dp = candidate.pipeline_degree, candidate.data_parallel_degree
-        if (pp, dp) not in self.layouts or candidate.schedule not in self.options.schedules:
+        if (
+            (pp, dp) not in self.layouts
+            or candidate.schedule not in self.options.schedules
+            or candidate.activation_checkpointing not in self.options.checkpointing
+            or candidate.wire_dtype not in self.options.wire_dtypes
+        ):
             return None
         n_stages = candidate.n_stages
         for base_name in SPLIT_BASES:
