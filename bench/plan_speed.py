@@ -1,0 +1,61 @@
+"""Planner speed: `plan()` on synthetic transformer-like profiles (simulation only, no trial).
+
+    python bench/plan_speed.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _results  # noqa: E402
+
+from autotune.plan import plan  # noqa: E402
+from autotune.profile import LayerCost, Profile  # noqa: E402
+
+GiB = 2**30
+
+
+def transformer_profile(n_layers: int, *, micro_batch_size: int = 1) -> Profile:
+    """An embedding, n-2 equal blocks and a head: per micro-batch of one 4k-token sequence of a ~7B model on an H100."""
+    block = LayerCost(forward_ms=4.0, backward_input_ms=4.0, backward_weight_ms=4.0, saved_bytes=2 * GiB,
+                      output_bytes=32 * 2**20, parameter_bytes=400 * 2**20)
+    embed = LayerCost(forward_ms=0.5, backward_input_ms=0.0, backward_weight_ms=0.5, saved_bytes=64 * 2**20,
+                      output_bytes=32 * 2**20, parameter_bytes=500 * 2**20)
+    head = LayerCost(forward_ms=6.0, backward_input_ms=6.0, backward_weight_ms=6.0, saved_bytes=3 * GiB,
+                     output_bytes=4 * 2**20, parameter_bytes=500 * 2**20)
+    return Profile.from_layer_costs([embed, *[block] * (n_layers - 2), head], micro_batch_size=micro_batch_size,
+                                    input_bytes=32 * 2**10, device="cuda")
+
+
+def time_plan(n_layers: int, gpus: int, batch_size: int, limit: int | None) -> tuple[float, int]:
+    profile = transformer_profile(n_layers)
+    started = time.perf_counter()
+    planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
+    return time.perf_counter() - started, len(planned)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    cases = [(48, 8, 256, 80 * GiB, 10.0), (96, 1024, 2048, 80 * GiB, 10.0)]
+    rows = []
+    for n_layers, gpus, batch, limit, target in cases:
+        seconds, n = time_plan(n_layers, gpus, batch, limit)
+        rows.append([n_layers, gpus, batch, "80 GiB", n, seconds, f"< {target:g} s",
+                     "met" if seconds < target else "missed"])
+    _results.write(
+        "plan_speed", title="Planner speed", device="cpu",
+        tables={"plan() wall time, one process": _results.markdown_table(
+            ["layers", "GPUs", "batch", "memory limit", "candidates kept", "seconds", "target", "status"], rows)},
+        data={"rows": rows},
+        notes="Synthetic profiles (an embedding, equal blocks, a head), so the time is planning alone; "
+              "`autotune plan` adds profiling the model (seconds) and importing torch.",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Tuning quality and cost: `autotune search` against an exhaustive grid over the same space, side by side.
+
+1. Grid: every schedule x every B/M dividing B x every split, each run once as a real trial (2 ranks).
+2. Search: run_search over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
+   --trials budget, profile and plan included in its wall time.
+3. Side by side: the search's config, the grid's best, the rule-of-thumb default (uniform split, 1F1B,
+   B/M = 4 x stages) and the uniform split at the search's schedule and B/M, run in turn --rounds times; medians.
+   Trials run torch.distributed.pipelining's schedules directly (autotune.trial), one process per rank.
+
+    python bench/tuning.py --model bench/models/skewed6.py --batch-size 64 --trials 12 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _results  # noqa: E402
+
+from autotune.candidate import Candidate, Measurement, uniform_split  # noqa: E402
+from autotune.errors import InvalidCandidateError  # noqa: E402
+from autotune.model_file import check_model, load_model_file  # noqa: E402
+from autotune.plan import plan  # noqa: E402
+from autotune.profile import profile_model  # noqa: E402
+from autotune.schedules import Schedule, default_stages_per_rank  # noqa: E402
+from autotune.search import SearchOptions, rule_of_thumb, run_search  # noqa: E402
+from autotune.trial import TrialOptions, run_trial  # noqa: E402
+
+
+def splits(n_layers: int, n_stages: int):
+    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
+        bounds = (0, *cuts, n_layers)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
+    out = []
+    for schedule in Schedule:
+        n_stages = gpus * default_stages_per_rank(schedule)
+        if n_stages > n_layers:
+            continue
+        for m in (k for k in range(1, batch_size + 1) if batch_size % k == 0):
+            for split in splits(n_layers, n_stages):
+                c = Candidate(schedule=schedule, pipeline_degree=gpus, global_batch_size=batch_size,
+                              n_microbatches=m, layers_per_stage=split)
+                try:
+                    c.validate(n_layers)
+                except InvalidCandidateError:
+                    continue
+                out.append(c)
+    return out
+
+
+def side_by_side(spec, candidates: dict[str, Candidate], rounds: int, options: TrialOptions) -> dict[str, float]:
+    """Median step time of each, measured in turn (A B C A B C ...) so drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, candidate in candidates.items():
+            m = run_trial(spec, candidate, options)
+            if m.status == "ok" and m.step_time_ms:
+                times[name].append(m.step_time_ms)
+    return {name: statistics.median(t) for name, t in times.items() if t}
+
+
+def compute_per_rank_ms(profile, candidate: Candidate) -> float:
+    """Sum of every layer's forward + backward time over all micro-batches, divided by the pipeline ranks."""
+    costs = profile.layer_costs(candidate.micro_batch_size)
+    return sum(c.forward_ms + c.backward_ms for c in costs) * candidate.n_microbatches / candidate.pipeline_degree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench/models/skewed6.py")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--trials", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    spec = load_model_file(args.model)
+    check_model(spec, args.batch_size)
+    options = TrialOptions(steps=5, warmup=2, device=args.device)
+    run_trial(spec, rule_of_thumb(spec.n_layers, args.gpus, args.batch_size), options)  # warm the fork server
+
+    # 2. the search first, on a fresh study (its wall time includes profiling and planning)
+    started = time.time()
+    profile = profile_model(spec, batch_size=args.batch_size, device=args.device)
+    planned = plan(profile, gpus=args.gpus, batch_size=args.batch_size, memory_limit_bytes=None)
+    search_options = SearchOptions(
+        gpus=args.gpus, batch_size=args.batch_size, n_trials=args.trials, seed=args.seed,
+        layouts=((args.gpus, 1),), checkpointing=(False,), wire_dtypes=("float32",), trial=options,
+    )
+    storage = f"sqlite:///{tempfile.mkdtemp()}/bench.db"
+    result = run_search(spec, profile, planned, search_options, study_name="bench", storage=storage)
+    search_wall = time.time() - started
+    assert result.best is not None
+    tuned = result.best.candidate
+
+    # 1. the exhaustive grid
+    candidates = grid(spec.n_layers, args.gpus, args.batch_size)
+    started = time.time()
+    measured: list[Measurement] = [run_trial(spec, c, options) for c in candidates]
+    grid_wall = time.time() - started
+    ok = [m for m in measured if m.status == "ok"]
+    grid_best = min(ok, key=lambda m: m.step_time_ms or float("inf")).candidate
+
+    # 3. side by side
+    default = rule_of_thumb(spec.n_layers, args.gpus, args.batch_size)
+    uniform_same = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages))
+    contenders = {"search": tuned, "grid best": grid_best, "rule-of-thumb default": default,
+                  "uniform split, search's schedule and B/M": uniform_same}
+    medians = side_by_side(spec, contenders, args.rounds, options)
+
+    quality = medians["grid best"] / medians["search"]
+    cost = search_wall / grid_wall
+    gain = medians["rule-of-thumb default"] / medians["search"]
+    balance_gain = medians["uniform split, search's schedule and B/M"] / medians["search"]
+    efficiency = compute_per_rank_ms(profile, tuned) / medians["search"]
+    rank_in_grid = sorted(m.step_time_ms for m in ok).index(
+        next(m.step_time_ms for m in ok if m.candidate == tuned)) + 1 if any(m.candidate == tuned for m in ok) else None
+    summary = [
+        ["tuning quality (grid best time / search time, side by side)", quality, ">= 0.95 (issue 4), goal 0.99",
+         "met" if quality >= 0.99 else ("met 0.95" if quality >= 0.95 else "missed")],
+        ["tuning cost (search wall / grid wall)", cost, "<= 0.30 (issue 4), goal 0.15",
+         "met" if cost <= 0.15 else ("met 0.30" if cost <= 0.3 else "missed")],
+        ["gain over the rule-of-thumb default", gain, ">= 1.25", "met" if gain >= 1.25 else "missed"],
+        ["gain of the chosen split over uniform (same schedule, B/M)", balance_gain, "> 1", "met" if balance_gain > 1 else "missed"],
+        ["pipeline efficiency (compute per rank / step)", efficiency, ">= 0.9", "met" if efficiency >= 0.9 else "missed"],
+    ]
+    contenders_rows = [[name, c.key, medians.get(name), args.batch_size / medians[name] * 1000 if name in medians else None]
+                       for name, c in contenders.items()]
+    _results.write(
+        "tuning", title="Tuning quality and cost", device=args.device,
+        tables={
+            "summary": _results.markdown_table(["measure", "value", "target", "status"], summary),
+            f"side by side ({args.rounds} rounds, medians)": _results.markdown_table(
+                ["config", "candidate", "step ms", "samples/s"], contenders_rows),
+            "runs": _results.markdown_table(["", "value"], [
+                ["model", args.model], ["gpus / batch", f"{args.gpus} / {args.batch_size}"],
+                ["grid size (trials)", len(candidates)], ["grid ok", len(ok)], ["grid wall s", grid_wall],
+                ["search trial budget", args.trials], ["search launched", result.launched],
+                ["search records (incl. pruned)", len(result.records)], ["search wall s (incl. profile, plan)", search_wall],
+                ["search's config's rank in the grid's single runs", rank_in_grid],
+            ]),
+        },
+        data={"quality": quality, "cost": cost, "gain": gain, "balance_gain": balance_gain, "efficiency": efficiency,
+              "grid_wall_s": grid_wall, "search_wall_s": search_wall, "medians_ms": medians,
+              "contenders": {k: c.key for k, c in contenders.items()},
+              "grid": [{"candidate": m.candidate.key, "status": m.status, "step_time_ms": m.step_time_ms} for m in measured]},
+    )
+
+
+if __name__ == "__main__":
+    main()
