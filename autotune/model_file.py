@@ -37,6 +37,8 @@ class ModelSpec:
     """Class name of each layer, in model order."""
     parameter_bytes: tuple[int, ...]
     """Bytes of parameters of each layer."""
+    batchnorm_layers: tuple[int, ...] = ()
+    """Layers holding a BatchNorm module at any depth (statistics per micro-batch under pipelining)."""
 
     @property
     def n_layers(self) -> int:
@@ -44,7 +46,7 @@ class ModelSpec:
 
     @property
     def has_batchnorm(self) -> bool:
-        return any("BatchNorm" in name for name in self.layer_names)
+        return bool(self.batchnorm_layers)
 
 
 def load_model_file(path: str | Path) -> ModelSpec:
@@ -75,6 +77,10 @@ def load_model_file(path: str | Path) -> ModelSpec:
         layer_names=tuple(type(layer).__name__ for layer in layers),
         parameter_bytes=tuple(
             sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers
+        ),
+        batchnorm_layers=tuple(
+            i for i, layer in enumerate(layers)
+            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layer.modules())
         ),
     )
 

@@ -126,28 +126,11 @@ def draw_figures(facts: ReportFacts) -> list[FigureImage]:
 
 
 def batchnorm_layers(spec: ModelSpec | None, profile: Profile) -> list[str]:
-    """'layer 3 (BatchNorm1d)' for each top-level layer that is or contains a BatchNorm.
-
-    The layer names of the spec and the profile are top-level classes only, so a BatchNorm inside a block
-    (nn.Sequential(conv, bn, relu)) is found by building the model on the meta device, which allocates nothing."""
-    names = spec.layer_names if spec is not None else tuple(layer.name for layer in profile.layers)
-    found = [f"{i} ({name})" for i, name in enumerate(names) if "BatchNorm" in name]
-    if found or spec is None:
-        return found
-    try:
-        import torch
-
-        with torch.device("meta"):
-            model = spec.build_model()
-        layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else []
-    except Exception as exc:  # noqa: BLE001 - the user's code: whatever it raises, the report goes on without this check
-        log.debug("could not build the model to look for BatchNorm: %s", exc)
-        return found
-    for i, layer in enumerate(layers):
-        inner = sorted({type(m).__name__ for m in layer.modules() if "BatchNorm" in type(m).__name__})
-        if inner:
-            found.append(f"{i} ({type(layer).__name__} with {', '.join(inner)})")
-    return found
+    """'3 (Sequential)' for each layer that is or contains a BatchNorm (the spec found them at any depth); without
+    the model file, only the profile's top-level layer names can tell."""
+    if spec is not None:
+        return [f"{i} ({spec.layer_names[i]})" for i in spec.batchnorm_layers]
+    return [f"{i} ({layer.name})" for i, layer in enumerate(profile.layers) if "BatchNorm" in layer.name]
 
 
 def _config_exports(config_path: Path | None) -> tuple[Candidate | None, list[tuple[str, str, str]]]:

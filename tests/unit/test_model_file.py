@@ -32,3 +32,12 @@ def test_recipes_pass_the_meta_device_check(monkeypatch, recipe):
     spec = model_file.load_model_file(RECIPES / f"{recipe}.py")
     model_file.check_model(spec, 4)
     assert spec.n_layers >= 8 and not spec.has_batchnorm
+
+
+def test_batchnorm_is_found_inside_blocks(tmp_path):
+    path = tmp_path / "bn.py"
+    path.write_text(NON_SCALAR.replace(
+        "nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
+        "nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()), nn.Linear(4, 2))"))
+    spec = model_file.load_model_file(path)
+    assert spec.has_batchnorm and spec.batchnorm_layers == (1,)
