@@ -39,6 +39,13 @@ class DeviceChoice(str, Enum):
     cuda = "cuda"
 
 
+class WireDtypeChoice(str, Enum):
+    """--wire-dtype choices: the candidate's WireDtype values."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 # Shared options, declared once (STYLE.md: aliases, not copies per command).
 ModelArg = Annotated[Path, typer.Argument(help="Your model file: build_model(), make_batch(B), loss_fn(out, y).")]
 GpusOpt = Annotated[int, typer.Option("--gpus", "-g", min=1, help="Ranks to run (GPUs, or CPU processes with --device cpu).")]
@@ -127,6 +134,18 @@ def trial(
         typer.Option(help="Layer count per stage, comma-separated, e.g. 3,5. Default: uniform."),
     ] = None,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel replicas; pipeline degree = gpus / dp.")] = 1,
+    activation_checkpointing: Annotated[
+        bool,
+        typer.Option("--activation-checkpointing", help="Recompute each stage's forward in its backward."),
+    ] = False,
+    wire_dtype: Annotated[
+        WireDtypeChoice,
+        typer.Option(
+            "--wire-dtype",
+            help="dtype of activations and gradients sent between stages. bfloat16 also measures the gradients' "
+            "relative error against a float32 twin on the first warm-up step.",
+        ),
+    ] = WireDtypeChoice.float32,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps (median is reported).")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps first; the last one measures memory.")] = 2,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds before the trial counts as hung.")] = 300.0,
@@ -165,6 +184,8 @@ def trial(
             global_batch_size=batch_size,
             n_microbatches=microbatches,
             layers_per_stage=split,
+            activation_checkpointing=activation_checkpointing,
+            wire_dtype=wire_dtype.value,
         )
         candidate.validate(spec.n_layers)
         options = TrialOptions(
@@ -174,6 +195,7 @@ def trial(
             memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
             device=resolve_device(device.value),
             keep_run_dir=_state["debug"],
+            measure_wire_error=wire_dtype is WireDtypeChoice.bfloat16,
         )
         with err_console.status(f"running {candidate.key} on {gpus} {options.device} rank(s)..."):
             measurement = run_trial(spec, candidate, options)
@@ -197,11 +219,15 @@ def _render_measurement(m: Any) -> None:
     table.add_row("pp x dp", f"{c.pipeline_degree} x {c.data_parallel_degree}")
     table.add_row("micro-batches (B/M)", f"{c.n_microbatches} of {c.micro_batch_size} samples")
     table.add_row("layers per stage", ", ".join(map(str, c.layers_per_stage)))
+    table.add_row("activation checkpointing", "yes" if c.activation_checkpointing else "no")
+    table.add_row("between stages", c.wire_dtype)
     if m.status == "ok":
         table.add_row("step time (median)", f"{m.step_time_ms:.1f} ms")
         table.add_row("throughput", f"{m.throughput_samples_per_s:.1f} samples/s")
         table.add_row("peak memory per rank", ", ".join(format_bytes(b) for b in m.peak_memory_bytes))
         table.add_row("loss", f"{m.loss:.4f}" if m.loss is not None else "-")
+        if m.wire_grad_rel_error is not None:
+            table.add_row("bf16 gradient error", f"{m.wire_grad_rel_error:.2%} relative to float32 between stages")
     if m.error is not None:
         table.add_row("failed rank", str(m.error.rank) if m.error.rank is not None else "unknown")
         table.add_row("reason", m.error.message)
@@ -306,8 +332,12 @@ def plan_command(
     and rank them by predicted throughput, with the B/M range worth trying. Nothing runs on N ranks: use
     `autotune trial` or `autotune search` to measure.
 
-    `--json` prints a list of candidates: the config fields plus predicted_step_time_ms,
-    predicted_throughput_samples_per_s, predicted_peak_memory_bytes (per rank) and feasible.
+    Layouts: every pp x dp = N that the model and batch allow, pp = 1 (plain data parallelism) included; B/M and M
+    are per replica. Activation checkpointing is ranked beside the rest: the fastest candidates also appear with it.
+
+    `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus
+    predicted_step_time_ms, predicted_throughput_samples_per_s, predicted_peak_memory_bytes (one per pipeline rank;
+    every replica holds the same) and feasible.
 
     Example: `autotune plan recipes/gpt.py --gpus 4 --batch-size 64 --device cpu --memory-limit 512MiB`
     """
@@ -412,19 +442,24 @@ def _render_profile(profile: Any) -> None:
 def _render_plan(
     planned: list[Any], recommended: tuple[int, int], limit: int | None, gpus: int, batch_size: int
 ) -> None:
+    from rich import box
     from rich.table import Table
 
     from autotune.units import format_bytes
 
     title = f"plan: {gpus} ranks, batch {batch_size}" + (f", limit {format_bytes(limit)}/rank" if limit else "")
-    table = Table(title=title)
-    for column in ("#", "schedule", "B/M", "M", "layers per stage", "step ms", "samples/s", "bubble", "peak mem"):
-        table.add_column(column, justify="left" if column in ("schedule", "layers per stage") else "right")
+    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # ten columns in 80
+    columns = ("#", "pp×dp", "schedule", "B/M", "M", "split", "step ms", "samples/s", "bubble", "peak mem")
+    for column in columns:
+        text = column in ("schedule", "split")  # these wrap; numbers stay whole on a narrow terminal
+        table.add_column(column, justify="left" if text else "right", no_wrap=not text,
+                         overflow="fold", min_width={"schedule": 11, "split": 5}.get(column))
     for i, p in enumerate(planned, start=1):
         c, e = p.candidate, p.estimate
         peak = format_bytes(max(e.peak_memory_bytes))  # the fullest rank; the limit is in the title
         table.add_row(
-            str(i), c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""), str(c.n_microbatches),
+            str(i), f"{c.pipeline_degree}×{c.data_parallel_degree}",
+            c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""), str(c.n_microbatches),
             str(c.micro_batch_size), ",".join(map(str, c.layers_per_stage)), f"{e.step_time_ms:.1f}",
             f"{e.throughput_samples_per_s:.1f}", f"{e.bubble_fraction:.0%}",
             peak if e.feasible else f"[red]{peak}[/red]",
@@ -433,8 +468,8 @@ def _render_plan(
     lo, hi = recommended
     span = f"{lo}" if lo == hi else f"{lo} to {hi}"
     console.print(
-        f"recommended B/M: {span} (within 5% of the best predicted throughput). Predictions come from a one-device "
-        f"profile; measure with `autotune trial` or `autotune search`.",
+        f"recommended B/M: {span} per replica (within 5% of the best predicted throughput). Predictions come from a "
+        f"one-device profile; measure with `autotune trial` or `autotune search`.",
         highlight=False,
     )
 
@@ -564,7 +599,14 @@ def _write_config(
     """Write the best config unless the existing one holds within min_improvement. Returns (kept_old, wrote_new)."""
     import sys as _sys
 
-    from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password, save_config
+    from autotune.tuned_config import (
+        Environment,
+        PredictedResult,
+        SearchSummary,
+        TunedConfig,
+        mask_password,
+        save_config,
+    )
 
     best = result.best
     if incumbent is not None:
@@ -652,7 +694,14 @@ class _SearchProgress:
     """Live progress on stderr: trials run of the budget, each trial's result, the best so far, time left."""
 
     def __init__(self, budget: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(
             TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
@@ -12,11 +12,21 @@ from autotune.candidate import Candidate, uniform_split
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.partition import StageMemory, balance_for_schedule
 from autotune.profile import LayerCost, Profile
-from autotune.schedules import Schedule, default_stages_per_rank, parse_schedule, stage_ranks, validate_schedule
+from autotune.schedules import (
+    SCHEDULES,
+    Schedule,
+    default_stages_per_rank,
+    parse_schedule,
+    stage_ranks,
+    validate_schedule,
+)
 from autotune.simulate import Estimate, LinkModel, max_in_flight, simulate_costs, step_time_lower_bound
 from autotune.units import format_bytes
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINTED_VARIANTS = 8
+"""How many of the fastest candidates without activation checkpointing plan() also simulates with it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,17 +59,20 @@ def plan(
     top: int | None = None,
     link: LinkModel | None = None,
     prune_within: float | None = 0.25,
+    layouts: Iterable[tuple[int, int]] | None = None,
 ) -> list[PlannedCandidate]:
-    """Valid (schedule, n_microbatches) points with their balanced and uniform splits, simulated; fastest first,
-    candidates over the memory limit last.
+    """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated; fastest
+    first, candidates over the memory limit last.
 
-    Micro-batch counts are the divisors of B that the schedule accepts (invalid ones are skipped). Splits: the
-    placement-aware min-max split of per-layer time and the uniform split; when both exceed the memory limit, a
-    memory-aware split, then the same with activation checkpointing. Points are simulated cheapest lower bound
-    first, and a point whose lower bound is more than prune_within (25 %) slower than the best feasible step so far
-    is skipped: it cannot rank near the top, and building torch's action lists for large micro-batch counts is
-    the expensive part. prune_within=None simulates everything. pp = gpus and dp = 1 for now; dp x pp layouts go
-    in _layouts."""
+    Layouts are the (pp, dp) pairs of _layouts (or `layouts`): every pp x dp = gpus whose dp divides B and whose pp
+    has a layer per rank, pp = 1 (plain data parallelism) included. Micro-batch counts are the divisors of B/dp that
+    the schedule accepts (invalid ones are skipped); B/M and M are per replica. Splits: the placement-aware min-max
+    split of per-layer time and the uniform split; when both exceed the memory limit, a memory-aware split, then
+    the same with activation checkpointing. The CHECKPOINTED_VARIANTS fastest candidates also get a checkpointed
+    twin, fitting or not, so a tight limit ranks checkpointing against the other ways of saving memory. Points are
+    simulated cheapest lower bound first, and a point whose lower bound is more than prune_within (25 %) slower
+    than the best feasible step so far is skipped: it cannot rank near the top, and building torch's action lists
+    for large micro-batch counts is the expensive part. prune_within=None simulates everything."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
@@ -70,11 +83,15 @@ def plan(
     link = link or LinkModel.for_device(profile.device)
     n_layers = profile.n_layers
     costs_at: dict[int, _Costs] = {}
+    splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
-    for pp, dp in _layouts(gpus):
-        if batch_size % dp:
-            continue
+    chosen_layouts = list(layouts) if layouts is not None else _layouts(gpus, batch_size, n_layers)
+    for pp, dp in chosen_layouts:
+        if pp * dp != gpus or batch_size % dp:
+            raise UsageError(f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}")
         for schedule in chosen:
+            if pp == 1 and SCHEDULES[schedule].placement != "single":
+                continue  # one rank, no pipeline: more stages per rank only add overhead
             n_stages = pp * default_stages_per_rank(schedule)
             if n_stages > n_layers:
                 continue
@@ -84,16 +101,17 @@ def plan(
                 except InvalidCandidateError:
                     continue
                 micro = batch_size // (m * dp)
-                costs = costs_at.get(micro) or costs_at.setdefault(micro, _Costs(profile, micro, link))
+                costs = costs_at.get(micro) or costs_at.setdefault(micro, _Costs(profile, micro, link, splits))
                 point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
                                batch_size=batch_size)
                 if point.first:
                     points.append(point)
     if not points:
-        if gpus > n_layers:
+        if not chosen_layouts:
             raise InvalidCandidateError(
                 f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "
-                f"one layer); use --gpus {n_layers} or fewer"
+                f"one layer), and no data-parallel degree dividing both {gpus} and batch size {batch_size} leaves a "
+                f"pipeline that short; use --gpus {n_layers} or fewer, or a batch size that is a multiple of {gpus}"
             )
         names = ", ".join(s.value for s in chosen)
         raise InvalidCandidateError(
@@ -112,6 +130,9 @@ def plan(
             planned.setdefault(entry.candidate.key, entry)
             if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):
                 best[:] = [entry.estimate.step_time_ms]
+    limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
+    for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
+        planned.setdefault(entry.candidate.key, entry)
     logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
     ranked = sorted(
         planned.values(),
@@ -151,9 +172,34 @@ def ensure_feasible(planned: Sequence[PlannedCandidate]) -> None:
 # --- enumeration --------------------------------------------------------------------------------------------------
 
 
-def _layouts(gpus: int) -> list[tuple[int, int]]:
-    """(pp, dp) pairs to plan: the whole machine as one pipeline for now."""
-    return [(gpus, 1)]
+def _layouts(gpus: int, batch_size: int, n_layers: int) -> list[tuple[int, int]]:
+    """(pp, dp) pairs to plan, longest pipeline first: every pp x dp = gpus with B % dp == 0 and pp <= n_layers.
+    pp = 1 (plain data parallelism) is kept, so the ranking says whether pipelining pays at all."""
+    return [(gpus // dp, dp) for dp in range(1, gpus + 1)
+            if gpus % dp == 0 and batch_size % dp == 0 and gpus // dp <= n_layers]
+
+
+def _checkpointed_variants(
+    planned: Sequence[PlannedCandidate], costs_at: dict[int, _Costs], memory_limit_bytes: int | None, limit_ms: float
+) -> list[PlannedCandidate]:
+    """The checkpointed twins of the CHECKPOINTED_VARIANTS fastest candidates without checkpointing, fitting or not:
+    the same split, and the split balanced for the recomputing backward. A twin whose lower bound is over limit_ms
+    is skipped."""
+    plain = sorted((p for p in planned if not p.candidate.activation_checkpointing),
+                   key=lambda p: (-p.estimate.throughput_samples_per_s, p.candidate.key))
+    have = {p.candidate.key for p in planned}
+    twins: list[PlannedCandidate] = []
+    for p in plain[:CHECKPOINTED_VARIANTS]:
+        c = p.candidate
+        costs = costs_at[c.micro_batch_size]
+        balanced = costs.balanced(c.schedule, c.pipeline_degree, c.n_stages, checkpointing=True)
+        for split in dict.fromkeys((c.layers_per_stage, balanced)):
+            twin = replace(c, layers_per_stage=split, activation_checkpointing=True)
+            if twin.key in have or costs.lower_bound(twin) > limit_ms:
+                continue
+            have.add(twin.key)
+            twins.append(PlannedCandidate(candidate=twin, estimate=costs.simulate(twin, memory_limit_bytes)))
+    return twins
 
 
 def _divisors(n: int) -> list[int]:
@@ -164,7 +210,10 @@ def _divisors(n: int) -> list[int]:
 class _Costs:
     """Per-layer costs at one micro-batch size, with what every candidate at that size shares."""
 
-    def __init__(self, profile: Profile, micro_batch_size: int, link: LinkModel) -> None:
+    def __init__(
+        self, profile: Profile, micro_batch_size: int, link: LinkModel,
+        splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None,
+    ) -> None:
         self.layers: list[LayerCost] = profile.layer_costs(micro_batch_size)
         self.input_bytes = profile.input_bytes_at(micro_batch_size)
         self.link = link
@@ -177,7 +226,10 @@ class _Costs:
         self.time_checkpointed = [2 * c.forward_ms + c.backward_ms for c in self.layers]
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
         self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
-        self._balanced: dict[tuple[tuple[int, ...], bool], tuple[int, ...]] = {}
+        self._balanced = splits if splits is not None else {}
+        # A min-max split depends on the layer times only up to scale: sizes whose times are proportional (a profile
+        # of one size, or layers without fixed costs) share their splits, the planner's costliest computation.
+        self._shape = {flag: _shape(t) for flag, t in ((False, self.time), (True, self.time_checkpointed))}
 
     def simulate(self, candidate: Candidate, memory_limit_bytes: int | None) -> Estimate:
         return simulate_costs(
@@ -195,7 +247,7 @@ class _Costs:
         self, schedule: Schedule, pipeline_degree: int, n_stages: int, checkpointing: bool = False
     ) -> tuple[int, ...]:
         """The placement-aware time-balanced split; schedules with the same placement share it."""
-        key = (tuple(stage_ranks(schedule, pipeline_degree, n_stages)), checkpointing)
+        key = (tuple(stage_ranks(schedule, pipeline_degree, n_stages)), self._shape[checkpointing])
         if key not in self._balanced:
             time = self.time_checkpointed if checkpointing else self.time
             self._balanced[key] = balance_for_schedule(time, schedule, pipeline_degree, n_stages)
@@ -278,6 +330,12 @@ class _Point:
             if any(r.estimate.feasible for r in results):
                 break
         return results
+
+
+def _shape(times: Sequence[float]) -> tuple[float, ...]:
+    """Times relative to the largest, rounded past float noise: equal for proportional time vectors."""
+    top = max(times, default=0.0) or 1.0
+    return tuple(round(t / top, 9) for t in times)
 
 
 def _size_flag(nbytes: float) -> str:

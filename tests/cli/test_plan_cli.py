@@ -28,11 +28,11 @@ def test_plan_json_lists_ranked_candidates(model):
     planned = json.loads(result.stdout)
     assert isinstance(planned, list) and 1 <= len(planned) <= 10
     for entry in planned:
-        assert entry["pipeline_degree"] == 2 and entry["global_batch_size"] == 8
-        assert 8 % entry["num_microbatches"] == 0
+        assert entry["pipeline_degree"] * entry["data_parallel_degree"] == 2 and entry["global_batch_size"] == 8
+        assert 8 % (entry["num_microbatches"] * entry["data_parallel_degree"]) == 0
         assert sum(entry["layers_per_stage"]) == 4
         assert entry["predicted_step_time_ms"] > 0
-        assert len(entry["predicted_peak_memory_bytes"]) == 2
+        assert len(entry["predicted_peak_memory_bytes"]) == entry["pipeline_degree"]
         assert entry["feasible"] is True  # no limit on cpu
     speeds = [entry["predicted_throughput_samples_per_s"] for entry in planned]
     assert speeds == sorted(speeds, reverse=True)
@@ -62,9 +62,24 @@ def test_plan_top_and_memory_limit_keep_only_what_fits(model):
 
 
 def test_plan_more_ranks_than_layers_is_a_usage_error(model):
-    result = invoke("plan", model, "--gpus", 8, "--batch-size", 8, "--device", "cpu", "--repeats", 1)
+    # 8 ranks over 4 layers need dp >= 2, which batch size 1 cannot be split into
+    result = invoke("plan", model, "--gpus", 8, "--batch-size", 1, "--device", "cpu", "--repeats", 1)
     assert result.exit_code == 2, result.output
     assert "use --gpus 4 or fewer" in result.stderr
+
+
+def test_plan_more_ranks_than_layers_uses_data_parallel_replicas(model):
+    result = invoke("plan", model, "--gpus", 8, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--top", 50,
+                    "--json")
+    assert result.exit_code == 0, result.output
+    layouts = {(e["pipeline_degree"], e["data_parallel_degree"]) for e in json.loads(result.stdout)}
+    assert layouts and all(pp * dp == 8 and pp <= 4 for pp, dp in layouts)
+
+
+def test_plan_table_shows_the_layout(model):
+    result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--top", 50)
+    assert result.exit_code == 0, result.output
+    assert "pp×dp" in result.stdout and "2×1" in result.stdout and "1×2" in result.stdout
 
 
 def test_auto_device_without_cuda_says_to_pass_cpu(model, monkeypatch):
