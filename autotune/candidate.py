@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -118,6 +120,11 @@ class Candidate:
         )
 
 
+def stage_bounds(layers_per_stage: Sequence[int]) -> list[int]:
+    """Index of each stage's first layer, and the layer count last: [3, 2, 2] -> [0, 3, 5, 7]."""
+    return list(itertools.accumulate(layers_per_stage, initial=0))
+
+
 def uniform_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
     """Layers spread as evenly as possible; earlier stages take the remainder."""
     base, extra = divmod(n_layers, n_stages)
@@ -162,6 +169,9 @@ class Measurement:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Where the trial's time went (launch, setup, warmup, steps, teardown), slowest rank."""
     device: str = "cpu"
+    wire_grad_rel_error: float | None = None
+    """bf16 between stages: ||g_bf16 - g_fp32|| / ||g_fp32|| of one step's gradients against a float32-wire twin,
+    the worst rank's; None when not measured (float32 wire, or TrialOptions.measure_wire_error off)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -175,6 +185,7 @@ class Measurement:
             "wall_time_s": self.wall_time_s,
             "phases_s": dict(self.phases_s),
             "device": self.device,
+            "wire_grad_rel_error": self.wire_grad_rel_error,
             "error": dataclasses.asdict(self.error) if self.error else None,
         }
         return {**self.candidate.to_dict(), **data}
@@ -195,4 +206,5 @@ class Measurement:
             wall_time_s=float(data.get("wall_time_s", 0.0)),
             phases_s=dict(data.get("phases_s", {})),
             device=data.get("device", "cpu"),
+            wire_grad_rel_error=data.get("wire_grad_rel_error"),
         )

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import optuna
 
-from autotune.candidate import Candidate, Measurement, uniform_split
+from autotune.candidate import Candidate, Measurement, WireDtype, stage_bounds, uniform_split
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
 from autotune.partition import balance_for_schedule
@@ -60,7 +60,7 @@ class SearchOptions:
     """(pp, dp) pairs; None: every pp x dp = gpus that the model and batch allow."""
     checkpointing: tuple[bool, ...] = (False, True)
     """Activation checkpointing choices to search."""
-    wire_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
     """dtypes between stages to search."""
     max_shift: int = 2
     """How far the search moves each stage boundary from the balanced (or uniform) split, in layers."""
@@ -227,7 +227,7 @@ class SearchSpace:
             for j in range(1, n_stages)
         ]
         checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
-        wire = trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes))
+        wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
         candidate = Candidate(
             schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp,
             global_batch_size=self.options.batch_size, n_microbatches=m,
@@ -256,7 +256,7 @@ class SearchSpace:
         n_stages = candidate.n_stages
         for base_name in SPLIT_BASES:
             base = self._base(base_name, candidate.schedule, pp, dp, candidate.n_microbatches, n_stages)
-            shifts = [b - a for a, b in zip(_bounds(base)[1:-1], _bounds(candidate.layers_per_stage)[1:-1])]
+            shifts = [b - a for a, b in zip(stage_bounds(base)[1:-1], stage_bounds(candidate.layers_per_stage)[1:-1])]
             if all(abs(s) <= self.options.max_shift for s in shifts):
                 params: dict[str, Any] = {
                     "layout": self._layout_name(pp, dp),
@@ -271,16 +271,9 @@ class SearchSpace:
         return None
 
 
-def _bounds(split: Sequence[int]) -> list[int]:
-    bounds = [0]
-    for n in split:
-        bounds.append(bounds[-1] + n)
-    return bounds
-
-
 def _shifted(split: tuple[int, ...], shifts: Sequence[int]) -> tuple[int, ...]:
     """Move each inner boundary by its shift, keeping boundaries strictly increasing (every stage >= 1 layer)."""
-    bounds = _bounds(split)
+    bounds = stage_bounds(split)
     total, n = bounds[-1], len(split)
     moved = [0]
     for j in range(1, n):
@@ -496,8 +489,10 @@ class _Engine:
 
     def _launch(self, trial: optuna.Trial, candidate: Candidate, estimate: Estimate, phase: str) -> None:
         trial.set_user_attr("launched", True)
+        bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
+        options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
         try:
-            measurement = self.runner(self.spec, candidate, self.options.trial)
+            measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
             self._tell(trial, candidate, "interrupted", "stopped by Ctrl-C", estimate=estimate, phase=phase,
                        launched=True)

@@ -53,6 +53,9 @@ class TrialOptions:
     device: str = "cpu"
     keep_run_dir: bool = False
     """Keep the ranks' logs and stack dumps (for --debug)."""
+    measure_wire_error: bool = False
+    """For a bfloat16-wire candidate: also run one forward/backward of a float32-wire twin and report the gradients'
+    relative error (Measurement.wire_grad_rel_error)."""
 
 
 class TrialRunner(Protocol):
@@ -86,6 +89,7 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
                 timeout_s=options.timeout_s,
                 launched_at=started,
                 parent_pid=server_pid,
+                measure_wire_error=options.measure_wire_error,
             )
             process = ctx.Process(target=run_rank, args=(job,), name=f"autotune-rank-{rank}")
             with server.main_module_hidden():
@@ -186,12 +190,12 @@ def _measure(
 ) -> Measurement:
     results = {r: _read(run_dir / f"result-{r}.json") for r in range(candidate.world_size)}
     errors = {r: _read(run_dir / f"error-{r}.json") for r in range(candidate.world_size)}
-    base = {"candidate": candidate, "wall_time_s": wall_time_s, "device": options.device}
-    if all(results.values()):
-        per_rank = [results[r] for r in range(candidate.world_size)]
+    per_rank = [r for r in results.values() if r is not None]
+    if len(per_rank) == candidate.world_size:
         per_step = [max(steps) for steps in zip(*(r["step_times_ms"] for r in per_rank))]
         step_ms = statistics.median(per_step)
         losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+        wire_errors = [r["wire_grad_rel_error"] for r in per_rank if r.get("wire_grad_rel_error") is not None]
         phases = {k: max(r["phases_s"].get(k, 0.0) for r in per_rank) for k in per_rank[0]["phases_s"]}
         return Measurement(
             status="ok",
@@ -202,11 +206,15 @@ def _measure(
             peak_activation_bytes=tuple(int(r["peak_activation_bytes"]) for r in per_rank),
             loss=sum(losses) / len(losses) if losses else None,
             phases_s=phases,
-            **base,
+            wire_grad_rel_error=max(wire_errors) if wire_errors else None,
+            candidate=candidate,
+            wall_time_s=wall_time_s,
+            device=options.device,
         )
     error = _blame(errors, processes, timed_out, stuck, options.timeout_s, run_dir)
-    status = error.kind
-    return Measurement(status=status, error=error, **base)
+    return Measurement(
+        status=error.kind, error=error, candidate=candidate, wall_time_s=wall_time_s, device=options.device
+    )
 
 
 def _blame(

@@ -9,14 +9,16 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import gc
 import json
+import math
 import os
 import signal
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,8 @@ import torch.distributed as dist
 import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
-from autotune.model_file import load_model_file, make_batch
-from autotune.runtime import RankLayout, build_pipeline, init_groups
+from autotune.model_file import ModelSpec, load_model_file, make_batch
+from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
 
 _COMMS_MARKERS = (
@@ -63,6 +65,8 @@ class RankJob:
     """time.time() when the launcher started the trial."""
     parent_pid: int | None
     """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
+    measure_wire_error: bool = False
+    """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
 
 
 def run_rank(job: RankJob) -> None:
@@ -121,10 +125,23 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     phases["setup"] = time.perf_counter() - t0
 
     # Warm-up: the first step infers shapes and creates optimizer state; the last warm-up step is the tracked one.
+    # With measure_wire_error, the first step's gradients are also compared with a float32-wire twin's; when that
+    # step is the tracked one (warmup 1), the comparison runs before it, without an optimizer step.
     t0 = time.perf_counter()
     peak_bytes = activation_bytes = 0
-    for i in range(max(job.warmup, 1)):
-        if i == max(job.warmup, 1) - 1:
+    n_warmup = max(job.warmup, 1)
+    wire_error = None
+    compare = job.measure_wire_error and candidate.wire_dtype == "bfloat16"
+    for i in range(n_warmup):
+        tracked = i == n_warmup - 1
+        if i == 0 and compare:
+            wire_error = _wire_grad_error(pipe, spec, job.rank, device, pp_group, dp_group, inputs, targets)
+            if not tracked:  # the rest of this warm-up step: its forward_backward just ran
+                pipe.optimizer.step()
+                pipe.optimizer.zero_grad(set_to_none=True)
+                continue
+            pipe.optimizer.zero_grad(set_to_none=True)
+        if tracked:
             peak_bytes, activation_bytes = _tracked_step(pipe, inputs, targets, job, device)
         else:
             pipe.step(inputs, targets)
@@ -154,7 +171,37 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         "peak_activation_bytes": activation_bytes,
         "loss": float(torch.stack(losses).float().mean()) if losses else None,
         "phases_s": phases,
+        "wire_grad_rel_error": wire_error,
     }
+
+
+def _wire_grad_error(
+    pipe: RankPipeline,
+    spec: ModelSpec,
+    rank: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> float | None:
+    """||g_bf16 - g_fp32|| / ||g_fp32|| over this rank's parameters: one forward/backward of the bf16-wire pipeline
+    and of a float32-wire twin (built with the same seed, on the same ranks and groups) on the same batch. Leaves the
+    bf16 pipeline's gradients in .grad; None when this rank's float32 gradients are all zero."""
+    twin = build_pipeline(spec, replace(pipe.candidate, wire_dtype="float32"), rank=rank, device=device,
+                          pp_group=pp_group, dp_group=dp_group)
+    pipe.forward_backward(inputs, targets)
+    twin.forward_backward(inputs, targets)
+    diff = reference = 0.0
+    for got, want in zip(pipe.parameters(), twin.parameters()):  # same modules, same order
+        if want.grad is None:
+            continue
+        bf16 = got.grad if got.grad is not None else torch.zeros_like(want.grad)
+        diff += float((bf16.double() - want.grad.double()).square().sum())
+        reference += float(want.grad.double().square().sum())
+    del twin
+    gc.collect()
+    return math.sqrt(diff / reference) if reference > 0 else None
 
 
 def _tracked_step(
@@ -241,6 +288,7 @@ def _die_with_parent(parent_pid: int | None) -> None:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
