@@ -23,6 +23,9 @@ Key and flag names were checked against the projects' own sources (2025-26 main 
               world_size / (tp x pp x cp). Megatron-Core docs "Custom Pipeline Model Parallel Layout":
               --pipeline-model-parallel-layout "Et*3|(tt|)*29,m|L" (stages split by |, listed in model order, E
               embedding, t decoder layer, L loss; virtual stages per rank = stages / pp).
+  V-Half, V-Min (Qi et al., NeurIPS 2024): in none of the three upstream; public code only in the Megatron-LM fork
+              sail-sg/zero-bubble-pipeline-parallelism (megatron/training/arguments.py there: --zero-bubble-v-schedule,
+              --zero-bubble-v-schedule-mem-setup zb|half|min).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import shlex
 import textwrap
 from collections.abc import Sequence
 
-from autotune.candidate import uniform_split
+from autotune.candidate import stage_bounds, uniform_split
 from autotune.errors import UsageError
 from autotune.schedules import SCHEDULES, Schedule
 from autotune.tuned_config import TunedConfig
@@ -65,10 +68,7 @@ def export_config(config: TunedConfig, fmt: ExportFormat | str) -> str:
 
 def stage_boundaries(layers_per_stage: Sequence[int]) -> list[int]:
     """[3, 2, 2, 3] -> [0, 3, 5, 7, 10]: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
-    bounds = [0]
-    for n in layers_per_stage:
-        bounds.append(bounds[-1] + n)
-    return bounds
+    return stage_bounds(layers_per_stage)
 
 
 # ---------------------------------------------------------------------------------------------- torchtitan
@@ -109,19 +109,36 @@ def _torchtitan(c: TunedConfig) -> str:
             "wire_dtype bfloat16 (torchtitan sends activations between stages in the model's own dtype; "
             "training.mixed_precision_param only applies under FSDP)"
         )
+    schedule = c.schedule
+    if schedule in _V_MEMORY:
+        schedule = Schedule.ZBV_ZERO_BUBBLE
+        cannot.append(
+            f"{_v_memory_lacking(c, 'torch nor torchtitan')}; below is ZBVZeroBubble over the same V placement and "
+            f"split, which holds about 1F1B's activations ({c.pipeline_degree} micro-batches on the first rank), so "
+            f"it may not fit the memory limit autotune tuned for, and autotune did not measure it"
+        )
+    if c.pipeline_degree == 1:
+        local_batch = f"{c.micro_batch_size}  # no pipeline: gradient accumulation over {c.num_microbatches} steps"
+        notes.append(
+            f"pp 1 is plain data parallelism: torchtitan accumulates gradients over global_batch_size / "
+            f"(local_batch_size x {c.data_parallel_degree} replicas) = {c.num_microbatches} micro-batches, as "
+            f"measured; the pipeline keys below are then unused"
+        )
+    else:
+        local_batch = (
+            f"{c.global_batch_size // c.data_parallel_degree}  # per data-parallel rank: "
+            f"{c.num_microbatches} micro-batches of {c.micro_batch_size}"
+        )
     lines = _header(c, "torchtitan", "Merge into your torchtitan job TOML.", cannot, notes, prefix="#")
     lines += [
         "",
         "[training]",
-        (
-            f"local_batch_size = {c.global_batch_size // c.data_parallel_degree}  # per data-parallel rank: "
-            f"{c.num_microbatches} micro-batches of {c.micro_batch_size}"
-        ),
+        f"local_batch_size = {local_batch}",
         f"global_batch_size = {c.global_batch_size}",
         "",
         "[parallelism]",
         f"pipeline_parallel_degree = {c.pipeline_degree}",
-        f"pipeline_parallel_schedule = {json.dumps(c.schedule.value)}",
+        f"pipeline_parallel_schedule = {json.dumps(schedule.value)}",
         f"pipeline_parallel_microbatch_size = {c.micro_batch_size}",
         f"data_parallel_replicate_degree = {c.data_parallel_degree}",
         "data_parallel_shard_degree = 1  # plain replicas (DDP), as measured; no FSDP",
@@ -157,6 +174,11 @@ def _deepspeed(c: TunedConfig) -> str:
         )
     elif c.schedule is not Schedule.ONE_F_ONE_B:
         split = list(uniform_split(c.model_layers, pp))
+        if c.schedule in _V_MEMORY:
+            cannot.append(
+                f"{_v_memory_lacking(c, 'torch nor DeepSpeed')}; DeepSpeed's TrainSchedule holds about 1F1B's "
+                f"activations, so the even split below may not fit the memory limit autotune tuned for"
+            )
         cannot.append(
             f"schedule {c.schedule.value} with {c.candidate.stages_per_rank} stages per rank: DeepSpeed runs one "
             f"stage per rank with its 1F1B-style TrainSchedule, so the tuned split does not carry over; below is an "
@@ -239,6 +261,18 @@ def _megatron(c: TunedConfig) -> str:
             f"schedule {c.schedule.value}: Megatron places virtual stages in a loop, not in a V, so the tuned split "
             f"does not carry over; below is 1F1B over an even split {split}, which autotune did not measure"
         )
+    if c.schedule in _V_MEMORY:
+        setup = "half" if c.schedule is Schedule.V_HALF else "min"
+        cannot.append(
+            f"{_v_memory_lacking(c, 'torch nor NVIDIA Megatron-LM')}; the 1F1B below holds about "
+            f"{'twice' if setup == 'half' else 'three times'} its activations, so it may not fit the memory limit "
+            f"autotune tuned for"
+        )
+        notes.append(
+            f"the sail-sg/zero-bubble-pipeline-parallelism fork of Megatron-LM runs {c.schedule.value} with "
+            f"--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup {setup} (its own V placement of layers; "
+            f"autotune checked the flag names only)"
+        )
     if placement == "loop":
         if len(set(split)) == 1:
             flags.append(("--num-layers-per-virtual-pipeline-stage", str(split[0])))
@@ -309,6 +343,18 @@ def _layout(split: list[int]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- shared
+
+_V_MEMORY = {Schedule.V_HALF: "1/2", Schedule.V_MIN: "1/3"}
+"""Controllable-memory V schedules and their activation memory relative to 1F1B."""
+
+
+def _v_memory_lacking(c: TunedConfig, who: str) -> str:
+    return (
+        f"schedule {c.schedule.value} (about {_V_MEMORY[c.schedule]} of 1F1B's activation memory, Qi et al. 2024): "
+        f"neither {who} ships it; the only public implementation is the sail-sg/zero-bubble-pipeline-parallelism "
+        f"fork of Megatron-LM"
+    )
+
 
 
 def _ranges(split: Sequence[int]) -> list[tuple[int, int]]:

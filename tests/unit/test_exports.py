@@ -57,7 +57,10 @@ INTERLEAVED_UNEVEN = make_config(Schedule.INTERLEAVED_1F1B, (1, 3, 3, 3), pp=2, 
 ZBV = make_config(Schedule.ZBV_ZERO_BUBBLE, (3, 2, 2, 3), pp=2, microbatches=4, batch=32)
 GPIPE = make_config(Schedule.GPIPE, (6, 4), pp=2, dp=2, microbatches=4)
 CKPT_BF16 = make_config(ckpt=True, wire="bfloat16")
-ALL = [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, ZBV, GPIPE, CKPT_BF16]
+VHALF = make_config(Schedule.V_HALF, (3, 2, 2, 3), pp=2, dp=2, microbatches=4)
+VMIN_CKPT_BF16 = make_config(Schedule.V_MIN, (2, 3, 3, 2), pp=2, microbatches=8, ckpt=True, wire="bfloat16")
+DATA_PARALLEL = make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, dp=4, microbatches=4)  # pp 1: no pipeline
+ALL = [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, ZBV, GPIPE, CKPT_BF16, VHALF, VMIN_CKPT_BF16, DATA_PARALLEL]
 
 
 def comments(text: str) -> str:
@@ -82,7 +85,7 @@ def test_every_export_says_what_it_cannot_express(config: TunedConfig, fmt: Expo
     cannot = said.split("Not expressible in ")[1].split("Notes:")[0]
     assert ("wire_dtype bfloat16" in cannot) == (config.wire_dtype == "bfloat16")
     lacks = {  # schedules each target does not have
-        ExportFormat.torchtitan: set(),
+        ExportFormat.torchtitan: {Schedule.V_HALF, Schedule.V_MIN},
         ExportFormat.deepspeed: set(Schedule) - {Schedule.ONE_F_ONE_B},
         ExportFormat.megatron: set(Schedule) - {Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B},
     }[fmt]
@@ -105,14 +108,21 @@ def test_torchtitan_values(config: TunedConfig) -> None:
     doc = _toml(config)
     training, par = doc["training"], doc["parallelism"]
     assert par["pipeline_parallel_degree"] == config.pipeline_degree
-    assert par["pipeline_parallel_schedule"] == config.schedule.value
+    v_memory = config.schedule in (Schedule.V_HALF, Schedule.V_MIN)  # torchtitan has neither: same V placement
+    assert par["pipeline_parallel_schedule"] == ("ZBVZeroBubble" if v_memory else config.schedule.value)
     assert par["pipeline_parallel_microbatch_size"] == config.micro_batch_size
     assert par["data_parallel_replicate_degree"] == config.data_parallel_degree
     assert par["data_parallel_shard_degree"] == 1
     assert training["global_batch_size"] == config.global_batch_size
-    # torchtitan: n_microbatches = local_batch_size // pipeline_parallel_microbatch_size
-    assert training["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == config.num_microbatches
-    assert training["local_batch_size"] * config.data_parallel_degree == config.global_batch_size
+    if config.pipeline_degree == 1:
+        # no pipeline: torchtitan accumulates global // (local x dp) micro-batches
+        accumulation = training["global_batch_size"] // (training["local_batch_size"] * config.data_parallel_degree)
+        assert training["local_batch_size"] == config.micro_batch_size
+        assert accumulation == config.num_microbatches
+    else:
+        # torchtitan: n_microbatches = local_batch_size // pipeline_parallel_microbatch_size
+        assert training["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == config.num_microbatches
+        assert training["local_batch_size"] * config.data_parallel_degree == config.global_batch_size
     assert doc["activation_checkpoint"]["mode"] == ("full" if config.activation_checkpointing else "none")
     # exactly one way of splitting is active, and it gives the tuned split
     assert ("pipeline_parallel_layers_per_stage" in par) != ("module_fqns_per_model_part" in par)
@@ -229,13 +239,17 @@ def _megatron_split(args: argparse.Namespace) -> list[int]:
     return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
 
 
-@pytest.mark.parametrize("config", [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, GPIPE, CKPT_BF16])
+@pytest.mark.parametrize("config", [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, GPIPE, CKPT_BF16, DATA_PARALLEL])
 def test_megatron_values_and_split(config: TunedConfig) -> None:
     args = _megatron_args(config)
     assert args.pipeline_model_parallel_size == config.pipeline_degree
     assert args.num_layers == config.model_layers
     assert args.micro_batch_size == config.micro_batch_size
     assert args.global_batch_size == config.global_batch_size
+    # Megatron: dp = world / pp (no tp, cp), num_microbatches = global / (micro x dp)
+    dp = config.gpus // args.pipeline_model_parallel_size
+    assert dp == config.data_parallel_degree
+    assert args.global_batch_size // (args.micro_batch_size * dp) == config.num_microbatches
     assert _megatron_split(args) == list(config.layers_per_stage)
 
 
@@ -253,6 +267,36 @@ def test_megatron_checkpointing() -> None:
     args = _megatron_args(CKPT_BF16)
     assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 3)
     assert _megatron_args(UNEVEN).recompute_granularity is None
+
+
+@pytest.mark.parametrize("config", [VHALF, VMIN_CKPT_BF16])
+@pytest.mark.parametrize("fmt", list(ExportFormat))
+def test_v_half_and_v_min_name_the_only_implementation(config: TunedConfig, fmt: ExportFormat) -> None:
+    text = export_config(config, fmt)
+    said = " ".join(json.loads(text)["_comment"]) if fmt is ExportFormat.deepspeed else comments(text)
+    cannot, notes = said.split("Not expressible in ")[1].split("Notes:")
+    assert f"schedule {config.schedule.value} (about {'1/2' if config.schedule is Schedule.V_HALF else '1/3'} of " \
+           "1F1B's activation memory" in cannot
+    assert "only public implementation is the sail-sg/zero-bubble-pipeline-parallelism fork of Megatron-LM" in cannot
+    assert "may not fit the memory limit" in cannot
+    setup = "half" if config.schedule is Schedule.V_HALF else "min"
+    assert (f"--zero-bubble-v-schedule-mem-setup {setup}" in notes) == (fmt is ExportFormat.megatron)
+    if fmt is ExportFormat.megatron:  # the fork's flags are a note, never in the upstream flag list
+        assert "zero-bubble" not in text.split("AUTOTUNE_MEGATRON_ARGS=(")[1]
+        assert _megatron_split(_megatron_args(config)) == [5, 5]
+
+
+def test_checkpointing_and_data_parallelism_reach_every_target() -> None:
+    config = VMIN_CKPT_BF16
+    assert _toml(config)["activation_checkpoint"]["mode"] == "full"
+    assert json.loads(export_config(config, "deepspeed"))["pipeline"]["activation_checkpoint_interval"] == 5
+    assert _megatron_args(config).recompute_granularity == "full"
+    dp = _toml(VHALF)["parallelism"]["data_parallel_replicate_degree"]
+    deepspeed = json.loads(export_config(VHALF, "deepspeed"))
+    implied = deepspeed["train_batch_size"] // (deepspeed["train_micro_batch_size_per_gpu"]
+                                                * deepspeed["gradient_accumulation_steps"])
+    assert dp == implied == VHALF.data_parallel_degree == 2
+    assert "data-parallel size 2 as world size" in comments(export_config(VHALF, "megatron"))
 
 
 def test_megatron_v_schedule_is_named_and_falls_back_to_an_even_split() -> None:
