@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
-from autotune.candidate import Candidate
+from autotune.candidate import Candidate, stage_bounds
 from autotune.model_file import ModelSpec, build_layers, build_optimizer, load_model_file
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
 
@@ -195,14 +195,12 @@ def build_pipeline(
     )
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
     layers = build_layers(spec)
-    bounds = [0]
-    for n in candidate.layers_per_stage:
-        bounds.append(bounds[-1] + n)
+    bounds = stage_bounds(candidate.layers_per_stage)
     wire_dtype = torch.bfloat16 if candidate.wire_dtype == "bfloat16" else None
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
     for s in stage_indices:
-        module: nn.Module = nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
+        module: nn.Module = nn.Sequential(*list(layers)[bounds[s] : bounds[s + 1]])
         if candidate.activation_checkpointing:
             module = CheckpointedStage(module)
         if wire_dtype is not None:
@@ -286,7 +284,10 @@ def setup_pipeline(
         )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_device = torch.device(device, int(os.environ.get("LOCAL_RANK", rank)) if device == "cuda" else None)
+    if device == "cuda":
+        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        torch_device = torch.device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     layout = RankLayout(

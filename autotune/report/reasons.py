@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.candidate import Candidate, Measurement
+from autotune.candidate import Candidate, Measurement, stage_bounds
 from autotune.report.measures import Gain, StageBalance, percent
 from autotune.search import SearchResult, TrialRecord
 from autotune.simulate import Estimate
@@ -246,18 +246,13 @@ def oom_neighbours(chosen: Candidate, records: Sequence[TrialRecord]) -> list[Tr
         ) or c.n_stages != chosen.n_stages:
             continue
         near_m = abs(math.log2(c.n_microbatches / chosen.n_microbatches)) <= 1.0
-        shift = max(abs(a - b) for a, b in zip(_bounds(c.layers_per_stage), _bounds(chosen.layers_per_stage)))
+        shift = max(abs(a - b) for a, b in zip(stage_bounds(c.layers_per_stage), stage_bounds(chosen.layers_per_stage)))
         same_split = c.layers_per_stage == chosen.layers_per_stage
         if (near_m and same_split) or (c.n_microbatches == chosen.n_microbatches and shift <= 2):
             found.append(r)
     return found
 
 
-def _bounds(split: Sequence[int]) -> list[int]:
-    bounds = [0]
-    for n in split:
-        bounds.append(bounds[-1] + n)
-    return bounds
 
 
 # --- commands ----------------------------------------------------------------------------------------------------
