@@ -221,6 +221,8 @@ class SearchSpace:
         n_stages = pp * default_stages_per_rank(schedule)
         if n_stages > self.n_layers:
             raise InvalidCandidateError(f"{schedule.value} needs {n_stages} stages, the model has {self.n_layers} layers")
+        if pp == 1 and n_stages > 1:
+            raise InvalidCandidateError(f"{schedule.value} splits one rank into {n_stages} stages: pointless at pp = 1")
         base_name = trial.suggest_categorical("split", list(SPLIT_BASES))
         shifts = [
             trial.suggest_int(f"shift{j}_of_{n_stages}", -self.options.max_shift, self.options.max_shift)
@@ -228,6 +230,8 @@ class SearchSpace:
         ]
         checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
         wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
+        if pp == 1 and wire != "float32":
+            raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: the wire dtype is moot")
         candidate = Candidate(
             schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp,
             global_batch_size=self.options.batch_size, n_microbatches=m,
@@ -537,7 +541,7 @@ class _Engine:
         record = TrialRecord(
             number=trial.number,
             candidate=candidate,
-            outcome="ok" if outcome == "duplicate" and measurement and measurement.status == "ok" else outcome,
+            outcome=outcome,
             reason=reason,
             throughput_samples_per_s=measurement.throughput_samples_per_s if measurement else None,
             step_time_ms=measurement.step_time_ms if measurement else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.candidate import Candidate, Measurement
+from autotune.explain import memory_choice_reason
 from autotune.profile import Profile
 from autotune.report.measures import (
     Curve,
@@ -120,6 +121,10 @@ def gather_facts(
         result, chosen, chosen_runs, estimate, default_estimate, gain, balance, default_balance, recommended, limit,
         per_sample,
     )
+    if limit is not None and gpus:
+        reason = memory_choice_reason(result, profile, limit)
+        if reason:  # the limit ruled out the usual choice: say so right after the speed and the gain
+            why = (*why[:2], f"**Memory limit decided**: {reason}", *why[2:])
     commands = reproduce_commands(result, setup, model_name, gpus, batch, device, limit, report_dir)
     gpus_text = f" on {gpus} {device} rank(s)" if gpus else ""
     batch_text = f", global batch {batch}" if batch else ""

@@ -155,3 +155,16 @@ def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
     assert loaded.best.candidate == result.best.candidate
     assert [r.outcome for r in loaded.records] == [r.outcome for r in result.records]
     assert prof.n_layers == len(COSTS) and setup["gpus"] == 2 and setup["batch_size"] == 32
+
+
+def test_one_stage_pipelines_only_take_single_stage_schedules_and_float32():
+    from autotune.errors import InvalidCandidateError
+
+    space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
+    base = {"layout": "pp1xdp2", "n_microbatches_dp2": 4, "split": "balanced", "activation_checkpointing": False}
+    assert space.suggest(optuna.trial.FixedTrial({**base, "schedule": "1F1B", "wire_dtype": "float32"})).n_stages == 1
+    with pytest.raises(InvalidCandidateError, match="pointless at pp = 1"):
+        space.suggest(optuna.trial.FixedTrial({**base, "schedule": "VHalf", "wire_dtype": "float32",
+                                               "shift1_of_2": 0}))
+    with pytest.raises(InvalidCandidateError, match="moot"):
+        space.suggest(optuna.trial.FixedTrial({**base, "schedule": "GPipe", "wire_dtype": "bfloat16"}))

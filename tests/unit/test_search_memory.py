@@ -145,6 +145,13 @@ def test_search_under_a_limit_below_1f1b_at_its_best_chooses_a_lower_memory_conf
     assert memory_choice_reason(result, profile, max(baseline.estimate.peak_memory_bytes)) is None  # it fits
     assert memory_choice_reason(result, profile, None) is None
 
+    from autotune.report import write_search_report
+
+    write_search_report(result, spec=None, profile=profile, config_path=None, report_dir=tmp_path / "report",
+                        memory_limit_bytes=limit, setup={"gpus": 2, "batch_size": 32})
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "**Memory limit decided**" in markdown and reason in markdown
+
 
 def test_lower_memory_changes_name_each_dimension():
     base = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
