@@ -32,7 +32,7 @@ from autotune.candidate import Candidate, Measurement, TrialError
 from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
 from autotune.trial import server
-from autotune.trial.worker import RankJob, run_rank
+from autotune.trial.job import RankJob, start_rank
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
                 parent_pid=server_pid,
                 measure_wire_error=options.measure_wire_error,
             )
-            process = ctx.Process(target=run_rank, args=(job,), name=f"autotune-rank-{rank}")
+            process = ctx.Process(target=start_rank, args=(job,), name=f"autotune-rank-{rank}")
             with server.main_module_hidden():
                 process.start()
             processes.append(process)

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch.distributed.pipelining
 from autotune.candidate import Candidate
 from autotune.model_file import ModelSpec, load_model_file, make_batch
 from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
+from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
 
 _COMMS_MARKERS = (
@@ -42,31 +43,6 @@ _COMMS_MARKERS = (
     "ProcessGroupGloo",
     "ECONNRESET",
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankJob:
-    """Everything one rank process needs; pickled to the fork server."""
-
-    rank: int
-    world_size: int
-    model_path: str
-    candidate: dict[str, Any]
-    """Candidate.to_dict()."""
-    steps: int
-    warmup: int
-    device: str
-    """cpu or cuda."""
-    memory_limit_bytes: int | None
-    run_dir: str
-    """Folder of the store file, result, error, log and stack files."""
-    timeout_s: float
-    launched_at: float
-    """time.time() when the launcher started the trial."""
-    parent_pid: int | None
-    """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
-    measure_wire_error: bool = False
-    """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
 
 
 def run_rank(job: RankJob) -> None:

@@ -1,0 +1,39 @@
+"""What the launcher hands a rank process, and the entry point it starts; torch-free, so the launcher does not import
+the rank side (torch.distributed.pipelining, ~1 s) only to name it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """Everything one rank process needs; pickled to the fork server."""
+
+    rank: int
+    world_size: int
+    model_path: str
+    candidate: dict[str, Any]
+    """Candidate.to_dict()."""
+    steps: int
+    warmup: int
+    device: str
+    """cpu or cuda."""
+    memory_limit_bytes: int | None
+    run_dir: str
+    """Folder of the store file, result, error, log and stack files."""
+    timeout_s: float
+    launched_at: float
+    """time.time() when the launcher started the trial."""
+    parent_pid: int | None
+    """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
+    measure_wire_error: bool = False
+    """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
+
+
+def start_rank(job: RankJob) -> None:
+    """Process target: the fork server preloads the worker, so this import is free in the child."""
+    from autotune.trial.worker import run_rank
+
+    run_rank(job)
