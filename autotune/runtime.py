@@ -66,23 +66,46 @@ class CheckpointedStage(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False)
 
 
-class WireCast(nn.Module):
-    """Send activations (and so receive gradients) as `wire_dtype`; compute in the received input's original dtype.
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; makes the gradient contiguous on its way back (it is sent to the previous stage)."""
 
-    Floating inputs are cast back to float32 on arrival; the last stage's output keeps its dtype for the loss."""
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
 
-    def __init__(self, inner: nn.Module, *, wire_dtype: torch.dtype, cast_output: bool) -> None:
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class StageBoundary(nn.Module):
+    """What crosses between stages: gloo and NCCL send only contiguous tensors, and torch's stages send outputs and
+    input gradients as the model made them (a transpose in a ViT's patch embedding is enough to break a run). So
+    outputs and input gradients are made contiguous here, and with `wire_dtype` activations travel in that dtype
+    (and so their gradients): floating inputs are cast back to float32 on arrival; the last stage's output keeps
+    its dtype for the loss."""
+
+    def __init__(self, inner: nn.Module, *, wire_dtype: torch.dtype | None, last: bool) -> None:
         super().__init__()
         self.inner = inner
         self.wire_dtype = wire_dtype
-        self.cast_output = cast_output
+        self.last = last
 
     def forward(self, *args: torch.Tensor) -> Any:
-        args = tuple(a.float() if a.is_floating_point() else a for a in args)
+        args = tuple(self._arrive(a) for a in args)
         out = self.inner(*args)
-        if self.cast_output and isinstance(out, torch.Tensor) and out.is_floating_point():
-            return out.to(self.wire_dtype)
-        return out
+        if self.last or not isinstance(out, torch.Tensor):
+            return out
+        if self.wire_dtype is not None and out.is_floating_point():
+            out = out.to(self.wire_dtype)
+        return out.contiguous()
+
+    def _arrive(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return x  # token ids
+        if self.wire_dtype is not None:
+            x = x.float()
+        return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
 @dataclass(kw_only=True)
@@ -117,7 +140,7 @@ class RankPipeline:
         named: dict[str, nn.Parameter] = {}
         for stage, module in zip(self.stage_indices, self.modules):
             first = sum(self.candidate.layers_per_stage[:stage])
-            while not isinstance(module, nn.Sequential):  # unwrap CheckpointedStage / WireCast
+            while not isinstance(module, nn.Sequential):  # unwrap StageBoundary / CheckpointedStage
                 module = module.inner  # type: ignore[assignment]
             for local, layer in enumerate(module):
                 for name, param in layer.named_parameters():
@@ -203,8 +226,7 @@ def build_pipeline(
         module: nn.Module = nn.Sequential(*list(layers)[bounds[s] : bounds[s + 1]])
         if candidate.activation_checkpointing:
             module = CheckpointedStage(module)
-        if wire_dtype is not None:
-            module = WireCast(module, wire_dtype=wire_dtype, cast_output=s != candidate.n_stages - 1)
+        module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
         stages.append(PipelineStage(module, s, candidate.n_stages, device, group=pp_group))

@@ -77,3 +77,39 @@ def test_data_parallel_pipeline_gradients_match_reference(tmp_path):
     want = reference_grads(spec, candidate)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+TRANSPOSING = """
+import torch
+from torch import nn
+
+class Transposed(nn.Module):  # hands the next stage a non-contiguous tensor, and gets one back as its gradient
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+    def forward(self, x):
+        return self.linear(x).transpose(1, 2)
+
+def build_model():
+    return nn.Sequential(Transposed(), Transposed(), Transposed(), Transposed())
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 6, 6, generator=g), torch.randn(batch_size, 6, 6, generator=g)
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV_ZERO_BUBBLE], ids=lambda s: s.value)
+def test_non_contiguous_activations_and_gradients_cross_stages(schedule, tmp_path):
+    path = tmp_path / "transposing.py"
+    path.write_text(TRANSPOSING)
+    spec = load_model_file(path)
+    candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=8, n_microbatches=4,
+                          layers_per_stage=uniform_split(4, 2 * default_stages_per_rank(schedule)))
+    got = pipelined_grads(spec, candidate, tmp_path)
+    want = reference_grads(spec, candidate)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
