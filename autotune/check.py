@@ -100,8 +100,8 @@ def check_config(
                 measured_throughput_samples_per_s=None, ratio=None, memory_limit_bytes=options.memory_limit_bytes,
                 message=f"the trial ended with {m.status}: {m.error.message if m.error else 'no reason given'}",
             )
-        if m.throughput_samples_per_s is not None and m.throughput_samples_per_s >= recorded * (1 - tolerance):
-            break  # within tolerance: no need to repeat
+        if statistics.median(r.throughput_samples_per_s or 0.0 for r in runs) >= recorded * (1 - tolerance):
+            break  # within tolerance so far: no need to repeat; a regression is only declared after every repeat
     measured = statistics.median(m.throughput_samples_per_s or 0.0 for m in runs)
     ratio = measured / recorded
     if ratio >= 1 - tolerance:
