@@ -13,10 +13,9 @@ import pytest
 from PIL import Image
 from torch import nn
 
-from autotune.candidate import Candidate, Measurement, TrialError
+from autotune.candidate import Candidate
 from autotune.model_file import ModelSpec, load_model_file
 from autotune.plan import plan
-from autotune.profile import LayerCost, Profile
 from autotune.report import write_search_report
 from autotune.report.document import build_document
 from autotune.report.facts import gather_facts
@@ -27,11 +26,10 @@ from autotune.report.reasons import oom_neighbours, size_flag
 from autotune.report.writer import FIGURE_NAMES, batchnorm_layers
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, SearchResult, TrialRecord, run_search
-from autotune.simulate import simulate
 from autotune.tuned_config import SearchSummary, TunedConfig, save_config
 from tests.conftest import RECIPES
+from tests.fakes import SimulatedRunner, synthetic_profile
 
-COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]
 LIMIT = 64 * 2**20
 WARNING_TITLES = {
     "batchnorm": "BatchNorm statistics come from small micro-batches",
@@ -40,32 +38,8 @@ WARNING_TITLES = {
 }
 
 
-def make_profile() -> Profile:
-    layers = [
-        LayerCost(forward_ms=c, backward_input_ms=c, backward_weight_ms=c, saved_bytes=1000, output_bytes=100,
-                  parameter_bytes=400)
-        for c in COSTS
-    ]
-    return Profile.from_layer_costs(layers, micro_batch_size=4, input_bytes=100)
+make_profile = synthetic_profile
 
-
-class FakeRunner:
-    """Measures by simulation (noise-free), with the simulator's peak memory; fails where `fail` says."""
-
-    def __init__(self, fail=lambda c: None):
-        self.fail = fail
-
-    def __call__(self, spec, candidate, options):
-        kind = self.fail(candidate)
-        if kind:
-            return Measurement(candidate=candidate, status=kind,
-                               error=TrialError(rank=0, kind=kind, message=f"injected {kind}"))
-        estimate = simulate(make_profile(), candidate, with_timeline=False)
-        step = estimate.step_time_ms
-        peaks = tuple(estimate.peak_memory_bytes) * candidate.data_parallel_degree
-        return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
-                           throughput_samples_per_s=candidate.global_batch_size / step * 1000,
-                           peak_memory_bytes=peaks)
 
 
 def make_study(tmp_path: Path, *, n_trials: int = 5, fail=lambda c: None, name: str = "s") -> SearchResult:
@@ -76,7 +50,7 @@ def make_study(tmp_path: Path, *, n_trials: int = 5, fail=lambda c: None, name: 
     planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=LIMIT)
     spec = load_model_file(RECIPES / "mlp.py")  # recorded as the study's model; the fake runner never builds it
     return run_search(spec, profile, planned, options, study_name=name, storage=f"sqlite:///{tmp_path / name}.db",
-                      runner=FakeRunner(fail))
+                      runner=SimulatedRunner(fail=fail))
 
 
 @pytest.fixture(scope="module")

@@ -7,48 +7,20 @@ import itertools
 import optuna
 import pytest
 
-from autotune.candidate import Candidate, Measurement, TrialError
 from autotune.errors import UsageError
 from autotune.model_file import load_model_file
 from autotune.plan import plan
-from autotune.profile import LayerCost, Profile
+from autotune.profile import Profile
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, SearchSpace, _shifted, rule_of_thumb, run_search
 from autotune.simulate import simulate
 from tests.conftest import RECIPES
-
-COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+from tests.fakes import COSTS, SimulatedRunner, synthetic_profile
 
 
 def profile() -> Profile:
-    layers = [
-        LayerCost(forward_ms=c, backward_input_ms=c, backward_weight_ms=c, saved_bytes=1000, output_bytes=100,
-                  parameter_bytes=400)
-        for c in COSTS
-    ]
-    return Profile.from_layer_costs(layers, micro_batch_size=4, input_bytes=100)
+    return synthetic_profile()
 
-
-class FakeRunner:
-    """Measures by simulation (plus noise-free scaling), fails on request, counts launches."""
-
-    def __init__(self, fail=lambda c: None, interrupt_after=None):
-        self.calls: list[Candidate] = []
-        self.fail = fail
-        self.interrupt_after = interrupt_after
-
-    def __call__(self, spec, candidate, options):
-        self.calls.append(candidate)
-        if self.interrupt_after is not None and len(self.calls) > self.interrupt_after:
-            raise KeyboardInterrupt
-        kind = self.fail(candidate)
-        if kind:
-            return Measurement(candidate=candidate, status=kind,
-                               error=TrialError(rank=1, kind=kind, message=f"injected {kind}"))
-        step = simulate(profile(), candidate, with_timeline=False).step_time_ms
-        return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
-                           throughput_samples_per_s=candidate.global_batch_size / step * 1000,
-                           peak_memory_bytes=(1000, 1000))
 
 
 @pytest.fixture
@@ -86,7 +58,7 @@ def test_space_round_trips_planned_candidates():
 
 
 def test_search_chooses_the_fastest_measured_and_respects_budget(spec, tmp_path):
-    runner = FakeRunner()
+    runner = SimulatedRunner()
     result = search(spec, tmp_path, runner)
     assert result.launched == len(runner.calls) == 8
     ok = [r for r in result.records if r.outcome == "ok"]
@@ -98,7 +70,7 @@ def test_search_chooses_the_fastest_measured_and_respects_budget(spec, tmp_path)
 
 def test_failed_trials_are_recorded_and_the_search_goes_on(spec, tmp_path):
     kinds = itertools.cycle(["oom", "error", "timeout", None])
-    runner = FakeRunner(fail=lambda c: next(kinds))
+    runner = SimulatedRunner(fail=lambda c: next(kinds))
     result = search(spec, tmp_path, runner)
     outcomes = {r.outcome for r in result.records}
     assert {"oom", "error", "timeout"} <= outcomes
@@ -111,7 +83,7 @@ def test_failed_trials_are_recorded_and_the_search_goes_on(spec, tmp_path):
 
 
 def test_memory_limit_prunes_before_launch(spec, tmp_path):
-    runner = FakeRunner()
+    runner = SimulatedRunner()
     p = profile()
     lean = min(simulate(p, pc.candidate, with_timeline=False).peak_memory_bytes[0]
                for pc in plan(p, gpus=2, batch_size=32, memory_limit_bytes=None))
@@ -122,12 +94,12 @@ def test_memory_limit_prunes_before_launch(spec, tmp_path):
 
 
 def test_interrupted_search_resumes_without_losing_trials(spec, tmp_path):
-    first = search(spec, tmp_path, FakeRunner(interrupt_after=3))
+    first = search(spec, tmp_path, SimulatedRunner(interrupt_after=3))
     assert first.interrupted and first.launched == 4
     done = [r.number for r in first.records if r.launched and r.outcome == "ok"]
     with pytest.raises(UsageError, match="--resume"):
-        search(spec, tmp_path, FakeRunner())
-    runner = FakeRunner()
+        search(spec, tmp_path, SimulatedRunner())
+    runner = SimulatedRunner()
     second = search(spec, tmp_path, runner, resume=True)
     assert [r.number for r in second.records if r.number in done and r.outcome == "ok"] == done
     interrupted = [r for r in second.records if r.outcome == "interrupted"]
@@ -137,11 +109,11 @@ def test_interrupted_search_resumes_without_losing_trials(spec, tmp_path):
 
 
 def test_a_trial_left_running_by_a_crash_is_failed_on_resume(spec, tmp_path):
-    search(spec, tmp_path, FakeRunner(interrupt_after=2))
+    search(spec, tmp_path, SimulatedRunner(interrupt_after=2))
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
     crashed = study.ask()  # as if the tuner died (SIGKILL) in the middle of this trial
     crashed.set_user_attr("launched", True)
-    result = search(spec, tmp_path, FakeRunner(), resume=True)
+    result = search(spec, tmp_path, SimulatedRunner(), resume=True)
     record = next(r for r in result.records if r.number == crashed.number)
     assert record.outcome == "interrupted" and "died" in record.reason
     assert study.trials[crashed.number].state == optuna.trial.TrialState.FAIL
@@ -150,7 +122,7 @@ def test_a_trial_left_running_by_a_crash_is_failed_on_resume(spec, tmp_path):
 def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
     from autotune.search import load_search
 
-    result = search(spec, tmp_path, FakeRunner())
+    result = search(spec, tmp_path, SimulatedRunner())
     loaded, prof, setup = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
     assert loaded.best.candidate == result.best.candidate
     assert [r.outcome for r in loaded.records] == [r.outcome for r in result.records]

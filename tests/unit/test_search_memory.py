@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.candidate import Candidate, Measurement, TrialError
+from autotune.candidate import Candidate
 from autotune.explain import best_one_f_one_b, lower_memory_changes, memory_choice_reason
 from autotune.model_file import load_model_file
 from autotune.plan import _layouts, plan
@@ -14,6 +14,7 @@ from autotune.schedules import Schedule
 from autotune.search import SearchOptions, run_search
 from autotune.simulate import simulate
 from tests.conftest import RECIPES
+from tests.fakes import SimulatedRunner
 
 MiB = 2**20
 SIZES = (1, 16)
@@ -38,26 +39,6 @@ def gpt_like() -> Profile:
 
 def peak(profile: Profile, candidate: Candidate) -> int:
     return max(simulate(profile, candidate, with_timeline=False).peak_memory_bytes)
-
-
-class SimulatedRunner:
-    """A trial = the simulator: its step time, and its per-rank peak memory, oom over the limit (as the CPU tracker
-    and the CUDA allocator fail a rank that passes it)."""
-
-    def __init__(self, profile: Profile, limit: int | None) -> None:
-        self.profile, self.limit, self.calls = profile, limit, []
-
-    def __call__(self, spec, candidate, options):
-        self.calls.append(candidate)
-        estimate = simulate(self.profile, candidate, with_timeline=False)
-        peaks = estimate.peak_memory_bytes * candidate.data_parallel_degree  # every replica holds the same
-        if self.limit is not None and max(peaks) > self.limit:
-            return Measurement(candidate=candidate, status="oom", error=TrialError(
-                rank=0, kind="oom", message="over the limit", bytes_requested=max(peaks)))
-        step = estimate.step_time_ms
-        return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
-                           throughput_samples_per_s=candidate.global_batch_size / step * 1000,
-                           peak_memory_bytes=peaks)
 
 
 # --- planner -----------------------------------------------------------------------------------------------------
@@ -126,7 +107,7 @@ def test_search_under_a_limit_below_1f1b_at_its_best_chooses_a_lower_memory_conf
     options = SearchOptions(gpus=2, batch_size=32, n_trials=10, seed=0, memory_limit_bytes=limit,
                             schedules=(Schedule.ONE_F_ONE_B, Schedule.V_HALF, Schedule.V_MIN))
     planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=limit, schedules=options.schedules)
-    runner = SimulatedRunner(profile, limit)
+    runner = SimulatedRunner(profile, limit=limit)
     result = run_search(spec, profile, planned, options, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}",
                         runner=runner)
 
