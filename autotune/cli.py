@@ -17,7 +17,10 @@ from rich.console import Console
 
 from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL, EXIT_INTERRUPTED, AutotuneError
 
-EXIT_CODES_HELP = "Exit codes: 0 ok, 1 internal error, 2 bad usage/config/model file, 3 nothing fits, 4 cannot launch, 130 interrupted."
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok, 1 internal error, 2 bad usage/config/model file, 3 nothing fits, 4 cannot launch, "
+    "130 interrupted."
+)
 
 app = typer.Typer(
     name="autotune",
@@ -49,7 +52,9 @@ class WireDtypeChoice(str, Enum):
 
 # Shared options, declared once (STYLE.md: aliases, not copies per command).
 ModelArg = Annotated[Path, typer.Argument(help="Your model file: build_model(), make_batch(B), loss_fn(out, y).")]
-GpusOpt = Annotated[int, typer.Option("--gpus", "-g", min=1, help="Ranks to run (GPUs, or CPU processes with --device cpu).")]
+GpusOpt = Annotated[
+    int, typer.Option("--gpus", "-g", min=1, help="Ranks to run (GPUs, or CPU processes with --device cpu).")
+]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Global batch size B per optimizer step.")]
 MemoryOpt = Annotated[
     str | None,
@@ -67,7 +72,8 @@ def _main(
 ) -> None:
     _state["debug"] = debug
     logging.basicConfig(
-        level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
 
@@ -125,7 +131,8 @@ def trial(
     schedule: Annotated[
         str,
         typer.Option(
-            "--schedule", "-s",
+            "--schedule",
+            "-s",
             help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, VHalf "
             "or VMin (case-insensitive).",
         ),
@@ -252,7 +259,9 @@ def export(
     fmt: Annotated[
         ExportTarget,
         typer.Option(
-            "--format", "-f", case_sensitive=False,
+            "--format",
+            "-f",
+            case_sensitive=False,
             help="torchtitan: a TOML snippet. deepspeed: a JSON config. megatron: command-line flags.",
         ),
     ],
@@ -276,7 +285,8 @@ def export(
 MicroBatchOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--micro-batch-size", "-M",
+        "--micro-batch-size",
+        "-M",
         help="Micro-batch sizes to profile, repeatable or comma-separated (8,32). Default: powers of two dividing B, "
         "and B (at most 6).",
     ),
@@ -308,8 +318,12 @@ def profile_command(
         chosen = resolve_device(device.value)
         with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
             result = profile_model(
-                spec, batch_size=batch_size, micro_batch_sizes=_parse_sizes(micro_batch_size), device=chosen,
-                repeats=repeats, progress=progress,
+                spec,
+                batch_size=batch_size,
+                micro_batch_sizes=_parse_sizes(micro_batch_size),
+                device=chosen,
+                repeats=repeats,
+                progress=progress,
             )
         if json_output:
             _print_json(result.to_dict())
@@ -356,8 +370,12 @@ def plan_command(
         limit = limit if limit is not None else device_memory_bytes(chosen)
         with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
             profile = profile_model(
-                spec, batch_size=batch_size, micro_batch_sizes=_parse_sizes(micro_batch_size), device=chosen,
-                repeats=repeats, progress=progress,
+                spec,
+                batch_size=batch_size,
+                micro_batch_sizes=_parse_sizes(micro_batch_size),
+                device=chosen,
+                repeats=repeats,
+                progress=progress,
             )
         with err_console.status(f"planning {gpus} ranks..."):
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
@@ -389,8 +407,12 @@ def _progress_bar(description: str) -> Iterator[Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=err_console, transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
     ) as bar:
         task = bar.add_task(description, total=None)
 
@@ -411,13 +433,26 @@ def _render_profile(profile: Any) -> None:
         table.add_column(column, justify="left" if column == "layer" else "right")
     for i, layer in enumerate(profile.layers):
         table.add_row(
-            str(i), layer.name, format_bytes(layer.parameter_bytes), f"{layer.forward_ms[-1]:.3f}",
-            f"{layer.backward_input_ms[-1]:.3f}", f"{layer.backward_weight_ms[-1]:.3f}",
-            format_bytes(layer.saved_bytes[-1]), format_bytes(layer.output_bytes[-1]),
+            str(i),
+            layer.name,
+            format_bytes(layer.parameter_bytes),
+            f"{layer.forward_ms[-1]:.3f}",
+            f"{layer.backward_input_ms[-1]:.3f}",
+            f"{layer.backward_weight_ms[-1]:.3f}",
+            format_bytes(layer.saved_bytes[-1]),
+            format_bytes(layer.output_bytes[-1]),
         )
     if profile.loss_forward_ms:
-        table.add_row("", "loss_fn", "", f"{profile.loss_forward_ms[-1]:.3f}", f"{profile.loss_backward_ms[-1]:.3f}",
-                      "", format_bytes(profile.loss_saved_bytes[-1]), "")
+        table.add_row(
+            "",
+            "loss_fn",
+            "",
+            f"{profile.loss_forward_ms[-1]:.3f}",
+            f"{profile.loss_backward_ms[-1]:.3f}",
+            "",
+            format_bytes(profile.loss_saved_bytes[-1]),
+            "",
+        )
     console.print(table)
 
     sizes = Table(title="whole model per micro-batch (loss included)")
@@ -429,8 +464,12 @@ def _render_profile(profile: Any) -> None:
         backward_input = sum(c.backward_input_ms for c in costs)
         backward_weight = sum(c.backward_weight_ms for c in costs)
         sizes.add_row(
-            str(m), f"{forward:.3f}", f"{backward_input:.3f}", f"{backward_weight:.3f}",
-            f"{(forward + backward_input + backward_weight) / m:.4f}", format_bytes(sum(c.saved_bytes for c in costs)),
+            str(m),
+            f"{forward:.3f}",
+            f"{backward_input:.3f}",
+            f"{backward_weight:.3f}",
+            f"{(forward + backward_input + backward_weight) / m:.4f}",
+            format_bytes(sum(c.saved_bytes for c in costs)),
         )
     console.print(sizes)
     console.print(
@@ -453,16 +492,26 @@ def _render_plan(
     columns = ("#", "pp×dp", "schedule", "B/M", "M", "split", "step ms", "samples/s", "bubble", "peak mem")
     for column in columns:
         text = column in ("schedule", "split")  # these wrap; numbers stay whole on a narrow terminal
-        table.add_column(column, justify="left" if text else "right", no_wrap=not text,
-                         overflow="fold", min_width={"schedule": 11, "split": 5}.get(column))
+        table.add_column(
+            column,
+            justify="left" if text else "right",
+            no_wrap=not text,
+            overflow="fold",
+            min_width={"schedule": 11, "split": 5}.get(column),
+        )
     for i, p in enumerate(planned, start=1):
         c, e = p.candidate, p.estimate
         peak = format_bytes(max(e.peak_memory_bytes))  # the fullest rank; the limit is in the title
         table.add_row(
-            str(i), f"{c.pipeline_degree}×{c.data_parallel_degree}",
-            c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""), str(c.n_microbatches),
-            str(c.micro_batch_size), ",".join(map(str, c.layers_per_stage)), f"{e.step_time_ms:.1f}",
-            f"{e.throughput_samples_per_s:.1f}", f"{e.bubble_fraction:.0%}",
+            str(i),
+            f"{c.pipeline_degree}×{c.data_parallel_degree}",
+            c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""),
+            str(c.n_microbatches),
+            str(c.micro_batch_size),
+            ",".join(map(str, c.layers_per_stage)),
+            f"{e.step_time_ms:.1f}",
+            f"{e.throughput_samples_per_s:.1f}",
+            f"{e.bubble_fraction:.0%}",
             peak if e.feasible else f"[red]{peak}[/red]",
         )
     console.print(table)
@@ -480,19 +529,28 @@ def search(
     model: ModelArg,
     gpus: GpusOpt,
     batch_size: BatchOpt,
-    trials: Annotated[int, typer.Option("--trials", "-n", min=2, help="Real trial runs to spend (leader re-runs included).")] = 20,
+    trials: Annotated[
+        int, typer.Option("--trials", "-n", min=2, help="Real trial runs to spend (leader re-runs included).")
+    ] = 20,
     timeout: Annotated[str | None, typer.Option(help="Stop launching trials after this long, e.g. 20m.")] = None,
     memory_limit: MemoryOpt = None,
     storage: Annotated[
-        str | None, typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: .autotune/<study>.db")
+        str | None,
+        typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: .autotune/<study>.db"),
     ] = None,
     study_name: Annotated[str | None, typer.Option(help="Default: <model>-<device>-g<gpus>-b<batch>.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted study; finished trials are kept.")] = False,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the tuned config.")] = Path("autotune.yaml"),
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted study; finished trials are kept.")
+    ] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the tuned config.")] = Path(
+        "autotune.yaml"
+    ),
     report_dir: Annotated[Path, typer.Option(help="Where to write the report.")] = Path("autotune-report"),
     min_improvement: Annotated[
         float,
-        typer.Option(help="Keep an existing --output config unless the new best beats it by more than this (0.03 = 3 %)."),
+        typer.Option(
+            help="Keep an existing --output config unless the new best beats it by more than this (0.03 = 3 %)."
+        ),
     ] = 0.03,
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
@@ -520,9 +578,24 @@ def search(
 
 
 def _search(
-    *, model: Path, gpus: int, batch_size: int, trials: int, timeout: str | None, memory_limit: str | None,
-    storage: str | None, study_name: str | None, resume: bool, output: Path, report_dir: Path,
-    min_improvement: float, seed: int, steps: int, warmup: int, trial_timeout: float, device: DeviceChoice,
+    *,
+    model: Path,
+    gpus: int,
+    batch_size: int,
+    trials: int,
+    timeout: str | None,
+    memory_limit: str | None,
+    storage: str | None,
+    study_name: str | None,
+    resume: bool,
+    output: Path,
+    report_dir: Path,
+    min_improvement: float,
+    seed: int,
+    steps: int,
+    warmup: int,
+    trial_timeout: float,
+    device: DeviceChoice,
     json_output: bool,
 ) -> None:
     from autotune.devices import device_memory_bytes, resolve_device
@@ -547,9 +620,19 @@ def _search(
         planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
     ensure_feasible(planned)
     options = SearchOptions(
-        gpus=gpus, batch_size=batch_size, n_trials=trials, timeout_s=timeout_s, memory_limit_bytes=limit,
-        study_name=name, storage=url, resume=resume, seed=seed, incumbent=incumbent.candidate if incumbent else None,
-        trial=TrialOptions(steps=steps, warmup=warmup, timeout_s=trial_timeout, memory_limit_bytes=limit, device=chosen),
+        gpus=gpus,
+        batch_size=batch_size,
+        n_trials=trials,
+        timeout_s=timeout_s,
+        memory_limit_bytes=limit,
+        study_name=name,
+        storage=url,
+        resume=resume,
+        seed=seed,
+        incumbent=incumbent.candidate if incumbent else None,
+        trial=TrialOptions(
+            steps=steps, warmup=warmup, timeout_s=trial_timeout, memory_limit_bytes=limit, device=chosen
+        ),
     )
     with _SearchProgress(trials) as reporter:
         result = run_search(spec, profile, planned, options, study_name=name, storage=url, reporter=reporter)
@@ -594,7 +677,13 @@ def _incumbent(output: Path, spec: Any, gpus: int, batch_size: int) -> Any:
 
 
 def _write_config(
-    result: Any, spec: Any, model: Path, output: Path, limit: int | None, incumbent: Any, min_improvement: float,
+    result: Any,
+    spec: Any,
+    model: Path,
+    output: Path,
+    limit: int | None,
+    incumbent: Any,
+    min_improvement: float,
     device: str,
 ) -> tuple[bool, bool]:
     """Write the best config unless the existing one holds within min_improvement. Returns (kept_old, wrote_new)."""
@@ -613,7 +702,9 @@ def _write_config(
     if incumbent is not None:
         old = next((leader for leader in result.leaders if leader.candidate.key == incumbent.candidate.key), None)
         new_ms = best.step_time_ms
-        if old is not None and (old.candidate.key == best.candidate.key or old.step_time_ms <= new_ms * (1 + min_improvement)):
+        if old is not None and (
+            old.candidate.key == best.candidate.key or old.step_time_ms <= new_ms * (1 + min_improvement)
+        ):
             return True, False
     estimate = result.best_estimate
     config = TunedConfig.from_measurement(
@@ -621,11 +712,17 @@ def _write_config(
         model=str(model),
         memory_limit_bytes=limit,
         model_layers=spec.n_layers,
-        predicted=PredictedResult(step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes))
-        if estimate else None,
+        predicted=PredictedResult(
+            step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes)
+        )
+        if estimate
+        else None,
         search=SearchSummary(
-            study=result.study_name, storage=mask_password(result.storage), trials=len(result.records),
-            feasible=result.feasible, best_trial=result.best_trial,
+            study=result.study_name,
+            storage=mask_password(result.storage),
+            trials=len(result.records),
+            feasible=result.feasible,
+            best_trial=result.best_trial,
         ),
         environment=Environment.current(device),
     )
@@ -633,13 +730,16 @@ def _write_config(
     return False, True
 
 
-def _write_report_if_available(result: Any, spec: Any, profile: Any, output: Path, report_dir: Path, limit: Any) -> Path | None:
+def _write_report_if_available(
+    result: Any, spec: Any, profile: Any, output: Path, report_dir: Path, limit: Any
+) -> Path | None:
     try:
         from autotune.report import write_search_report
     except ImportError:
         return None
-    return write_search_report(result, spec=spec, profile=profile, config_path=output, report_dir=report_dir,
-                               memory_limit_bytes=limit)
+    return write_search_report(
+        result, spec=spec, profile=profile, config_path=output, report_dir=report_dir, memory_limit_bytes=limit
+    )
 
 
 def _search_summary(result: Any, output: Path, kept: bool, written: bool, report: Path | None) -> dict[str, Any]:
@@ -675,8 +775,11 @@ def _render_search(result: Any, summary: dict[str, Any]) -> None:
         table.add_column(column, justify="right" if column != "candidate" else "left")
     for i, leader in enumerate(result.leaders[:5], start=1):
         table.add_row(
-            str(i), leader.candidate.key, f"{leader.step_time_ms:.1f}",
-            f"{leader.candidate.global_batch_size / leader.step_time_ms * 1000:.0f}", str(len(leader.step_times_ms)),
+            str(i),
+            leader.candidate.key,
+            f"{leader.step_time_ms:.1f}",
+            f"{leader.candidate.global_batch_size / leader.step_time_ms * 1000:.0f}",
+            str(len(leader.step_times_ms)),
         )
     console.print(table)
     if summary["kept_existing_config"]:
@@ -705,9 +808,15 @@ class _SearchProgress:
         )
 
         self.progress = Progress(
-            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.description}"),
-            console=err_console, transient=False,
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=err_console,
+            transient=False,
         )
         self.task = self.progress.add_task("", total=budget)
 
@@ -735,8 +844,10 @@ class _SearchProgress:
         self.progress.update(self.task, completed=launched, description=best_text)
 
 
-@app.command(epilog="Exit codes: 0 still fits and within tolerance, 1 regressed (or the trial failed), 2 the config "
-             "does not match the model (or cannot be read), 3 no longer fits the memory limit, 4 cannot launch.")
+@app.command(
+    epilog="Exit codes: 0 still fits and within tolerance, 1 regressed (or the trial failed), 2 the config "
+    "does not match the model (or cannot be read), 3 no longer fits the memory limit, 4 cannot launch."
+)
 def check(
     config: Annotated[Path, typer.Argument(help="A tuned config written by autotune search.")],
     model: Annotated[Path | None, typer.Option(help="The model file. Default: the config's model path.")] = None,
@@ -766,7 +877,9 @@ def check(
         tuned = load_config(config)
         spec = resolve_model(tuned, config, model)
         limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
-        options = TrialOptions(steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(device.value))
+        options = TrialOptions(
+            steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(device.value)
+        )
         with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
             result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)
         if json_output:
@@ -779,7 +892,6 @@ def check(
             raise typer.Exit(codes[result.status])
 
 
-
 @app.command(
     "report",
     epilog="Exit codes: 0 written, 1 internal error, 2 no such config or study, a masked password in the config's "
@@ -788,10 +900,13 @@ def check(
 def report_command(
     config: Annotated[
         Path | None,
-        typer.Argument(help="A tuned config written by `autotune search`; its search.storage and search.study name the study."),
+        typer.Argument(
+            help="A tuned config written by `autotune search`; its search.storage and search.study name the study."
+        ),
     ] = None,
     storage: Annotated[
-        str | None, typer.Option(help="Optuna storage URL of the study; overrides the config's (whose password is masked).")
+        str | None,
+        typer.Option(help="Optuna storage URL of the study; overrides the config's (whose password is masked)."),
     ] = None,
     study_name: Annotated[str | None, typer.Option(help="The study's name; overrides the config's.")] = None,
     report_dir: Annotated[Path, typer.Option(help="Where to write report.md, figures/ and report.html.")] = Path(
@@ -822,11 +937,19 @@ def report_command(
                 err_console.print(f"[yellow]warning:[/yellow] no BatchNorm check: {exc}", highlight=False)
         with err_console.status(f"writing the report of study {source.study_name}..."):
             written = write_search_report(
-                result, spec=spec, profile=profile, config_path=source.config_path, report_dir=report_dir,
-                memory_limit_bytes=setup.get("memory_limit_bytes"), setup=setup,
+                result,
+                spec=spec,
+                profile=profile,
+                config_path=source.config_path,
+                report_dir=report_dir,
+                memory_limit_bytes=setup.get("memory_limit_bytes"),
+                setup=setup,
             )
-    console.print(f"wrote {written / 'report.md'} (figures in {written / 'figures'}) and {written / 'report.html'}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"wrote {written / 'report.md'} (figures in {written / 'figures'}) and {written / 'report.html'}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def main() -> None:

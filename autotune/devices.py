@@ -19,8 +19,12 @@ def resolve_device(choice: str) -> Device:
     if torch.cuda.is_available():
         return "cuda"
     if choice == "cuda":
-        raise LaunchError("--device cuda asked for, but torch sees no CUDA device; pass --device cpu to use CPU processes")
-    raise LaunchError("no CUDA device found; pass --device cpu to run each rank as a CPU process (the stand-in for a GPU)")
+        raise LaunchError(
+            "--device cuda asked for, but torch sees no CUDA device; pass --device cpu to use CPU processes"
+        )
+    raise LaunchError(
+        "no CUDA device found; pass --device cpu to run each rank as a CPU process (the stand-in for a GPU)"
+    )
 
 
 def device_memory_bytes(device: str) -> int | None:

@@ -5,7 +5,8 @@ Key and flag names were checked against the projects' own sources (2025-26 main 
               [parallelism] pipeline_parallel_degree, pipeline_parallel_schedule (any name torch's
               get_schedule_class takes), pipeline_parallel_microbatch_size, pipeline_parallel_layers_per_stage (one
               int), module_fqns_per_model_part (list of FQN lists; replaces pipeline_parallel_split_points, renamed
-              pipeline_parallel_module_fqns_per_model_part in the newest Python configs), data_parallel_replicate_degree,
+              pipeline_parallel_module_fqns_per_model_part in the newest Python configs),
+              data_parallel_replicate_degree,
               data_parallel_shard_degree; [activation_checkpoint] mode = "selective" | "full" | "none".
               torchtitan/distributed/pipeline_parallel.py: n_microbatches = local_batch_size // microbatch_size;
               layers_per_stage counts tok_embeddings and norm+output as one layer each
@@ -62,7 +63,11 @@ def export_config(config: TunedConfig, fmt: ExportFormat | str) -> str:
     except ValueError:
         names = ", ".join(f.value for f in ExportFormat)
         raise UsageError(f"unknown export format {fmt!r}; pass --format with one of: {names}") from None
-    render = {ExportFormat.torchtitan: _torchtitan, ExportFormat.deepspeed: _deepspeed, ExportFormat.megatron: _megatron}
+    render = {
+        ExportFormat.torchtitan: _torchtitan,
+        ExportFormat.deepspeed: _deepspeed,
+        ExportFormat.megatron: _megatron,
+    }
     return render[target](config)
 
 
@@ -195,7 +200,7 @@ def _deepspeed(c: TunedConfig) -> str:
     else:
         method = "parameters"
         cannot.append(
-            f"the split {split} as a partition_method: PipelineModule takes only \"parameters\", \"uniform\" or "
+            f'the split {split} as a partition_method: PipelineModule takes only "parameters", "uniform" or '
             f'"type:REGEX", none of which names boundaries; "parameters" (balance by parameter count) is the '
             f"closest; the tuned boundaries are parts = {bounds}, check pipe.parts against them"
         )
@@ -356,7 +361,6 @@ def _v_memory_lacking(c: TunedConfig, who: str) -> str:
     )
 
 
-
 def _ranges(split: Sequence[int]) -> list[tuple[int, int]]:
     bounds = stage_boundaries(split)
     return list(itertools.pairwise(bounds))
@@ -387,7 +391,11 @@ def _header(c: TunedConfig, target: str, how: str, cannot: list[str], notes: lis
     for line in lines:
         indent = "    " if line.startswith("  - ") else ""
         wrapped += textwrap.wrap(
-            line, width=118, initial_indent=lead, subsequent_indent=lead + indent, break_on_hyphens=False,
+            line,
+            width=118,
+            initial_indent=lead,
+            subsequent_indent=lead + indent,
+            break_on_hyphens=False,
             break_long_words=False,
         )
     return wrapped

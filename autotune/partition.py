@@ -150,8 +150,13 @@ def balance_for_schedule(
     prefix = list(accumulate((round(c / total * 1e9) for c in costs), initial=0))
     budget = [_WORK_BUDGET]  # stage-cost evaluations left; bounds the time on big pipelines, deterministically
     search = functools.partial(
-        _local_search, prefix, ranks=ranks, pipeline_degree=pipeline_degree, stage_memory=stage_memory,
-        memory_cap=memory_cap, budget=budget,
+        _local_search,
+        prefix,
+        ranks=ranks,
+        pipeline_degree=pipeline_degree,
+        stage_memory=stage_memory,
+        memory_cap=memory_cap,
+        budget=budget,
     )
     best, best_key = min((search(list(accumulate(s, initial=0))) for s in seeds), key=lambda found: found[1])
     # Kicks: move a few random cuts anywhere between their neighbours and descend again; keep what improves.
@@ -165,8 +170,10 @@ def balance_for_schedule(
             j = rng.randrange(1, n_stages)
             if cuts[j + 1] - cuts[j - 1] > 2:
                 cuts[j] = rng.randrange(cuts[j - 1] + 1, cuts[j + 1])
-        if stage_memory is not None and memory_cap is not None and not _ranks_fit(
-            cuts, ranks, set(ranks), stage_memory, memory_cap
+        if (
+            stage_memory is not None
+            and memory_cap is not None
+            and not _ranks_fit(cuts, ranks, set(ranks), stage_memory, memory_cap)
         ):
             continue
         found, found_key = search(cuts)
@@ -333,7 +340,9 @@ def _greedy(
     start = 0
     for part in range(n_parts):
         last = part == n_parts - 1
-        stop = n if last else min(n - (n_parts - part - 1), bisect.bisect_right(prefix, prefix[start] + limit + slack) - 1)
+        stop = (
+            n if last else min(n - (n_parts - part - 1), bisect.bisect_right(prefix, prefix[start] + limit + slack) - 1)
+        )
         if last and prefix[n] - prefix[start] > limit + slack:
             return None
         if stage_memory is not None and memory_cap is not None:

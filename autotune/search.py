@@ -167,7 +167,10 @@ def rule_of_thumb(n_layers: int, gpus: int, batch_size: int) -> Candidate | None
         return None
     m = min(valid, key=lambda k: (abs(k - 4 * pp), -k))
     return Candidate(
-        schedule=Schedule.ONE_F_ONE_B, pipeline_degree=pp, global_batch_size=batch_size, n_microbatches=m,
+        schedule=Schedule.ONE_F_ONE_B,
+        pipeline_degree=pp,
+        global_batch_size=batch_size,
+        n_microbatches=m,
         layers_per_stage=uniform_split(n_layers, pp),
     )
 
@@ -192,8 +195,11 @@ class SearchSpace:
 
     def _all_layouts(self) -> list[tuple[int, int]]:
         gpus, b = self.options.gpus, self.options.batch_size
-        return [(gpus // dp, dp) for dp in range(1, gpus + 1)
-                if gpus % dp == 0 and b % dp == 0 and gpus // dp <= self.n_layers]
+        return [
+            (gpus // dp, dp)
+            for dp in range(1, gpus + 1)
+            if gpus % dp == 0 and b % dp == 0 and gpus // dp <= self.n_layers
+        ]
 
     @staticmethod
     def _layout_name(pp: int, dp: int) -> str:
@@ -220,7 +226,9 @@ class SearchSpace:
         m = trial.suggest_categorical(f"n_microbatches_dp{dp}", self._microbatch_choices(dp))
         n_stages = pp * default_stages_per_rank(schedule)
         if n_stages > self.n_layers:
-            raise InvalidCandidateError(f"{schedule.value} needs {n_stages} stages, the model has {self.n_layers} layers")
+            raise InvalidCandidateError(
+                f"{schedule.value} needs {n_stages} stages, the model has {self.n_layers} layers"
+            )
         if pp == 1 and n_stages > 1:
             raise InvalidCandidateError(f"{schedule.value} splits one rank into {n_stages} stages: pointless at pp = 1")
         base_name = trial.suggest_categorical("split", list(SPLIT_BASES))
@@ -233,10 +241,14 @@ class SearchSpace:
         if pp == 1 and wire != "float32":
             raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: the wire dtype is moot")
         candidate = Candidate(
-            schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp,
-            global_batch_size=self.options.batch_size, n_microbatches=m,
+            schedule=schedule,
+            pipeline_degree=pp,
+            data_parallel_degree=dp,
+            global_batch_size=self.options.batch_size,
+            n_microbatches=m,
             layers_per_stage=self._base(base_name, schedule, pp, dp, m, n_stages),
-            activation_checkpointing=checkpointing, wire_dtype=wire,
+            activation_checkpointing=checkpointing,
+            wire_dtype=wire,
         )
         candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
         candidate.validate(self.n_layers)
@@ -305,11 +317,18 @@ def run_search(
     space = SearchSpace(profile, options)
     study = _open_study(study_name, storage, options)
     study.set_user_attr("profile", profile.to_dict())
-    study.set_user_attr("setup", {
-        "model": str(spec.path), "gpus": options.gpus, "batch_size": options.batch_size,
-        "memory_limit_bytes": options.memory_limit_bytes, "device": options.trial.device,
-        "n_trials": options.n_trials, "seed": options.seed,
-    })
+    study.set_user_attr(
+        "setup",
+        {
+            "model": str(spec.path),
+            "gpus": options.gpus,
+            "batch_size": options.batch_size,
+            "memory_limit_bytes": options.memory_limit_bytes,
+            "device": options.trial.device,
+            "n_trials": options.n_trials,
+            "seed": options.seed,
+        },
+    )
     engine = _Engine(spec, profile, space, options, study, runner, reporter, link)
     started = time.time()
     interrupted = False
@@ -405,7 +424,10 @@ class _Engine:
     def estimate(self, candidate: Candidate) -> Estimate:
         if candidate.key not in self._estimates:
             self._estimates[candidate.key] = simulate(
-                self.profile, candidate, link=self.link, memory_limit_bytes=self.options.memory_limit_bytes,
+                self.profile,
+                candidate,
+                link=self.link,
+                memory_limit_bytes=self.options.memory_limit_bytes,
                 with_timeline=False,
             )
         return self._estimates[candidate.key]
@@ -468,8 +490,15 @@ class _Engine:
             return
         if candidate.key in self.runs and phase not in ("remeasure",):
             previous = self.runs[candidate.key][-1]
-            self._tell(trial, candidate, "duplicate", "measured before: not launched again", estimate=estimate,
-                       measurement=previous, phase=phase)
+            self._tell(
+                trial,
+                candidate,
+                "duplicate",
+                "measured before: not launched again",
+                estimate=estimate,
+                measurement=previous,
+                phase=phase,
+            )
             return
         self._launch(trial, candidate, estimate, phase)
 
@@ -498,15 +527,24 @@ class _Engine:
         try:
             measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
-            self._tell(trial, candidate, "interrupted", "stopped by Ctrl-C", estimate=estimate, phase=phase,
-                       launched=True)
+            self._tell(
+                trial, candidate, "interrupted", "stopped by Ctrl-C", estimate=estimate, phase=phase, launched=True
+            )
             raise
         self.runs.setdefault(candidate.key, []).append(measurement)
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
             reason = f"rank {measurement.error.rank}: {reason}"
-        self._tell(trial, candidate, measurement.status, reason, estimate=estimate, measurement=measurement,
-                   phase=phase, launched=True)
+        self._tell(
+            trial,
+            candidate,
+            measurement.status,
+            reason,
+            estimate=estimate,
+            measurement=measurement,
+            phase=phase,
+            launched=True,
+        )
 
     def _tell(
         self,
@@ -645,8 +683,11 @@ def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile, d
         storage=storage,
         best=best,
         best_trial=best_record.number if best_record else None,
-        best_estimate=simulate(profile, best.candidate, memory_limit_bytes=setup.get("memory_limit_bytes"),
-                               with_timeline=False) if best else None,
+        best_estimate=simulate(
+            profile, best.candidate, memory_limit_bytes=setup.get("memory_limit_bytes"), with_timeline=False
+        )
+        if best
+        else None,
         leaders=tuple(leaders),
         records=tuple(records),
         launched=sum(1 for r in records if r.launched),
@@ -689,8 +730,11 @@ def _record_from_attrs(number: int, attrs: dict[str, Any], outcome: Outcome | No
 
 def explain_infeasible(result: SearchResult, limit: int | None) -> InfeasibleError:
     """Nothing ran within the memory limit: say what would fit."""
-    peaks = [max(r.peak_memory_bytes or r.predicted_peak_memory_bytes or (math.inf,)) for r in result.records
-             if r.candidate is not None]
+    peaks = [
+        max(r.peak_memory_bytes or r.predicted_peak_memory_bytes or (math.inf,))
+        for r in result.records
+        if r.candidate is not None
+    ]
     if not peaks or limit is None:
         return InfeasibleError("no trial ran successfully; see the trial table (autotune report) for each reason")
     leanest = min(peaks)

@@ -229,16 +229,36 @@ def _plain(value: Any) -> Any:
 
 _Kind = Literal["int", "int?", "number", "number?", "str", "str?", "bool", "ints", "section"]
 _KIND_NAMES = {
-    "int": "an integer", "int?": "an integer or null", "number": "a number", "number?": "a number or null",
-    "str": "a string", "str?": "a string or null", "bool": "true or false", "ints": "a list of integers",
+    "int": "an integer",
+    "int?": "an integer or null",
+    "number": "a number",
+    "number?": "a number or null",
+    "str": "a string",
+    "str?": "a string or null",
+    "bool": "true or false",
+    "ints": "a list of integers",
     "section": "a mapping of keys",
 }
 _TOP: dict[str, _Kind] = {
-    "version": "int", "model": "str", "model_sha256": "str", "model_layers": "int", "gpus": "int",
-    "global_batch_size": "int", "micro_batch_size": "int", "num_microbatches": "int", "pipeline_degree": "int",
-    "data_parallel_degree": "int", "schedule": "str", "layers_per_stage": "ints", "activation_checkpointing": "bool",
-    "wire_dtype": "str", "memory_limit_bytes": "int?",
-    "measured": "section", "predicted": "section", "search": "section", "environment": "section",
+    "version": "int",
+    "model": "str",
+    "model_sha256": "str",
+    "model_layers": "int",
+    "gpus": "int",
+    "global_batch_size": "int",
+    "micro_batch_size": "int",
+    "num_microbatches": "int",
+    "pipeline_degree": "int",
+    "data_parallel_degree": "int",
+    "schedule": "str",
+    "layers_per_stage": "ints",
+    "activation_checkpointing": "bool",
+    "wire_dtype": "str",
+    "memory_limit_bytes": "int?",
+    "measured": "section",
+    "predicted": "section",
+    "search": "section",
+    "environment": "section",
 }
 _SECTIONS: dict[str, dict[str, _Kind]] = {
     "measured": {"step_time_ms": "number", "throughput_samples_per_s": "number", "peak_memory_bytes": "ints"},
@@ -256,9 +276,7 @@ def load_config(path: str | Path) -> TunedConfig:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(
-            f"{path}: no such file; pass the YAML file written by `autotune search --output`"
-        ) from None
+        raise ConfigError(f"{path}: no such file; pass the YAML file written by `autotune search --output`") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory; pass the YAML file written by `autotune search --output`") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -290,8 +308,10 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "<config>") -> Tu
     """Check plain data (from YAML or JSON) against schema version 1 and build the config."""
     version = data.get("version")
     if "version" in data and (version != SCHEMA_VERSION or isinstance(version, bool)):
-        fix = "upgrade autotune to read it" if isinstance(version, int) and version > SCHEMA_VERSION else (
-            "write it again with `autotune search`"
+        fix = (
+            "upgrade autotune to read it"
+            if isinstance(version, int) and version > SCHEMA_VERSION
+            else ("write it again with `autotune search`")
         )
         raise ConfigError(
             f"{source}: schema version {version!r} is not supported (this autotune reads version {SCHEMA_VERSION}); "
@@ -396,7 +416,12 @@ def _check_values(c: TunedConfig) -> None:
     if c.version != SCHEMA_VERSION:
         raise ConfigError(f"schema version {c.version} is not supported; this autotune writes {SCHEMA_VERSION}")
     for name in (
-        "model_layers", "gpus", "global_batch_size", "micro_batch_size", "num_microbatches", "pipeline_degree",
+        "model_layers",
+        "gpus",
+        "global_batch_size",
+        "micro_batch_size",
+        "num_microbatches",
+        "pipeline_degree",
         "data_parallel_degree",
     ):
         if getattr(c, name) < 1:
@@ -447,7 +472,8 @@ def dump_config(config: TunedConfig, *, command: str | None = None, filename: st
     search, env = config.search, config.environment
     source = (
         f"the best of {search.trials} trials ({search.feasible} feasible) of study {search.study!r}"
-        if search.study else "a single measured trial"
+        if search.study
+        else "a single measured trial"
     )
     header = [
         f"# autotune tuned config, schema version {SCHEMA_VERSION}.",
@@ -480,7 +506,9 @@ def save_config(config: TunedConfig, path: str | Path, *, command: str | None = 
     try:
         atomic_write_text(path, dump_config(config, command=command, filename=str(path)))
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot be written ({exc.strerror or exc}); pass --output with a writable path") from None
+        raise ConfigError(
+            f"{path}: cannot be written ({exc.strerror or exc}); pass --output with a writable path"
+        ) from None
     return path
 
 

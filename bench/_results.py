@@ -18,7 +18,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def device_line(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
-    return f"CPU stand-in ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), torch {torch.__version__}"
+    processor = platform.processor() or platform.machine()
+    return f"CPU stand-in ({os.cpu_count()} cores, {processor}), torch {torch.__version__}"
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -48,8 +48,13 @@ def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
             continue
         for m in (k for k in range(1, batch_size + 1) if batch_size % k == 0):
             for split in splits(n_layers, n_stages):
-                c = Candidate(schedule=schedule, pipeline_degree=gpus, global_batch_size=batch_size,
-                              n_microbatches=m, layers_per_stage=split)
+                c = Candidate(
+                    schedule=schedule,
+                    pipeline_degree=gpus,
+                    global_batch_size=batch_size,
+                    n_microbatches=m,
+                    layers_per_stage=split,
+                )
                 try:
                     c.validate(n_layers)
                 except InvalidCandidateError:
@@ -96,8 +101,14 @@ def main() -> None:
     profile = profile_model(spec, batch_size=args.batch_size, device=args.device)
     planned = plan(profile, gpus=args.gpus, batch_size=args.batch_size, memory_limit_bytes=None)
     search_options = SearchOptions(
-        gpus=args.gpus, batch_size=args.batch_size, n_trials=args.trials, seed=args.seed,
-        layouts=((args.gpus, 1),), checkpointing=(False,), wire_dtypes=("float32",), trial=options,
+        gpus=args.gpus,
+        batch_size=args.batch_size,
+        n_trials=args.trials,
+        seed=args.seed,
+        layouts=((args.gpus, 1),),
+        checkpointing=(False,),
+        wire_dtypes=("float32",),
+        trial=options,
     )
     storage = f"sqlite:///{tempfile.mkdtemp()}/bench.db"
     result = run_search(spec, profile, planned, search_options, study_name="bench", storage=storage)
@@ -116,8 +127,12 @@ def main() -> None:
     # 3. side by side
     default = rule_of_thumb(spec.n_layers, args.gpus, args.batch_size)
     uniform_same = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages))
-    contenders = {"search": tuned, "grid best": grid_best, "rule-of-thumb default": default,
-                  "uniform split, search's schedule and B/M": uniform_same}
+    contenders = {
+        "search": tuned,
+        "grid best": grid_best,
+        "rule-of-thumb default": default,
+        "uniform split, search's schedule and B/M": uniform_same,
+    }
     medians = side_by_side(spec, contenders, args.rounds, options)
 
     quality = medians["grid best"] / medians["search"]
@@ -125,37 +140,81 @@ def main() -> None:
     gain = medians["rule-of-thumb default"] / medians["search"]
     balance_gain = medians["uniform split, search's schedule and B/M"] / medians["search"]
     efficiency = compute_per_rank_ms(profile, tuned) / medians["search"]
-    rank_in_grid = sorted(m.step_time_ms for m in ok).index(
-        next(m.step_time_ms for m in ok if m.candidate == tuned)) + 1 if any(m.candidate == tuned for m in ok) else None
+    rank_in_grid = (
+        sorted(m.step_time_ms for m in ok).index(next(m.step_time_ms for m in ok if m.candidate == tuned)) + 1
+        if any(m.candidate == tuned for m in ok)
+        else None
+    )
     summary = [
-        ["tuning quality (grid best time / search time, side by side)", quality, ">= 0.95 (issue 4), goal 0.99",
-         "met" if quality >= 0.99 else ("met 0.95" if quality >= 0.95 else "missed")],
-        ["tuning cost (search wall / grid wall)", cost, "<= 0.30 (issue 4), goal 0.15",
-         "met" if cost <= 0.15 else ("met 0.30" if cost <= 0.3 else "missed")],
+        [
+            "tuning quality (grid best time / search time, side by side)",
+            quality,
+            ">= 0.95 (issue 4), goal 0.99",
+            "met" if quality >= 0.99 else ("met 0.95" if quality >= 0.95 else "missed"),
+        ],
+        [
+            "tuning cost (search wall / grid wall)",
+            cost,
+            "<= 0.30 (issue 4), goal 0.15",
+            "met" if cost <= 0.15 else ("met 0.30" if cost <= 0.3 else "missed"),
+        ],
         ["gain over the rule-of-thumb default", gain, ">= 1.25", "met" if gain >= 1.25 else "missed"],
-        ["gain of the chosen split over uniform (same schedule, B/M)", balance_gain, "> 1", "met" if balance_gain > 1 else "missed"],
-        ["pipeline efficiency (compute per rank / step)", efficiency, ">= 0.9", "met" if efficiency >= 0.9 else "missed"],
+        [
+            "gain of the chosen split over uniform (same schedule, B/M)",
+            balance_gain,
+            "> 1",
+            "met" if balance_gain > 1 else "missed",
+        ],
+        [
+            "pipeline efficiency (compute per rank / step)",
+            efficiency,
+            ">= 0.9",
+            "met" if efficiency >= 0.9 else "missed",
+        ],
     ]
-    contenders_rows = [[name, c.key, medians.get(name), args.batch_size / medians[name] * 1000 if name in medians else None]
-                       for name, c in contenders.items()]
+    contenders_rows = [
+        [name, c.key, medians.get(name), args.batch_size / medians[name] * 1000 if name in medians else None]
+        for name, c in contenders.items()
+    ]
     _results.write(
-        "tuning", title="Tuning quality and cost", device=args.device,
+        "tuning",
+        title="Tuning quality and cost",
+        device=args.device,
         tables={
             "summary": _results.markdown_table(["measure", "value", "target", "status"], summary),
             f"side by side ({args.rounds} rounds, medians)": _results.markdown_table(
-                ["config", "candidate", "step ms", "samples/s"], contenders_rows),
-            "runs": _results.markdown_table(["", "value"], [
-                ["model", args.model], ["gpus / batch", f"{args.gpus} / {args.batch_size}"],
-                ["grid size (trials)", len(candidates)], ["grid ok", len(ok)], ["grid wall s", grid_wall],
-                ["search trial budget", args.trials], ["search launched", result.launched],
-                ["search records (incl. pruned)", len(result.records)], ["search wall s (incl. profile, plan)", search_wall],
-                ["search's config's rank in the grid's single runs", rank_in_grid],
-            ]),
+                ["config", "candidate", "step ms", "samples/s"], contenders_rows
+            ),
+            "runs": _results.markdown_table(
+                ["", "value"],
+                [
+                    ["model", args.model],
+                    ["gpus / batch", f"{args.gpus} / {args.batch_size}"],
+                    ["grid size (trials)", len(candidates)],
+                    ["grid ok", len(ok)],
+                    ["grid wall s", grid_wall],
+                    ["search trial budget", args.trials],
+                    ["search launched", result.launched],
+                    ["search records (incl. pruned)", len(result.records)],
+                    ["search wall s (incl. profile, plan)", search_wall],
+                    ["search's config's rank in the grid's single runs", rank_in_grid],
+                ],
+            ),
         },
-        data={"quality": quality, "cost": cost, "gain": gain, "balance_gain": balance_gain, "efficiency": efficiency,
-              "grid_wall_s": grid_wall, "search_wall_s": search_wall, "medians_ms": medians,
-              "contenders": {k: c.key for k, c in contenders.items()},
-              "grid": [{"candidate": m.candidate.key, "status": m.status, "step_time_ms": m.step_time_ms} for m in measured]},
+        data={
+            "quality": quality,
+            "cost": cost,
+            "gain": gain,
+            "balance_gain": balance_gain,
+            "efficiency": efficiency,
+            "grid_wall_s": grid_wall,
+            "search_wall_s": search_wall,
+            "medians_ms": medians,
+            "contenders": {k: c.key for k, c in contenders.items()},
+            "grid": [
+                {"candidate": m.candidate.key, "status": m.status, "step_time_ms": m.step_time_ms} for m in measured
+            ],
+        },
     )
 
 

@@ -21,8 +21,18 @@ from autotune.simulate import TimelineEvent
 DPI = 100
 WIDTH_IN = 11.0
 
-_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-            "#17becf"]
+_PALETTE = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
 SCHEDULE_COLOURS = {s: _PALETTE[i % len(_PALETTE)] for i, s in enumerate(Schedule)}
 KIND_COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b2"}
 KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input-grad backward", "W": "W weight-grad backward"}
@@ -98,26 +108,55 @@ def throughput_vs_microbatches(
         label = f"{curve.schedule.value}" + (
             f" (pp{curve.pipeline_degree} x dp{curve.data_parallel_degree})" if dashed else ""
         )
-        ax.plot(ms, [t for _, t in curve.points], color=colour, linestyle="--" if dashed else "-", linewidth=1.4,
-                alpha=0.85, label=label)
+        ax.plot(
+            ms,
+            [t for _, t in curve.points],
+            color=colour,
+            linestyle="--" if dashed else "-",
+            linewidth=1.4,
+            alpha=0.85,
+            label=label,
+        )
     for point in measured:
         xs.add(point.n_microbatches)
-        ax.scatter([point.n_microbatches], [point.throughput_samples_per_s], s=42,
-                   color=SCHEDULE_COLOURS[point.schedule], edgecolors="black", linewidths=0.7,
-                   marker="s" if point.data_parallel_degree > 1 else "o", zorder=4)
+        ax.scatter(
+            [point.n_microbatches],
+            [point.throughput_samples_per_s],
+            s=42,
+            color=SCHEDULE_COLOURS[point.schedule],
+            edgecolors="black",
+            linewidths=0.7,
+            marker="s" if point.data_parallel_degree > 1 else "o",
+            zorder=4,
+        )
     if recommended is not None:
         lo, hi = recommended
         ax.axvspan(lo * 2**-0.3, hi * 2**0.3, color="#2ca02c", alpha=0.12, zorder=0)
     if default is not None:
         xs.add(default[0])
-        ax.scatter([default[0]], [default[1]], s=190, facecolors="none", edgecolors="#444444", linewidths=1.8,
-                   marker="D", zorder=5)
+        ax.scatter(
+            [default[0]],
+            [default[1]],
+            s=190,
+            facecolors="none",
+            edgecolors="#444444",
+            linewidths=1.8,
+            marker="D",
+            zorder=5,
+        )
     if chosen is not None:
         xs.add(chosen[0])
-        ax.scatter([chosen[0]], [chosen[1]], s=330, color="gold", edgecolors="black", linewidths=1.2, marker="*",
-                   zorder=6)
-        ax.annotate(f"chosen: {chosen[1]:.0f}/s", (chosen[0], chosen[1]), textcoords="offset points",
-                    xytext=(10, 8), fontsize=9, fontweight="bold")
+        ax.scatter(
+            [chosen[0]], [chosen[1]], s=330, color="gold", edgecolors="black", linewidths=1.2, marker="*", zorder=6
+        )
+        ax.annotate(
+            f"chosen: {chosen[1]:.0f}/s",
+            (chosen[0], chosen[1]),
+            textcoords="offset points",
+            xytext=(10, 8),
+            fontsize=9,
+            fontweight="bold",
+        )
     if xs:
         ax.set_xscale("log", base=2)
         ticks = sorted(xs)
@@ -129,23 +168,41 @@ def throughput_vs_microbatches(
     ax.set_ylabel("throughput (samples/s)")
     ax.set_title("Throughput vs B/M: simulator (lines) and measured runs (markers)")
     ax.grid(True, alpha=0.3)
-    lines_legend = ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="predicted",
-                             title_fontsize=8, frameon=False)
+    lines_legend = ax.legend(
+        loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="predicted", title_fontsize=8, frameon=False
+    )
     ax.add_artist(lines_legend)
     keys = [
         Line2D([], [], marker="o", linestyle="", color="white", markeredgecolor="black", label="measured run (dp1)"),
         Line2D([], [], marker="s", linestyle="", color="white", markeredgecolor="black", label="measured run (dp>1)"),
-        Line2D([], [], marker="*", linestyle="", color="gold", markeredgecolor="black", markersize=14,
-               label="chosen (median)"),
-        Line2D([], [], marker="D", linestyle="", color="white", markeredgecolor="#444444", markersize=9,
-               label="rule-of-thumb default"),
+        Line2D(
+            [],
+            [],
+            marker="*",
+            linestyle="",
+            color="gold",
+            markeredgecolor="black",
+            markersize=14,
+            label="chosen (median)",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            linestyle="",
+            color="white",
+            markeredgecolor="#444444",
+            markersize=9,
+            label="rule-of-thumb default",
+        ),
         Patch(color="#2ca02c", alpha=0.25, label="recommended B/M"),
     ]
     ax.legend(handles=keys, loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize=8, frameon=False)
     caption = (
         "Lines: the simulator's predicted throughput for each schedule at each B/M with its balanced split, one "
         "pipeline over all ranks (a dashed line: the chosen schedule at the chosen pp x dp layout; B/M over the "
-        "memory limit left out). Markers: real runs, coloured by schedule. The star is the chosen config (median of its runs), the diamond the rule-of-thumb "
+        "memory limit left out). Markers: real runs, coloured by schedule. The star is the chosen config "
+        "(median of its runs), the diamond the rule-of-thumb "
         "default, the green band the recommended B/M range (within 5 % of the best prediction)."
     )
     return _image("throughput_vs_bm", "Throughput vs B/M", caption, figure, width, height)
@@ -165,11 +222,19 @@ def memory_per_rank(rivals: Sequence[RunMemory], limit: int | None) -> FigureIma
     for i, rival in enumerate(rivals):
         xs = [rank - 0.4 + bar * (i + 0.5) for rank in range(len(rival.peak_memory_bytes))]
         label = ("chosen: " if i == 0 else f"#{i + 1}: ") + f"{rival.candidate.key} ({rival.step_time_ms:.1f} ms)"
-        ax.bar(xs, [b / scale for b in rival.peak_memory_bytes], width=bar * 0.92, label=label,
-               color=_PALETTE[i % len(_PALETTE)], edgecolor="black" if i == 0 else "none", linewidth=1.2)
+        ax.bar(
+            xs,
+            [b / scale for b in rival.peak_memory_bytes],
+            width=bar * 0.92,
+            label=label,
+            color=_PALETTE[i % len(_PALETTE)],
+            edgecolor="black" if i == 0 else "none",
+            linewidth=1.2,
+        )
     if limit:
-        ax.axhline(limit / scale, color="#d62728", linestyle="--", linewidth=1.6,
-                   label=f"limit {limit / scale:.1f} {unit}")
+        ax.axhline(
+            limit / scale, color="#d62728", linestyle="--", linewidth=1.6, label=f"limit {limit / scale:.1f} {unit}"
+        )
         ax.set_ylim(0, max(top, limit) / scale * 1.1)
     ax.set_xticks(range(n_ranks))
     ax.set_xticklabels([f"rank {r}" for r in range(n_ranks)])
@@ -198,7 +263,11 @@ def _byte_unit(top: float) -> tuple[float, str]:
 
 
 def pipeline_timeline(
-    timeline: Sequence[TimelineEvent], *, pipeline_degree: int, candidate: Candidate, bubble_fraction: float,
+    timeline: Sequence[TimelineEvent],
+    *,
+    pipeline_degree: int,
+    candidate: Candidate,
+    bubble_fraction: float,
     pipeline_time_ms: float,
 ) -> FigureImage:
     """Each rank's simulated actions over one step: F, B (or I and W) blocks, idle gaps in grey, micro-batch
@@ -220,11 +289,20 @@ def pipeline_timeline(
         chunk = sorted(stages_per_rank[e.rank]).index(e.stage)
         colour = _lighter(KIND_COLOURS[e.kind], 0.45 * chunk)
         duration = e.end_ms - e.start_ms
-        ax.broken_barh([(e.start_ms, duration)], (e.rank - 0.4, 0.8), facecolors=colour, edgecolor="white",
-                       linewidth=0.4, zorder=2)
+        ax.broken_barh(
+            [(e.start_ms, duration)], (e.rank - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.4, zorder=2
+        )
         if duration / end * axis_px >= 7 * len(str(e.microbatch)) + 3:
-            ax.text(e.start_ms + duration / 2, e.rank, str(e.microbatch), ha="center", va="center", fontsize=font,
-                    color="white", zorder=3)
+            ax.text(
+                e.start_ms + duration / 2,
+                e.rank,
+                str(e.microbatch),
+                ha="center",
+                va="center",
+                fontsize=font,
+                color="white",
+                zorder=3,
+            )
     ax.set_ylim(pipeline_degree - 0.5, -0.5)
     ax.set_yticks(range(pipeline_degree))
     ax.set_yticklabels([f"rank {r}" for r in range(pipeline_degree)])
@@ -261,16 +339,26 @@ def stage_balance(balance: StageBalance) -> FigureImage:
     figure, width, height = _new(4.6)
     ax = figure.add_axes((0.08, 0.12, 0.64, 0.78))
     n_ranks = len(balance.chosen_ms)
-    for offset, (name, per_rank, split, colour) in enumerate((
-        ("uniform", balance.uniform_ms, balance.uniform_split, "#9aa5b1"),
-        ("chosen", balance.chosen_ms, balance.chosen_split, "#ff9f1c"),
-    )):
+    for offset, (name, per_rank, split, colour) in enumerate(
+        (
+            ("uniform", balance.uniform_ms, balance.uniform_split, "#9aa5b1"),
+            ("chosen", balance.chosen_ms, balance.chosen_split, "#ff9f1c"),
+        )
+    ):
         for rank, stages in enumerate(per_rank):
             x = rank + (offset - 0.5) * 0.38
             bottom = 0.0
             for k, ms in enumerate(stages):
-                ax.bar([x], [ms], bottom=bottom, width=0.36, color=_lighter(colour, 0.35 * k), edgecolor="black",
-                       linewidth=0.6, label=f"{name} split {list(split)}" if rank == 0 and k == 0 else None)
+                ax.bar(
+                    [x],
+                    [ms],
+                    bottom=bottom,
+                    width=0.36,
+                    color=_lighter(colour, 0.35 * k),
+                    edgecolor="black",
+                    linewidth=0.6,
+                    label=f"{name} split {list(split)}" if rank == 0 and k == 0 else None,
+                )
                 bottom += ms
             ax.text(x, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=8)
     for per_rank, colour in ((balance.uniform_ms, "#9aa5b1"), (balance.chosen_ms, "#ff9f1c")):
@@ -323,29 +411,66 @@ def search_history(records: Sequence[TrialRecord], chosen: Candidate | None) -> 
     figure, width, height = _new(4.8)
     ax = figure.add_axes((0.07, 0.12, 0.64, 0.78))
     measured = [r for r in records if r.outcome == "ok" and r.launched and r.throughput_samples_per_s]
-    top = max([r.throughput_samples_per_s or 0.0 for r in measured]
-              + [r.predicted_throughput_samples_per_s or 0.0 for r in records] + [1.0])
+    top = max(
+        [r.throughput_samples_per_s or 0.0 for r in measured]
+        + [r.predicted_throughput_samples_per_s or 0.0 for r in records]
+        + [1.0]
+    )
     floor = -0.04 * top
     if measured:
-        ax.scatter([r.number for r in measured], _throughputs(measured), s=36,
-                   color="#1f77b4", edgecolors="black", linewidths=0.5, zorder=4, label="ran ok (measured)")
+        ax.scatter(
+            [r.number for r in measured],
+            _throughputs(measured),
+            s=36,
+            color="#1f77b4",
+            edgecolors="black",
+            linewidths=0.5,
+            zorder=4,
+            label="ran ok (measured)",
+        )
     repeats = [r for r in records if is_repeat(r) and r.throughput_samples_per_s]
     if repeats:
-        ax.scatter([r.number for r in repeats], _throughputs(repeats), s=36,
-                   facecolors="none", edgecolors="#1f77b4", linewidths=1.0, zorder=3,
-                   label="repeat of a measured config (not launched)")
+        ax.scatter(
+            [r.number for r in repeats],
+            _throughputs(repeats),
+            s=36,
+            facecolors="none",
+            edgecolors="#1f77b4",
+            linewidths=1.0,
+            zorder=3,
+            label="repeat of a measured config (not launched)",
+        )
     for outcome, (marker, colour, label) in _OUTCOME_STYLE.items():
         group = [r for r in records if r.outcome == outcome]
         if group:
-            ys = [r.predicted_throughput_samples_per_s or floor for r in group] if outcome == "pruned" else [
-                floor for _ in group]
-            ax.scatter([r.number for r in group], ys, s=44, marker=marker, color=colour, zorder=5,
-                       label=label + ("" if outcome == "pruned" else " (at the bottom)"))
+            ys = (
+                [r.predicted_throughput_samples_per_s or floor for r in group]
+                if outcome == "pruned"
+                else [floor for _ in group]
+            )
+            ax.scatter(
+                [r.number for r in group],
+                ys,
+                s=44,
+                marker=marker,
+                color=colour,
+                zorder=5,
+                label=label + ("" if outcome == "pruned" else " (at the bottom)"),
+            )
     if chosen is not None:
         mine = [r for r in measured if r.candidate == chosen]
         if mine:
-            ax.scatter([r.number for r in mine], _throughputs(mine), s=260, marker="*",
-                       color="gold", edgecolors="black", linewidths=0.9, zorder=6, label="a run of the chosen config")
+            ax.scatter(
+                [r.number for r in mine],
+                _throughputs(mine),
+                s=260,
+                marker="*",
+                color="gold",
+                edgecolors="black",
+                linewidths=0.9,
+                zorder=6,
+                label="a run of the chosen config",
+            )
     if measured:
         xs, ys, best = [], [], 0.0
         for r in records:
@@ -364,8 +489,10 @@ def search_history(records: Sequence[TrialRecord], chosen: Candidate | None) -> 
     ax.set_xlim(-0.8, max([r.number for r in records], default=0) + 0.8)
     ax.set_xlabel("trial number")
     ax.set_ylabel("throughput (samples/s)")
-    counts = {k: sum(1 for r in records if r.outcome == k and not is_repeat(r))
-              for k in ("ok", "pruned", "oom", "error", "timeout")}
+    counts = {
+        k: sum(1 for r in records if r.outcome == k and not is_repeat(r))
+        for k in ("ok", "pruned", "oom", "error", "timeout")
+    }
     repeats_n = sum(1 for r in records if is_repeat(r))
     counts["repeat" if repeats_n == 1 else "repeats"] = repeats_n
     ax.set_title("Search history: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
@@ -378,4 +505,3 @@ def search_history(records: Sequence[TrialRecord], chosen: Candidate | None) -> 
         "final choice is the best *median* after the leaders are re-run side by side."
     )
     return _image("search_history", "Search history", caption, figure, width, height)
-

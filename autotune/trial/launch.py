@@ -230,7 +230,9 @@ def _blame(
         first = own[0]
         where = f" at {first['where']}" if first.get("where") else ""
         return TrialError(
-            rank=first["rank"], kind=first["kind"], message=first["message"] + where,
+            rank=first["rank"],
+            kind=first["kind"],
+            message=first["message"] + where,
             bytes_requested=first.get("bytes_requested"),
         )
     if timed_out:
@@ -246,7 +248,9 @@ def _blame(
         rank = silent[0]
         code = processes[rank].exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return TrialError(rank=rank, kind="error", message=f"rank {rank} {how} without an error{_log_tail(run_dir, rank)}")
+        return TrialError(
+            rank=rank, kind="error", message=f"rank {rank} {how} without an error{_log_tail(run_dir, rank)}"
+        )
     comms = sorted((e for e in errors.values() if e), key=lambda e: e["at"])
     if comms:
         first = comms[0]
@@ -267,4 +271,3 @@ def _read(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-

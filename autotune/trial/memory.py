@@ -28,7 +28,9 @@ class MemoryLimitExceeded(RuntimeError):
     """The tracked live bytes passed the memory limit: the trial counts as out of memory."""
 
     def __init__(self, live_bytes: int, limit_bytes: int) -> None:
-        super().__init__(f"tracked live tensor memory {live_bytes} bytes passed the memory limit of {limit_bytes} bytes")
+        super().__init__(
+            f"tracked live tensor memory {live_bytes} bytes passed the memory limit of {limit_bytes} bytes"
+        )
         self.live_bytes = live_bytes
 
 
@@ -147,7 +149,9 @@ class _SavedHolder:
         self._on_free()
 
 
-_ALLOC_BYTES = re.compile(r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?")
+_ALLOC_BYTES = re.compile(
+    r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?"
+)
 _UNITS = {None: 1, "bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 
 

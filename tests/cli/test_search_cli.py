@@ -10,6 +10,7 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy.exc
 import yaml
 from typer.testing import CliRunner
 
@@ -71,7 +72,7 @@ def test_ctrl_c_writes_the_best_so_far_and_resume_continues(model_file, tmp_path
         try:
             study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
             completed = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-        except (KeyError, IndexError, Exception):
+        except (KeyError, IndexError, OSError, sqlalchemy.exc.SQLAlchemyError):  # not written yet, or locked
             continue
     tuner.send_signal(signal.SIGINT)
     _, err = tuner.communicate(timeout=60)

@@ -31,8 +31,21 @@ def invoke(*args):
 
 
 def trial_args(path, *extra):
-    return ["trial", path, "--gpus", "2", "--device", "cpu", "--batch-size", "8", "--microbatches", "2",
-            "--schedule", "GPipe", *extra]
+    return [
+        "trial",
+        path,
+        "--gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "2",
+        "--schedule",
+        "GPipe",
+        *extra,
+    ]
 
 
 def one_line_error(result, *fragments):
@@ -51,20 +64,44 @@ def one_line_error(result, *fragments):
         ("import torch\ndef build_model(:\n", ["model.py:2", "SyntaxError"]),
         ("import torch\nraise RuntimeError('cannot import here')\n", ["model.py:2", "cannot import here"]),
         (GOOD.replace("def loss_fn", "def other_fn"), ["no function loss_fn()", "add loss_fn"]),
-        (GOOD.replace("return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))", "return 42"),
-         ["build_model() returned int", "nn.Sequential"]),
-        (GOOD.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "return torch.randn(batch_size, 4)"),
-         ["make_batch(8) returned a tensor", "(inputs, targets)"]),
-        (GOOD.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "torch.randn(3, 4), torch.randn(3, 2)"),
-         ["inputs of shape (3, 4)", "must be the batch size asked for (8)"]),
-        (GOOD.replace("nn.functional.mse_loss(output, target)", "(output - target) ** 2"),
-         ["loss_fn(output, target) returned a tensor of shape (2, 2)", "scalar"]),
-        (GOOD.replace("    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
-                      "    raise ValueError('bad width')"),
-         ["model.py:5", "build_model raised ValueError: bad width"]),
+        (
+            GOOD.replace("return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))", "return 42"),
+            ["build_model() returned int", "nn.Sequential"],
+        ),
+        (
+            GOOD.replace(
+                "return torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "return torch.randn(batch_size, 4)"
+            ),
+            ["make_batch(8) returned a tensor", "(inputs, targets)"],
+        ),
+        (
+            GOOD.replace(
+                "torch.randn(batch_size, 4), torch.randn(batch_size, 2)", "torch.randn(3, 4), torch.randn(3, 2)"
+            ),
+            ["inputs of shape (3, 4)", "must be the batch size asked for (8)"],
+        ),
+        (
+            GOOD.replace("nn.functional.mse_loss(output, target)", "(output - target) ** 2"),
+            ["loss_fn(output, target) returned a tensor of shape (2, 2)", "scalar"],
+        ),
+        (
+            GOOD.replace(
+                "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
+                "    raise ValueError('bad width')",
+            ),
+            ["model.py:5", "build_model raised ValueError: bad width"],
+        ),
     ],
-    ids=["syntax", "import-raises", "missing-function", "not-sequential", "batch-not-tuple", "batch-dim",
-         "loss-not-scalar", "build-raises"],
+    ids=[
+        "syntax",
+        "import-raises",
+        "missing-function",
+        "not-sequential",
+        "batch-not-tuple",
+        "batch-dim",
+        "loss-not-scalar",
+        "build-raises",
+    ],
 )
 def test_broken_model_files_exit_2_with_one_line(tmp_path, source, fragments):
     path = tmp_path / "model.py"
@@ -111,15 +148,45 @@ def test_cuda_without_a_gpu_says_use_cpu(tmp_path):
 def test_trial_json_in_a_real_subprocess():
     """The installed entry point, as a user runs it: one JSON object on stdout, nothing else."""
     out = subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "trial", RECIPES / "gpt.py", "--gpus", "2", "--device", "cpu",
-         "--batch-size", "16", "--microbatches", "4", "--schedule", "Interleaved1F1B", "--steps", "2",
-         "--warmup", "1", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "autotune.cli",
+            "trial",
+            RECIPES / "gpt.py",
+            "--gpus",
+            "2",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "16",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "Interleaved1F1B",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    for key in ("status", "step_time_ms", "throughput_samples_per_s", "peak_memory_bytes", "schedule",
-                "num_microbatches", "micro_batch_size", "layers_per_stage", "error"):
+    for key in (
+        "status",
+        "step_time_ms",
+        "throughput_samples_per_s",
+        "peak_memory_bytes",
+        "schedule",
+        "num_microbatches",
+        "micro_batch_size",
+        "layers_per_stage",
+        "error",
+    ):
         assert key in data
     assert data["status"] == "ok" and data["error"] is None
     assert data["layers_per_stage"] == [2, 2, 2, 2] and len(data["peak_memory_bytes"]) == 2

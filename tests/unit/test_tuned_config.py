@@ -30,9 +30,25 @@ from autotune.tuned_config import (
 )
 
 SCHEMA_ORDER = [
-    "version", "model", "model_sha256", "model_layers", "gpus", "global_batch_size", "micro_batch_size",
-    "num_microbatches", "pipeline_degree", "data_parallel_degree", "schedule", "layers_per_stage",
-    "activation_checkpointing", "wire_dtype", "memory_limit_bytes", "measured", "predicted", "search", "environment",
+    "version",
+    "model",
+    "model_sha256",
+    "model_layers",
+    "gpus",
+    "global_batch_size",
+    "micro_batch_size",
+    "num_microbatches",
+    "pipeline_degree",
+    "data_parallel_degree",
+    "schedule",
+    "layers_per_stage",
+    "activation_checkpointing",
+    "wire_dtype",
+    "memory_limit_bytes",
+    "measured",
+    "predicted",
+    "search",
+    "environment",
 ]
 
 
@@ -52,7 +68,9 @@ def make_config(**changes: Any) -> TunedConfig:
         "activation_checkpointing": False,
         "wire_dtype": "float32",
         "memory_limit_bytes": 40 * 2**30,
-        "measured": MeasuredResult(step_time_ms=123.25, throughput_samples_per_s=519.27, peak_memory_bytes=(9, 8, 7, 6)),
+        "measured": MeasuredResult(
+            step_time_ms=123.25, throughput_samples_per_s=519.27, peak_memory_bytes=(9, 8, 7, 6)
+        ),
         "predicted": PredictedResult(step_time_ms=120.5, peak_memory_bytes=(10, 9, 8, 7)),
         "search": SearchSummary(study="gpt", storage="sqlite:///autotune.db", trials=40, feasible=31, best_trial=17),
         "environment": Environment(device="NVIDIA H100", torch="2.13.0", autotune="0.1.0", python="3.11.7"),
@@ -76,9 +94,16 @@ def valid_dict() -> dict[str, Any]:
 
 def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     config = make_config(
-        schedule=Schedule.INTERLEAVED_1F1B, pipeline_degree=2, data_parallel_degree=2, num_microbatches=4,
-        layers_per_stage=(3, 3, 2, 2), activation_checkpointing=True, wire_dtype="bfloat16", memory_limit_bytes=None,
-        predicted=PredictedResult(), search=SearchSummary(),
+        schedule=Schedule.INTERLEAVED_1F1B,
+        pipeline_degree=2,
+        data_parallel_degree=2,
+        num_microbatches=4,
+        layers_per_stage=(3, 3, 2, 2),
+        activation_checkpointing=True,
+        wire_dtype="bfloat16",
+        memory_limit_bytes=None,
+        predicted=PredictedResult(),
+        search=SearchSummary(),
     )
     path = save_config(config, tmp_path / "autotune.yaml")
     assert load_config(path) == config
@@ -94,7 +119,9 @@ def test_file_lists_keys_in_schema_order_with_a_header(tmp_path: Path) -> None:
     assert "layers_per_stage: [3, 2, 2, 3]" in text  # flow lists: readable
     assert "memory_limit_bytes: 42949672960  # 40.0 GiB" in text
     assert yaml.safe_load(text)["measured"] == {
-        "step_time_ms": 123.25, "throughput_samples_per_s": 519.27, "peak_memory_bytes": [9, 8, 7, 6],
+        "step_time_ms": 123.25,
+        "throughput_samples_per_s": 519.27,
+        "peak_memory_bytes": [9, 8, 7, 6],
     }
 
 
@@ -115,13 +142,24 @@ def test_missing_wire_dtype_means_float32(tmp_path: Path) -> None:
 
 def test_candidate_property_matches_the_config() -> None:
     config = make_config(
-        schedule=Schedule.INTERLEAVED_1F1B, pipeline_degree=2, data_parallel_degree=2, num_microbatches=4,
-        layers_per_stage=(3, 3, 2, 2), activation_checkpointing=True, wire_dtype="bfloat16",
+        schedule=Schedule.INTERLEAVED_1F1B,
+        pipeline_degree=2,
+        data_parallel_degree=2,
+        num_microbatches=4,
+        layers_per_stage=(3, 3, 2, 2),
+        activation_checkpointing=True,
+        wire_dtype="bfloat16",
     )
     c = config.candidate
     assert c == Candidate(
-        schedule=Schedule.INTERLEAVED_1F1B, pipeline_degree=2, data_parallel_degree=2, global_batch_size=64,
-        n_microbatches=4, layers_per_stage=(3, 3, 2, 2), activation_checkpointing=True, wire_dtype="bfloat16",
+        schedule=Schedule.INTERLEAVED_1F1B,
+        pipeline_degree=2,
+        data_parallel_degree=2,
+        global_batch_size=64,
+        n_microbatches=4,
+        layers_per_stage=(3, 3, 2, 2),
+        activation_checkpointing=True,
+        wire_dtype="bfloat16",
     )
     assert (c.micro_batch_size, c.world_size) == (config.micro_batch_size, config.gpus)
 
@@ -130,14 +168,24 @@ def test_from_measurement(tmp_path: Path) -> None:
     model = tmp_path / "model.py"
     model.write_text("# a model file\n")
     candidate = Candidate(
-        schedule=Schedule.GPIPE, pipeline_degree=2, data_parallel_degree=2, global_batch_size=32, n_microbatches=4,
+        schedule=Schedule.GPIPE,
+        pipeline_degree=2,
+        data_parallel_degree=2,
+        global_batch_size=32,
+        n_microbatches=4,
         layers_per_stage=(4, 3),
     )
     measurement = Measurement(
-        candidate=candidate, status="ok", step_time_ms=50.0, peak_memory_bytes=(1, 2, 3, 4), device="cpu",
+        candidate=candidate,
+        status="ok",
+        step_time_ms=50.0,
+        peak_memory_bytes=(1, 2, 3, 4),
+        device="cpu",
     )
     config = TunedConfig.from_measurement(
-        measurement, model=model, memory_limit_bytes=None,
+        measurement,
+        model=model,
+        memory_limit_bytes=None,
         search=SearchSummary(study="s", storage="postgresql://bob:hunter2@db:5432/optuna", trials=3, feasible=2),
     )
     assert config.candidate == candidate
@@ -154,7 +202,10 @@ def test_from_measurement_refuses_a_failed_trial() -> None:
     candidate = make_config().candidate
     with pytest.raises(ConfigError, match="status 'oom'"):
         TunedConfig.from_measurement(
-            Measurement(candidate=candidate, status="oom"), model="m.py", model_sha256="x", memory_limit_bytes=None,
+            Measurement(candidate=candidate, status="oom"),
+            model="m.py",
+            model_sha256="x",
+            memory_limit_bytes=None,
         )
 
 
@@ -291,8 +342,11 @@ def test_wrong_nested_type(tmp_path: Path) -> None:
     data = valid_dict()
     data["search"]["trials"] = "many"
     data["predicted"]["step_time_ms"] = "fast"
-    with pytest.raises(ConfigError, match=r"predicted\.step_time_ms must be a number or null, not str 'fast'; "
-                                          r"search\.trials must be an integer, not str 'many'; fix the values"):
+    with pytest.raises(
+        ConfigError,
+        match=r"predicted\.step_time_ms must be a number or null, not str 'fast'; "
+        r"search\.trials must be an integer, not str 'many'; fix the values",
+    ):
         load_config(write_dict(tmp_path, data))
 
 
