@@ -1,0 +1,50 @@
+"""On a CUDA machine: profile on the GPU, a 1-GPU trial with the allocator's peak and limit, and a 2-GPU pipeline.
+Skipped without CUDA (and the 2-GPU test without two GPUs). Written without a GPU at hand: first run them on one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune.candidate import Candidate
+from autotune.model_file import load_model_file
+from autotune.profile import profile_model
+from autotune.schedules import Schedule
+from autotune.trial import TrialOptions, run_trial
+from tests.conftest import RECIPES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_profile_on_cuda_times_every_layer():
+    spec = load_model_file(RECIPES / "gpt.py")
+    profile = profile_model(spec, batch_size=16, micro_batch_sizes=[4, 16], device="cuda", repeats=3)
+    assert profile.device == "cuda"
+    assert all(c.forward_ms > 0 for c in profile.layer_costs(16))
+
+
+def test_one_gpu_trial_measures_the_allocator_peak_and_enforces_the_limit():
+    spec = load_model_file(RECIPES / "mlp.py")
+    candidate = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, global_batch_size=64, n_microbatches=2,
+                          layers_per_stage=(spec.n_layers,))
+    ok = run_trial(spec, candidate, TrialOptions(steps=3, warmup=1, device="cuda"))
+    assert ok.status == "ok" and ok.peak_memory_bytes[0] > sum(spec.parameter_bytes)
+    tight = run_trial(spec, candidate, TrialOptions(steps=3, warmup=1, device="cuda",
+                                                    memory_limit_bytes=ok.peak_memory_bytes[0] // 4))
+    assert tight.status == "oom" and tight.error.rank == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV_ZERO_BUBBLE, Schedule.V_HALF],
+                         ids=lambda s: s.value)
+def test_two_gpu_pipeline_over_nccl(schedule):
+    spec = load_model_file(RECIPES / "gpt.py")
+    stages = 2 if schedule is Schedule.ONE_F_ONE_B else 4
+    candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
+                          layers_per_stage=(spec.n_layers // stages,) * stages)
+    measured = run_trial(spec, candidate, TrialOptions(steps=3, warmup=1, device="cuda"))
+    assert measured.status == "ok", measured.error
+    assert len(measured.peak_memory_bytes) == 2
