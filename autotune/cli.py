@@ -310,21 +310,9 @@ def profile_command(
     """
     with _errors_to_exit_codes(json_output):
         from autotune.devices import resolve_device
-        from autotune.model_file import check_model, load_model_file
-        from autotune.profile import profile_model
 
-        spec = load_model_file(model)
-        check_model(spec, batch_size)
         chosen = resolve_device(device.value)
-        with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
-            result = profile_model(
-                spec,
-                batch_size=batch_size,
-                micro_batch_sizes=_parse_sizes(micro_batch_size),
-                device=chosen,
-                repeats=repeats,
-                progress=progress,
-            )
+        _, result = _load_and_profile(model, batch_size, chosen, _parse_sizes(micro_batch_size), repeats)
         if json_output:
             _print_json(result.to_dict())
         else:
@@ -358,25 +346,13 @@ def plan_command(
     """
     with _errors_to_exit_codes(json_output):
         from autotune.devices import device_memory_bytes, resolve_device
-        from autotune.model_file import check_model, load_model_file
         from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
-        from autotune.profile import profile_model
         from autotune.units import parse_size
 
         limit = parse_size(memory_limit) if memory_limit else None
-        spec = load_model_file(model)
-        check_model(spec, batch_size)
         chosen = resolve_device(device.value)
         limit = limit if limit is not None else device_memory_bytes(chosen)
-        with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
-            profile = profile_model(
-                spec,
-                batch_size=batch_size,
-                micro_batch_sizes=_parse_sizes(micro_batch_size),
-                device=chosen,
-                repeats=repeats,
-                progress=progress,
-            )
+        _, profile = _load_and_profile(model, batch_size, chosen, _parse_sizes(micro_batch_size), repeats)
         with err_console.status(f"planning {gpus} ranks..."):
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
         ensure_feasible(planned)
@@ -385,6 +361,23 @@ def plan_command(
             _print_json([p.to_dict() for p in shown])
         else:
             _render_plan(shown, recommended_microbatch_range(planned), limit, gpus, batch_size)
+
+
+def _load_and_profile(
+    model: Path, batch_size: int, device: str, micro_batch_sizes: list[int] | None = None, repeats: int = 5
+) -> tuple[Any, Any]:
+    """Load and check the model file, then profile it with a progress bar on stderr: (spec, profile)."""
+    from autotune.model_file import check_model, load_model_file
+    from autotune.profile import profile_model
+
+    spec = load_model_file(model)
+    check_model(spec, batch_size)
+    with _progress_bar(f"profiling {model.name} on {device}") as progress:
+        profile = profile_model(
+            spec, batch_size=batch_size, micro_batch_sizes=micro_batch_sizes, device=device, repeats=repeats,
+            progress=progress,
+        )
+    return spec, profile
 
 
 def _parse_sizes(values: list[str] | None) -> list[int] | None:
@@ -599,9 +592,7 @@ def _search(
     json_output: bool,
 ) -> None:
     from autotune.devices import device_memory_bytes, resolve_device
-    from autotune.model_file import check_model, load_model_file
     from autotune.plan import ensure_feasible, plan
-    from autotune.profile import profile_model
     from autotune.search import SearchOptions, default_storage, default_study_name, explain_infeasible, run_search
     from autotune.trial import TrialOptions
     from autotune.units import parse_duration, parse_size
@@ -609,13 +600,10 @@ def _search(
     chosen = resolve_device(device.value)
     limit = parse_size(memory_limit) if memory_limit else device_memory_bytes(chosen)
     timeout_s = parse_duration(timeout) if timeout else None
-    spec = load_model_file(model)
-    check_model(spec, batch_size)
+    spec, profile = _load_and_profile(model, batch_size, chosen)
     name = study_name or default_study_name(model, gpus, batch_size, chosen)
     url = storage or default_storage(name)
     incumbent = _incumbent(output, spec, gpus, batch_size)
-    with _progress_bar(f"profiling {model.name} on {chosen}") as progress:
-        profile = profile_model(spec, batch_size=batch_size, device=chosen, progress=progress)
     with err_console.status(f"planning {gpus} ranks..."):
         planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
     ensure_feasible(planned)
