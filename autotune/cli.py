@@ -633,7 +633,11 @@ def _search(
 
         raise AutotuneError("no trial ran successfully; run `autotune report` on the study to see each reason")
     kept, written = _write_config(result, spec, model, output, limit, incumbent, min_improvement, chosen)
-    report_path = _write_report_if_available(result, spec, profile, output, report_dir, limit)
+    from autotune.report import write_search_report
+
+    report_path = write_search_report(
+        result, spec=spec, profile=profile, config_path=output, report_dir=report_dir, memory_limit_bytes=limit
+    )
     summary = _search_summary(result, output, kept, written, report_path)
     if json_output:
         _print_json(summary)
@@ -675,8 +679,6 @@ def _write_config(
     device: str,
 ) -> tuple[bool, bool]:
     """Write the best config unless the existing one holds within min_improvement. Returns (kept_old, wrote_new)."""
-    import sys as _sys
-
     from autotune.tuned_config import (
         Environment,
         PredictedResult,
@@ -714,30 +716,18 @@ def _write_config(
         ),
         environment=Environment.current(device),
     )
-    save_config(config, output, command="autotune " + " ".join(_sys.argv[1:]))
+    save_config(config, output, command="autotune " + " ".join(sys.argv[1:]))
     return False, True
 
 
-def _write_report_if_available(
-    result: Any, spec: Any, profile: Any, output: Path, report_dir: Path, limit: Any
-) -> Path | None:
-    try:
-        from autotune.report import write_search_report
-    except ImportError:
-        return None
-    return write_search_report(
-        result, spec=spec, profile=profile, config_path=output, report_dir=report_dir, memory_limit_bytes=limit
-    )
-
-
-def _search_summary(result: Any, output: Path, kept: bool, written: bool, report: Path | None) -> dict[str, Any]:
+def _search_summary(result: Any, output: Path, kept: bool, written: bool, report: Path) -> dict[str, Any]:
     best = result.best
     return {
         "status": "interrupted" if result.interrupted else "ok",
         "config": str(output),
         "config_written": written,
         "kept_existing_config": kept,
-        "report": str(report / "report.md") if report else None,
+        "report": str(report / "report.md"),
         "study": result.study_name,
         "storage": result.storage,
         "best": best.to_dict(),
@@ -773,7 +763,7 @@ def _render_search(result: Any, summary: dict[str, Any]) -> None:
     if summary["kept_existing_config"]:
         console.print(f"kept the existing {summary['config']}: the new best does not beat it by the required margin")
     else:
-        console.print(f"wrote {summary['config']}" + (f" and {summary['report']}" if summary["report"] else ""))
+        console.print(f"wrote {summary['config']} and {summary['report']}")
     console.print(
         f"{summary['trials']} trials ({summary['launched']} launched, {summary['pruned']} pruned, "
         f"{summary['feasible']} ok) in {summary['wall_time_s']:.0f} s; study {summary['study']} in {summary['storage']}"

@@ -112,6 +112,8 @@ class StageBoundary(nn.Module):
 class RankPipeline:
     """One rank's share of a pipelined training step."""
 
+    spec: ModelSpec
+    """The model file the stages come from (make_batch gives the global batch)."""
     candidate: Candidate
     layout: RankLayout
     stage_indices: list[int]
@@ -234,6 +236,7 @@ def build_pipeline(
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     params = [p for m in modules for p in m.parameters()]
     return RankPipeline(
+        spec=spec,
         candidate=candidate,
         layout=layout,
         stage_indices=stage_indices,

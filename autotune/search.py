@@ -479,28 +479,20 @@ class _Engine:
         try:
             candidate = self.space.suggest(trial)
         except InvalidCandidateError as exc:
-            self._tell(trial, None, "pruned", f"invalid: {exc}", phase=phase)
+            self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
             return
         trial.set_user_attr("candidate", candidate.to_dict())
         estimate = self.estimate(candidate)
         trial.set_user_attr("predicted", _predicted_attrs(estimate))
         reason = self._prune_reason(candidate, estimate, phase)
         if reason is not None:
-            self._tell(trial, candidate, "pruned", reason, estimate=estimate, phase=phase)
+            self._tell(trial, "pruned", reason, phase=phase)
             return
         if candidate.key in self.runs and phase not in ("remeasure",):
             previous = self.runs[candidate.key][-1]
-            self._tell(
-                trial,
-                candidate,
-                "duplicate",
-                "measured before: not launched again",
-                estimate=estimate,
-                measurement=previous,
-                phase=phase,
-            )
+            self._tell(trial, "duplicate", "measured before: not launched again", measurement=previous, phase=phase)
             return
-        self._launch(trial, candidate, estimate, phase)
+        self._launch(trial, candidate, phase)
 
     def _prune_reason(self, candidate: Candidate, estimate: Estimate, phase: str) -> str | None:
         limit = self.options.memory_limit_bytes
@@ -520,49 +512,38 @@ class _Engine:
             )
         return None
 
-    def _launch(self, trial: optuna.Trial, candidate: Candidate, estimate: Estimate, phase: str) -> None:
+    def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> None:
         trial.set_user_attr("launched", True)
         bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
         options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
         try:
             measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
-            self._tell(
-                trial, candidate, "interrupted", "stopped by Ctrl-C", estimate=estimate, phase=phase, launched=True
-            )
+            self._tell(trial, "interrupted", "stopped by Ctrl-C", phase=phase)
             raise
         self.runs.setdefault(candidate.key, []).append(measurement)
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
             reason = f"rank {measurement.error.rank}: {reason}"
-        self._tell(
-            trial,
-            candidate,
-            measurement.status,
-            reason,
-            estimate=estimate,
-            measurement=measurement,
-            phase=phase,
-            launched=True,
-        )
+        self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(
         self,
         trial: optuna.Trial,
-        candidate: Candidate | None,
         outcome: Outcome,
         reason: str,
         *,
-        estimate: Estimate | None = None,
         measurement: Measurement | None = None,
         phase: str = "explore",
-        launched: bool = False,
     ) -> None:
+        """Record the outcome on the trial (candidate, prediction and launch were recorded as they happened)."""
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
         trial.set_user_attr("phase", phase)
         if measurement is not None:
             trial.set_user_attr("measurement", measurement.to_dict())
+        # The live record is the one a resumed search or a report rebuilds from storage, by construction.
+        record = _record_from_attrs(trial.number, trial.user_attrs)
         limit = self.options.memory_limit_bytes
         State = optuna.trial.TrialState
         if outcome in ("ok", "duplicate") and measurement is not None and measurement.status == "ok":
@@ -576,20 +557,6 @@ class _Engine:
             self.study.tell(trial, state=State.PRUNED)
         else:
             self.study.tell(trial, state=State.FAIL)
-        record = TrialRecord(
-            number=trial.number,
-            candidate=candidate,
-            outcome=outcome,
-            reason=reason,
-            throughput_samples_per_s=measurement.throughput_samples_per_s if measurement else None,
-            step_time_ms=measurement.step_time_ms if measurement else None,
-            peak_memory_bytes=measurement.peak_memory_bytes if measurement else (),
-            predicted_throughput_samples_per_s=estimate.throughput_samples_per_s if estimate else None,
-            predicted_peak_memory_bytes=estimate.peak_memory_bytes if estimate else (),
-            phase=phase,
-            launched=launched,
-            wall_time_s=measurement.wall_time_s if measurement and launched else 0.0,
-        )
         self.records.append(record)
         self.reporter.trial(record, self.best_record(), self.launched, self.options.n_trials)
 

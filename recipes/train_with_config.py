@@ -12,9 +12,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from autotune.model_file import load_model_file, make_batch
+from autotune.model_file import make_batch
 from autotune.runtime import setup_pipeline
-from autotune.tuned_config import load_config
 
 
 def main() -> None:
@@ -28,10 +27,8 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     pipe = setup_pipeline(args.config, args.model, device=args.device)
-    config = load_config(args.config)
-    spec = load_model_file(args.model or config.model)
     for step in range(args.steps):
-        inputs, targets = make_batch(spec, config.global_batch_size)  # your data loader goes here
+        inputs, targets = make_batch(pipe.spec, pipe.candidate.global_batch_size)  # your data loader goes here
         losses = pipe.step(inputs, targets)
         if losses:
             print(f"rank {dist.get_rank()} step {step} loss {torch.stack(losses).mean().item():.4f}", flush=True)
