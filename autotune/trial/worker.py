@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
+from autotune.devices import keep_freed_cpu_memory
 from autotune.model_file import ModelSpec, load_model_file, make_batch
 from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
 from autotune.trial.job import RankJob
@@ -72,6 +73,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if job.device == "cpu":
         torch.set_num_threads(1)  # the stand-in for one GPU is one process with one thread
+        keep_freed_cpu_memory()  # as the profile does: reuse memory like a GPU's caching allocator
         device = torch.device("cpu")
         backend = "gloo"
     else:
