@@ -12,7 +12,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from autotune.devices import keep_freed_cpu_memory
 from autotune.errors import ModelFileError, UsageError
 from autotune.model_file import ModelSpec, build_layers, build_optimizer, make_batch
 
@@ -44,6 +46,14 @@ class LayerCost:
     """Bytes of the layer's output: what a stage cut after this layer sends (and its gradient, back)."""
     parameter_bytes: int
     """Bytes of the layer's parameters."""
+    checkpointed_forward_ms: float | None = None
+    """Forward time inside an activation-checkpointed stage (saves nothing, pays the checkpoint's bookkeeping);
+    None: forward_ms."""
+    recompute_ms: float | None = None
+    """What a checkpointed stage's backward adds for this layer: its forward again, plus bookkeeping; None:
+    forward_ms."""
+    parameter_groups: int = 0
+    """Modules holding parameters of their own (see LayerProfile.parameter_groups)."""
 
     @property
     def backward_ms(self) -> float:
@@ -69,6 +79,9 @@ class LayerProfile:
     """Saved-activation bytes of one micro-batch, per micro-batch size."""
     output_bytes: tuple[int, ...]
     """Output bytes of one micro-batch, per micro-batch size."""
+    parameter_groups: int | None = None
+    """Modules in the layer that hold parameters of their own: torch's split backward (W) runs one autograd pass per
+    such group, and under activation checkpointing each pass recomputes the stage. None: 1 if it has parameters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +103,12 @@ class Profile:
     """loss_fn backward time per micro-batch size (charged to the last layer's input-grad time); () means 0."""
     loss_saved_bytes: tuple[int, ...] = ()
     """Bytes loss_fn saves for its backward, per micro-batch size (charged to the last layer); () means 0."""
+    checkpoint_forward_ratio: tuple[float, ...] = ()
+    """Per micro-batch size: the model's forward checkpointed as one unit (as a stage is) over its plain forward;
+    () means 1."""
+    checkpoint_recompute_ratio: tuple[float, ...] = ()
+    """Per micro-batch size: what checkpointing adds to the backward, over the plain forward (1 would be exactly
+    one forward again); () means 1."""
     optimizer_step_ms: float = 0.0
     """One optimizer step over the whole model; the simulator charges each rank its share by parameter bytes."""
     optimizer_state_bytes: int | None = None
@@ -112,7 +131,12 @@ class Profile:
         if not self.layers:
             raise UsageError("a profile needs at least one layer")
         per_size = [self.input_bytes, *(getattr(layer, f) for layer in self.layers for f in _SERIES)]
-        per_size += [s for s in (self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes) if s]
+        per_size += [
+            s
+            for s in (self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
+                      self.checkpoint_forward_ratio, self.checkpoint_recompute_ratio)
+            if s
+        ]
         if any(len(series) != len(sizes) for series in per_size):
             raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
 
@@ -135,10 +159,14 @@ class Profile:
     def layer_costs(self, micro_batch_size: float) -> list[LayerCost]:
         """Each layer's cost at micro-batch size M; the loss is charged to the last layer (the last stage runs it)."""
         at = _Interpolator(self.micro_batch_sizes, micro_batch_size)
+        forward_ratio = at(self.checkpoint_forward_ratio) if self.checkpoint_forward_ratio else 1.0
+        recompute_ratio = at(self.checkpoint_recompute_ratio) if self.checkpoint_recompute_ratio else 1.0
         costs = []
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1
-            forward = at(layer.forward_ms) + (at(self.loss_forward_ms) if last and self.loss_forward_ms else 0.0)
+            own_forward = at(layer.forward_ms)
+            loss_forward = at(self.loss_forward_ms) if last and self.loss_forward_ms else 0.0
+            forward = own_forward + loss_forward
             backward_input = at(layer.backward_input_ms) + (
                 at(self.loss_backward_ms) if last and self.loss_backward_ms else 0.0
             )
@@ -151,6 +179,11 @@ class Profile:
                     saved_bytes=math.ceil(saved),
                     output_bytes=math.ceil(at(layer.output_bytes)),
                     parameter_bytes=layer.parameter_bytes,
+                    checkpointed_forward_ms=own_forward * forward_ratio + loss_forward,  # the loss is outside
+                    recompute_ms=own_forward * recompute_ratio,
+                    parameter_groups=(
+                        int(layer.parameter_bytes > 0) if layer.parameter_groups is None else layer.parameter_groups
+                    ),
                 )
             )
         return costs
@@ -183,6 +216,7 @@ class Profile:
                     backward_weight_ms=(c.backward_weight_ms,),
                     saved_bytes=(c.saved_bytes,),
                     output_bytes=(c.output_bytes,),
+                    parameter_groups=c.parameter_groups or None,
                 )
                 for i, c in enumerate(costs)
             ),
@@ -204,11 +238,14 @@ class Profile:
             "loss_forward_ms": list(self.loss_forward_ms),
             "loss_backward_ms": list(self.loss_backward_ms),
             "loss_saved_bytes": list(self.loss_saved_bytes),
+            "checkpoint_forward_ratio": list(self.checkpoint_forward_ratio),
+            "checkpoint_recompute_ratio": list(self.checkpoint_recompute_ratio),
             "optimizer_step_ms": self.optimizer_step_ms,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "parameter_bytes": self.parameter_bytes,
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
+                 "parameter_groups": layer.parameter_groups,
                  **{field: list(getattr(layer, field)) for field in _SERIES}}
                 for layer in self.layers
             ],
@@ -232,6 +269,9 @@ class Profile:
                         backward_weight_ms=tuple(float(x) for x in layer["backward_weight_ms"]),
                         saved_bytes=tuple(int(x) for x in layer["saved_bytes"]),
                         output_bytes=tuple(int(x) for x in layer["output_bytes"]),
+                        parameter_groups=(
+                            None if layer.get("parameter_groups") is None else int(layer["parameter_groups"])
+                        ),
                     )
                     for layer in data["layers"]
                 ),
@@ -239,6 +279,8 @@ class Profile:
                 loss_forward_ms=tuple(float(x) for x in data.get("loss_forward_ms", ())),
                 loss_backward_ms=tuple(float(x) for x in data.get("loss_backward_ms", ())),
                 loss_saved_bytes=tuple(int(x) for x in data.get("loss_saved_bytes", ())),
+                checkpoint_forward_ratio=tuple(float(x) for x in data.get("checkpoint_forward_ratio", ())),
+                checkpoint_recompute_ratio=tuple(float(x) for x in data.get("checkpoint_recompute_ratio", ())),
                 optimizer_step_ms=float(data.get("optimizer_step_ms", 0.0)),
                 optimizer_state_bytes=(
                     None if data.get("optimizer_state_bytes") is None else int(data["optimizer_state_bytes"])
@@ -322,16 +364,27 @@ def profile_model(
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
+        keep_freed_cpu_memory()  # as the ranks do: without it, times swing with the allocator's history
     try:
         layers = build_layers(spec).to(device)
         layers.train()
         clock: _Clock = _CudaClock() if device.startswith("cuda") else _CpuClock()
-        measured = []
+        total = len(sizes) + repeats
+        samples = []
         for done, m in enumerate(sizes):
             inputs, targets = make_batch(spec, m)
-            measured.append(_profile_size(spec, layers, inputs.to(device), targets.to(device), clock, repeats))
+            samples.append(_SizeSamples(spec, layers, inputs.to(device), targets.to(device), clock))
             if progress is not None:
-                progress(done + 1, len(sizes), f"micro-batch size {m}")
+                progress(done + 1, total, f"warm-up at micro-batch size {m}")
+        # Round-robin over the sizes, so that a stretch of interference on a shared machine slows every size a
+        # little rather than one size a lot (that would bend the cost curve in M, and with it the choice of B/M).
+        checkpoint_rounds = max(2, (repeats + 1) // 2)
+        for round_ in range(repeats):
+            for size in samples:
+                size.sample(with_checkpoint=round_ < checkpoint_rounds)
+            if progress is not None:
+                progress(len(sizes) + round_ + 1, total, f"timing round {round_ + 1} of {repeats}")
+        measured = [size.result() for size in samples]
         optimizer_ms, state_bytes = _profile_optimizer(spec, layers, clock, repeats)
     finally:
         torch.set_num_threads(threads)
@@ -347,6 +400,8 @@ def profile_model(
                 backward_weight_ms=tuple(s.backward_weight_ms[i] for s in measured),
                 saved_bytes=tuple(s.saved_bytes[i] for s in measured),
                 output_bytes=tuple(s.output_bytes[i] for s in measured),
+                parameter_groups=sum(1 for module in layer.modules() if next(module.parameters(recurse=False), None)
+                                     is not None),
             )
             for i, layer in zip(range(n), layers)
         ),
@@ -354,6 +409,8 @@ def profile_model(
         loss_forward_ms=tuple(s.loss_forward_ms for s in measured),
         loss_backward_ms=tuple(s.loss_backward_ms for s in measured),
         loss_saved_bytes=tuple(s.loss_saved_bytes for s in measured),
+        checkpoint_forward_ratio=tuple(s.checkpoint_forward_ratio for s in measured),
+        checkpoint_recompute_ratio=tuple(s.checkpoint_recompute_ratio for s in measured),
         optimizer_step_ms=optimizer_ms,
         optimizer_state_bytes=state_bytes,
         device="cuda" if device.startswith("cuda") else "cpu",
@@ -410,45 +467,109 @@ class _SizeResult:
     loss_forward_ms: float
     loss_backward_ms: float
     loss_saved_bytes: int
+    checkpoint_forward_ratio: float
+    checkpoint_recompute_ratio: float
 
 
-def _profile_size(
-    spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor, clock: _Clock, repeats: int
-) -> _SizeResult:
-    saved, loss_saved, output_bytes = _saved_bytes(spec, layers, inputs, targets)
-    _timed_pass(spec, layers, inputs, targets, clock, full=True)  # warm-up (allocator, lazy init)
-    _timed_pass(spec, layers, inputs, targets, clock, full=False)
-    forward: list[list[float]] = []
-    full: list[list[float]] = []
-    partial: list[list[float]] = []
-    loss_fwd: list[float] = []
-    loss_bwd: list[float] = []
-    for _ in range(repeats):
-        for is_full, into in ((True, full), (False, partial)):
-            f, lf, b, lb = _timed_pass(spec, layers, inputs, targets, clock, full=is_full)
-            forward.append(f)
+class _SizeSamples:
+    """Everything timed at one micro-batch size, gathered over the rounds of profile_model."""
+
+    def __init__(
+        self, spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor, clock: _Clock
+    ) -> None:
+        self.spec, self.layers, self.inputs, self.targets, self.clock = spec, layers, inputs, targets, clock
+        self.saved, self.loss_saved, self.output_bytes = _saved_bytes(spec, layers, inputs, targets)
+        self.forward: list[list[float]] = []
+        self.full: list[list[float]] = []
+        self.partial: list[list[float]] = []
+        self.loss_forward: list[float] = []
+        self.loss_backward: list[float] = []
+        self.plain: list[tuple[float, float]] = []
+        self.checkpointed: list[tuple[float, float]] = []
+        self._pass(full=True)  # warm-up (allocator, lazy init)
+        self._pass(full=False)
+        _whole_pass(spec, layers, inputs, targets, clock, checkpointed=True)
+
+    def _pass(self, *, full: bool) -> tuple[list[float], float, list[float], float]:
+        return _timed_pass(self.spec, self.layers, self.inputs, self.targets, self.clock, full=full)
+
+    def sample(self, *, with_checkpoint: bool) -> None:
+        """One round: a full and an input-grad-only pass (with an untimed full pass first, as the previous round
+        ran another size); with_checkpoint: also the model plain and checkpointed as one unit."""
+        self._pass(full=True)
+        for is_full, into in ((True, self.full), (False, self.partial)):
+            f, lf, b, lb = self._pass(full=is_full)
+            self.forward.append(f)
             into.append(b)
-            loss_fwd.append(lf)
+            self.loss_forward.append(lf)
             if is_full:
-                loss_bwd.append(lb)
-    layers.zero_grad(set_to_none=True)
-    n = len(layers)
-    med_forward = [statistics.median(r[i] for r in forward) for i in range(n)]
-    med_full = [statistics.median(r[i] for r in full) for i in range(n)]
-    med_input = [statistics.median(r[i] for r in partial) for i in range(n)]
-    # A layer whose input-grad backward looks slower than its full one (noise) has no weight-grad work left.
-    med_input = [min(i, f) for i, f in zip(med_input, med_full)]
-    return _SizeResult(
-        forward_ms=med_forward,
-        backward_input_ms=med_input,
-        backward_weight_ms=[f - i for f, i in zip(med_full, med_input)],
-        saved_bytes=saved,
-        output_bytes=output_bytes,
-        input_bytes=_nbytes(inputs),
-        loss_forward_ms=statistics.median(loss_fwd),
-        loss_backward_ms=statistics.median(loss_bwd),
-        loss_saved_bytes=loss_saved,
-    )
+                self.loss_backward.append(lb)
+        if with_checkpoint:
+            args = (self.spec, self.layers, self.inputs, self.targets, self.clock)
+            self.plain.append(_whole_pass(*args, checkpointed=False))
+            self.checkpointed.append(_whole_pass(*args, checkpointed=True))
+        self.layers.zero_grad(set_to_none=True)
+
+    def result(self) -> _SizeResult:
+        n = len(self.layers)
+        med_forward = [statistics.median(r[i] for r in self.forward) for i in range(n)]
+        med_full = [statistics.median(r[i] for r in self.full) for i in range(n)]
+        med_input = [statistics.median(r[i] for r in self.partial) for i in range(n)]
+        # A layer whose input-grad backward looks slower than its full one (noise) has no weight-grad work left.
+        med_input = [min(i, f) for i, f in zip(med_input, med_full)]
+        checkpoint_forward, checkpoint_recompute = _checkpoint_ratios(self.plain, self.checkpointed)
+        return _SizeResult(
+            forward_ms=med_forward,
+            backward_input_ms=med_input,
+            backward_weight_ms=[f - i for f, i in zip(med_full, med_input)],
+            saved_bytes=self.saved,
+            output_bytes=self.output_bytes,
+            input_bytes=_nbytes(self.inputs),
+            loss_forward_ms=statistics.median(self.loss_forward),
+            loss_backward_ms=statistics.median(self.loss_backward),
+            loss_saved_bytes=self.loss_saved,
+            checkpoint_forward_ratio=checkpoint_forward,
+            checkpoint_recompute_ratio=checkpoint_recompute,
+        )
+
+
+def _whole_pass(
+    spec: ModelSpec,
+    layers: nn.Sequential,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    clock: _Clock,
+    *,
+    checkpointed: bool,
+) -> tuple[float, float]:
+    """Forward and backward times of the whole model, plain or checkpointed as one unit (as the runtime
+    checkpoints a stage); the loss stays outside, as on the last stage."""
+    start = clock.mark()
+    output = checkpoint(layers, inputs, use_reentrant=False) if checkpointed else layers(inputs)
+    middle = clock.mark()
+    spec.loss_fn(output, targets).backward()
+    end = clock.mark()
+    clock.sync()
+    return clock.ms(start, middle), clock.ms(middle, end)
+
+
+def _checkpoint_ratios(
+    plain: Sequence[tuple[float, float]], checkpointed: Sequence[tuple[float, float]]
+) -> tuple[float, float]:
+    """From (forward, backward) times of the model plain and checkpointed: checkpointed forward / plain forward, and
+    (checkpointed backward - plain backward) / plain forward.
+
+    Recomputing is not just one more forward: the checkpointed forward still pays bookkeeping and the backward
+    rebuilds every activation afresh (measured 1.1-1.9x a forward on the recipes, on CPU)."""
+    if not plain or not checkpointed:
+        return 1.0, 1.0
+    forward = statistics.median(f for f, _ in plain)
+    if forward <= 0:
+        return 1.0, 1.0
+    backward = statistics.median(b for _, b in plain)
+    ratio = statistics.median(f for f, _ in checkpointed) / forward
+    extra = (statistics.median(b for _, b in checkpointed) - backward) / forward
+    return ratio, max(0.0, extra)
 
 
 def _timed_pass(

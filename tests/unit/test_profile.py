@@ -25,7 +25,8 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert profile.n_layers == spec.n_layers == 10
     assert [layer.name for layer in profile.layers] == list(spec.layer_names)
     assert [layer.parameter_bytes for layer in profile.layers] == list(spec.parameter_bytes)
-    assert calls == [(1, 2, "micro-batch size 2"), (2, 2, "micro-batch size 8")]
+    assert calls == [(1, 4, "warm-up at micro-batch size 2"), (2, 4, "warm-up at micro-batch size 8"),
+                     (3, 4, "timing round 1 of 2"), (4, 4, "timing round 2 of 2")]
     assert torch.get_num_threads() == threads  # restored
     for layer in profile.layers:
         assert all(t > 0 for t in layer.forward_ms)
@@ -38,6 +39,23 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert profile.optimizer_step_ms > 0
     assert profile.optimizer_state_bytes == pytest.approx(2 * profile.parameter_bytes, rel=0.01)  # AdamW
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0
+    assert [layer.parameter_groups for layer in profile.layers] == [1] * 10  # one Linear each
+    # Checkpointing measured, not assumed: a forward again (with bookkeeping) in the backward, per size.
+    assert len(profile.checkpoint_forward_ratio) == len(profile.checkpoint_recompute_ratio) == 2
+    assert all(0.3 < r < 5 for r in profile.checkpoint_forward_ratio)
+    assert all(0.3 < r < 5 for r in profile.checkpoint_recompute_ratio)
+
+
+def test_checkpointed_costs_follow_the_measured_ratios():
+    layer = LayerProfile(name="x", parameter_bytes=0, forward_ms=(2.0,), backward_input_ms=(1.0,),
+                         backward_weight_ms=(1.0,), saved_bytes=(10,), output_bytes=(10,))
+    profile = Profile(micro_batch_sizes=(4,), layers=(layer, layer), input_bytes=(10,), loss_forward_ms=(0.5,),
+                      checkpoint_forward_ratio=(1.25,), checkpoint_recompute_ratio=(1.5,))
+    first, last = profile.layer_costs(4)
+    assert (first.checkpointed_forward_ms, first.recompute_ms) == (2.5, 3.0)
+    assert (last.checkpointed_forward_ms, last.recompute_ms) == (2.5 + 0.5, 3.0)  # the loss is not checkpointed
+    older = Profile(micro_batch_sizes=(4,), layers=(layer,), input_bytes=(10,))  # measured before the ratios
+    assert (older.layer_costs(4)[0].checkpointed_forward_ms, older.layer_costs(4)[0].recompute_ms) == (2.0, 2.0)
 
 
 def test_saved_and_output_bytes_are_exact(model_file):
@@ -72,6 +90,9 @@ def test_token_ids_work_and_the_embedding_has_no_input_grad():
     assert embedding.backward_input_ms == (0.0,)
     assert embedding.backward_weight_ms[0] > 0
     assert all(layer.backward_input_ms[0] > 0 for layer in profile.layers[1:])
+    # Parameter groups (modules with parameters of their own): token + position embeddings; a block's two norms,
+    # attention (in-projection) and its out-projection, two MLP linears; the head's norm and linear.
+    assert [layer.parameter_groups for layer in profile.layers] == [2] + [6] * 6 + [2]
 
 
 def test_profile_refuses_bad_arguments():
