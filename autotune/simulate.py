@@ -33,20 +33,29 @@ class LinkModel:
     """Runtime bookkeeping added to every compute action (schedule step, send/recv posting, small kernels)."""
     optimizer_bytes_per_s: float
     """Parameter bytes per second one optimizer step gets through; used only when the profile did not time it."""
+    message_overhead_ms: float = 0.0
+    """Time a rank itself spends posting one send or one receive to another rank (charged on its own timeline, to
+    the action that sends and to the one that receives), on top of the wire time the receiver waits for."""
+    held_activation_ms_per_mib: float = 0.0
+    """Slowdown of each backward action per MiB of activations its rank holds at that moment (memory pressure:
+    allocator page faults, cache misses, more messages outstanding); 0 where it was not seen (cuda)."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
         """Defaults for cpu (gloo over loopback, one thread per rank) or cuda (NCCL); any field can be overridden.
 
-        The cpu numbers come from a gloo send/recv between two one-thread processes on the 2-core development
-        machine (about 1.7 ms one-way for small tensors, 3 GB/s for large ones); the cuda ones are conservative
-        NVLink-class figures. Calibrate them against real trials."""
+        The cpu numbers are for two one-thread ranks over gloo on the 2-core development machine. Bandwidth comes
+        from a large send/recv (3 GB/s). The message overhead is what posting a send or receive took inside real
+        trials (torch's _batch_p2p, traced: 0.05-0.55 ms, typically 0.15). Latency, per-action overhead and the
+        held-activation slowdown were chosen on one set of recipe trials and checked on a fresh one
+        (bench/calibrate.py; bench/results/calibration.md says which). The cuda ones are conservative NVLink-class
+        figures with no memory-pressure term; calibrate them against real trials."""
         if device.startswith("cuda"):
             base = {"bandwidth_bytes_per_s": 50e9, "latency_s": 20e-6, "per_action_overhead_ms": 0.05,
-                    "optimizer_bytes_per_s": 200e9}
+                    "optimizer_bytes_per_s": 200e9, "message_overhead_ms": 0.01, "held_activation_ms_per_mib": 0.0}
         elif device == "cpu":
-            base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 1.5e-3, "per_action_overhead_ms": 0.3,
-                    "optimizer_bytes_per_s": 1e9}
+            base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 0.5e-3, "per_action_overhead_ms": 0.3,
+                    "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base)
@@ -195,6 +204,7 @@ def simulate_costs(
     finish = [0.0] * n
     dur = [duration[plan.kind[a]][plan.stage[a]] for a in range(n)]
     xfer = [incoming[plan.kind[a]][plan.stage[a]] if plan.cross[a] else 0.0 for a in range(n)]
+    _add_rank_side_costs(dur, plan, stages, link)
     prev, dep, own = plan.prev, plan.dep, plan.own
     for a in plan.order:
         t = finish[prev[a]] if prev[a] >= 0 else 0.0
@@ -305,10 +315,16 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
     def total(field: str, a: int, b: int) -> float:
         return sum(getattr(c, field) for c in costs[a:b])
 
+    def checkpointed(field: str, a: int, b: int) -> float:
+        return sum(c.forward_ms if getattr(c, field) is None else getattr(c, field) for c in costs[a:b])
+
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
         forward = total("forward_ms", a, b)
-        recompute = forward if candidate.activation_checkpointing else 0.0
+        recompute = 0.0
+        if candidate.activation_checkpointing:
+            forward = checkpointed("checkpointed_forward_ms", a, b)
+            recompute = checkpointed("recompute_ms", a, b)
         backward_input = total("backward_input_ms", a, b)
         backward_weight = total("backward_weight_ms", a, b)
         stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
@@ -316,8 +332,17 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
         saved = int(total("saved_bytes", a, b))
         result["forward"].append(forward + overhead)
         result["backward"].append(backward_input + backward_weight + recompute + overhead)
-        result["backward_input"].append(backward_input + recompute + overhead)
-        result["backward_weight"].append(backward_weight + overhead)
+        if s == 0:
+            # The first stage's input is the data: no input gradient to compute, so torch's split backward finds
+            # nothing to do in I and its W runs the whole backward (traced: I ~0.01 ms).
+            result["backward_input"].append(overhead)
+            result["backward_weight"].append(backward_input + backward_weight + recompute + overhead)
+        else:
+            # Checkpointed, torch's W runs one autograd pass per parameter group, and each pass recomputes the
+            # stage (torch 2.13 stage_backward_weight): GPT's zero-bubble schedules ran 4-4.7x slower with it.
+            groups = sum(c.parameter_groups for c in costs[a:b]) if candidate.activation_checkpointing else 0
+            result["backward_input"].append(backward_input + recompute + overhead)
+            result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         result["held_bytes"].append(stage_in if candidate.activation_checkpointing else saved)
@@ -326,6 +351,29 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
         result["receive_buffer_bytes"].append(int(receive * wire))
         result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
     return _StageCosts(**result)
+
+
+def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, link: LinkModel) -> None:
+    """What a rank spends beyond its stages' compute: posting each cross-rank send and receive, and each backward's
+    slowdown from the activations the rank holds at that moment (walked in the rank's own order, as in
+    _peak_memory)."""
+    message = link.message_overhead_ms
+    if message:
+        for a in range(len(dur)):
+            dur[a] += message * (plan.cross[a] + plan.sends[a])
+    pressure = link.held_activation_ms_per_mib / 2**20
+    if pressure:
+        held = stages.held_bytes
+        for ids in plan.rank_actions:
+            live = 0
+            for a in ids:
+                kind = plan.kind[a]
+                if kind == "F":
+                    live += held[plan.stage[a]]
+                    continue
+                dur[a] += pressure * live
+                if kind != "I":
+                    live -= held[plan.stage[a]]
 
 
 def _optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
@@ -380,6 +428,8 @@ class _Plan:
     """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
     cross: tuple[bool, ...]
     """dep runs on another rank, so its tensor travels."""
+    sends: tuple[int, ...]
+    """How many actions on other ranks need this one's tensor (the sends it posts)."""
     own: tuple[int, ...]
     """This stage's earlier action it needs (B/I: F; W: I), or -1."""
     order: tuple[int, ...]
@@ -442,6 +492,10 @@ def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatche
             own[a] = where[(s, "I", i)]
         dep[a] = d
         cross[a] = d >= 0 and rank[d] != rank[a]
+    sends = [0] * n
+    for a in range(n):
+        if cross[a]:
+            sends[dep[a]] += 1
 
     # Kahn's algorithm: what never becomes ready is a deadlock.
     waiting = [(prev[a] >= 0) + (dep[a] >= 0) + (own[a] >= 0) for a in range(n)]
@@ -490,6 +544,7 @@ def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatche
         prev=tuple(prev),
         dep=tuple(dep),
         cross=tuple(cross),
+        sends=tuple(sends),
         own=tuple(own),
         order=tuple(order),
         rank_actions=tuple(rank_actions),

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import json
 import random
@@ -83,6 +84,36 @@ def test_per_action_overhead_is_paid_by_every_action():
     assert est.bubble_fraction == pytest.approx(0.0)
 
 
+def test_message_overhead_is_paid_by_the_sender_and_the_receiver():
+    # GPipe, 2 ranks, 1 micro-batch: F0 posts a send, F1 a receive, B1 a send, B0 a receive; all on the path.
+    link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     message_overhead_ms=0.25)
+    prof = profile_of(layer(f=1, b=2, out=4000), layer(f=1, b=2, out=4000))
+    est = simulate(prof, candidate(Schedule.GPIPE, 2, 1, [1, 1]), link=link)
+    assert est.step_time_ms == pytest.approx(1 + 1 + 2 + 2 + 4 * 0.25)
+    # One rank, nothing crosses: no message is posted.
+    alone = simulate(profile_of(layer(f=1, b=2)), candidate(Schedule.GPIPE, 1, 2, [1]), link=link)
+    assert alone.step_time_ms == pytest.approx(2 * (1 + 2))
+
+
+def test_held_activations_slow_each_backward_by_what_the_rank_holds():
+    mib = 2**20
+    link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     held_activation_ms_per_mib=0.5)
+    prof = profile_of(layer(f=1, b=2, saved=2 * mib))
+    # One rank, GPipe m=3: F F F, then B with 3, 2 and 1 micro-batches held (6, 4, 2 MiB).
+    est = simulate(prof, candidate(Schedule.GPIPE, 1, 3, [1]), link=link)
+    assert est.step_time_ms == pytest.approx(3 * (1 + 2) + 0.5 * (6 + 4 + 2))
+    # Holding fewer micro-batches costs less: 1F1B's first rank holds p, GPipe's holds m.
+    prof4 = profile_of(*[layer(f=1, b=2, saved=mib)] * 2)
+    gpipe = simulate(prof4, candidate(Schedule.GPIPE, 2, 8, [1, 1]), link=link)
+    one_f_one_b = simulate(prof4, candidate(Schedule.ONE_F_ONE_B, 2, 8, [1, 1]), link=link)
+    assert gpipe.step_time_ms > one_f_one_b.step_time_ms
+    plain = simulate(prof4, candidate(Schedule.GPIPE, 2, 8, [1, 1]), link=FREE)
+    assert plain.step_time_ms == pytest.approx(simulate(prof4, candidate(Schedule.ONE_F_ONE_B, 2, 8, [1, 1]),
+                                                        link=FREE).step_time_ms)
+
+
 def test_activation_checkpointing_trades_memory_for_a_forward():
     prof = profile_of(layer(f=1, b=2, saved=1000), input_bytes=10)
     plain = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1]), link=FREE)
@@ -91,6 +122,32 @@ def test_activation_checkpointing_trades_memory_for_a_forward():
     assert ckpt.step_time_ms == pytest.approx(2 * (1 + 1 + 2))
     assert plain.peak_memory_bytes == (2 * 1000,)
     assert ckpt.peak_memory_bytes == (2 * 10 + 1000,)  # two stage inputs kept, one micro-batch rebuilt at a time
+
+
+def test_activation_checkpointing_uses_the_measured_recompute_cost():
+    prof = dataclasses.replace(profile_of(layer(f=1, b=2, saved=1000)), checkpoint_forward_ratio=(1.2,),
+                               checkpoint_recompute_ratio=(1.5,))
+    ckpt = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1], activation_checkpointing=True), link=FREE)
+    assert ckpt.step_time_ms == pytest.approx(2 * (1.2 + 1.5 + 2))
+
+
+def test_checkpointed_split_backward_recomputes_once_per_parameter_group_and_the_first_stage_runs_in_w():
+    # torch's W runs one autograd pass per parameter group; checkpointed, each pass recomputes the stage.
+    groups = 5
+    layers = [LayerCost(forward_ms=1, backward_input_ms=2, backward_weight_ms=0.5, saved_bytes=10, output_bytes=10,
+                        parameter_bytes=40, parameter_groups=groups)] * 4
+    prof = profile_of(*layers)
+
+    def durations(checkpointing):
+        est = simulate(prof, candidate(Schedule.ZBV_ZERO_BUBBLE, 2, 2, [1] * 4, activation_checkpointing=checkpointing),
+                       link=FREE)
+        return {(e.kind, e.stage): round(e.end_ms - e.start_ms, 6) for e in est.timeline}
+
+    plain, checkpointed = durations(False), durations(True)
+    assert plain[("I", 0)] == 0 and plain[("W", 0)] == 2.5  # no input gradient for the data: all of it in W
+    assert plain[("I", 1)] == 2 and plain[("W", 1)] == 0.5
+    assert checkpointed[("I", 1)] == 2 + 1 and checkpointed[("W", 1)] == 0.5 + groups * 1
+    assert checkpointed[("W", 0)] == 2.5 + 1  # the first stage's single full backward recomputes once
 
 
 def test_static_memory_optimizer_and_data_parallel_all_reduce():
