@@ -359,8 +359,7 @@ def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, lin
     _peak_memory)."""
     message = link.message_overhead_ms
     if message:
-        for a in range(len(dur)):
-            dur[a] += message * (plan.cross[a] + plan.sends[a])
+        dur[:] = [d + message * k for d, k in zip(dur, plan.messages)]
     pressure = link.held_activation_ms_per_mib / 2**20
     if pressure:
         held = stages.held_bytes
@@ -428,8 +427,9 @@ class _Plan:
     """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
     cross: tuple[bool, ...]
     """dep runs on another rank, so its tensor travels."""
-    sends: tuple[int, ...]
-    """How many actions on other ranks need this one's tensor (the sends it posts)."""
+    messages: tuple[int, ...]
+    """Sends and receives the action posts: one receive if dep crosses ranks, one send per action on another rank
+    that needs its tensor."""
     own: tuple[int, ...]
     """This stage's earlier action it needs (B/I: F; W: I), or -1."""
     order: tuple[int, ...]
@@ -544,7 +544,7 @@ def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatche
         prev=tuple(prev),
         dep=tuple(dep),
         cross=tuple(cross),
-        sends=tuple(sends),
+        messages=tuple(int(c) + k for c, k in zip(cross, sends)),
         own=tuple(own),
         order=tuple(order),
         rank_actions=tuple(rank_actions),
