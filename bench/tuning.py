@@ -2,12 +2,13 @@
 
 1. Grid: every schedule x every B/M dividing B x every split, each run once as a real trial (2 ranks).
 2. Search: run_search over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
-   --trials budget, profile and plan included in its wall time.
-3. Side by side: the search's config, the grid's best, the rule-of-thumb default (uniform split, 1F1B,
-   B/M = 4 x stages) and the uniform split at the search's schedule and B/M, run in turn --rounds times; medians.
+   --trials budget, profile and plan included in its wall time; --searches times with seeds 0, 1, ... (a search
+   is one draw: trials are noisy), the summary taking medians over them.
+3. Side by side: each search's config, the grid's best, the rule-of-thumb default (uniform split, 1F1B,
+   B/M = 4 x stages) and the uniform split at each search's schedule and B/M, run in turn --rounds times; medians.
    Trials run torch.distributed.pipelining's schedules directly (autotune.trial), one process per rank.
 
-    python bench/tuning.py --model bench/models/skewed6.py --batch-size 64 --trials 12 --rounds 5
+    python bench/tuning.py --model bench/models/skewed6.py --batch-size 64 --trials 12 --rounds 5 --searches 3
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--searches", type=int, default=3, help="independent searches (seeds 0..N-1); medians")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -96,25 +97,28 @@ def main() -> None:
     options = TrialOptions(steps=5, warmup=2, device=args.device)
     run_trial(spec, rule_of_thumb(spec.n_layers, args.gpus, args.batch_size), options)  # warm the fork server
 
-    # 2. the search first, on a fresh study (its wall time includes profiling and planning)
-    started = time.time()
-    profile = profile_model(spec, batch_size=args.batch_size, device=args.device)
-    planned = plan(profile, gpus=args.gpus, batch_size=args.batch_size, memory_limit_bytes=None)
-    search_options = SearchOptions(
-        gpus=args.gpus,
-        batch_size=args.batch_size,
-        n_trials=args.trials,
-        seed=args.seed,
-        layouts=((args.gpus, 1),),
-        checkpointing=(False,),
-        wire_dtypes=("float32",),
-        trial=options,
-    )
-    storage = f"sqlite:///{tempfile.mkdtemp()}/bench.db"
-    result = run_search(spec, profile, planned, search_options, study_name="bench", storage=storage)
-    search_wall = time.time() - started
-    assert result.best is not None
-    tuned = result.best.candidate
+    # 2. the searches first, each on a fresh study (its wall time includes profiling and planning). One search is
+    # one draw: trials are noisy, so the same seed can end elsewhere; the summary takes the median over seeds.
+    searches = []
+    for seed in range(args.searches):
+        started = time.time()
+        profile = profile_model(spec, batch_size=args.batch_size, device=args.device)
+        planned = plan(profile, gpus=args.gpus, batch_size=args.batch_size, memory_limit_bytes=None)
+        search_options = SearchOptions(
+            gpus=args.gpus,
+            batch_size=args.batch_size,
+            n_trials=args.trials,
+            seed=seed,
+            layouts=((args.gpus, 1),),
+            checkpointing=(False,),
+            wire_dtypes=("float32",),
+            trial=options,
+        )
+        storage = f"sqlite:///{tempfile.mkdtemp()}/bench.db"
+        result = run_search(spec, profile, planned, search_options, study_name="bench", storage=storage)
+        assert result.best is not None
+        searches.append({"seed": seed, "wall": time.time() - started, "tuned": result.best.candidate,
+                         "launched": result.launched, "records": len(result.records), "profile": profile})
 
     # 1. the exhaustive grid
     candidates = grid(spec.n_layers, args.gpus, args.batch_size)
@@ -124,30 +128,39 @@ def main() -> None:
     ok = [m for m in measured if m.status == "ok"]
     grid_best = min(ok, key=lambda m: m.step_time_ms or float("inf")).candidate
 
-    # 3. side by side
+    # 3. side by side: every distinct choice, the grid's best, the default, and each choice's split made uniform
     default = rule_of_thumb(spec.n_layers, args.gpus, args.batch_size)
-    uniform_same = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages))
-    contenders = {
-        "search": tuned,
-        "grid best": grid_best,
-        "rule-of-thumb default": default,
-        "uniform split, search's schedule and B/M": uniform_same,
-    }
+    contenders: dict[str, Candidate] = {"grid best": grid_best, "rule-of-thumb default": default}
+    for s in searches:
+        tuned = s["tuned"]
+        contenders.setdefault(tuned.key, tuned)
+        uniform = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages))
+        contenders.setdefault(uniform.key, uniform)
     medians = side_by_side(spec, contenders, args.rounds, options)
 
-    quality = medians["grid best"] / medians["search"]
-    cost = search_wall / grid_wall
-    gain = medians["rule-of-thumb default"] / medians["search"]
-    balance_gain = medians["uniform split, search's schedule and B/M"] / medians["search"]
-    efficiency = compute_per_rank_ms(profile, tuned) / medians["search"]
-    rank_in_grid = (
-        sorted(m.step_time_ms for m in ok).index(next(m.step_time_ms for m in ok if m.candidate == tuned)) + 1
-        if any(m.candidate == tuned for m in ok)
-        else None
-    )
+    for s in searches:
+        tuned = s["tuned"]
+        uniform_key = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages)).key
+        s["quality"] = medians["grid best"] / medians[tuned.key]
+        s["cost"] = s["wall"] / grid_wall
+        s["gain"] = medians["rule-of-thumb default"] / medians[tuned.key]
+        s["balance_gain"] = medians[uniform_key] / medians[tuned.key]
+        s["efficiency"] = compute_per_rank_ms(s["profile"], tuned) / medians[tuned.key]
+        s["rank_in_grid"] = (
+            sorted(m.step_time_ms for m in ok).index(next(m.step_time_ms for m in ok if m.candidate == tuned)) + 1
+            if any(m.candidate == tuned for m in ok)
+            else None
+        )
+
+    def median(field: str) -> float:
+        return statistics.median(s[field] for s in searches)
+
+    quality, cost, gain = median("quality"), median("cost"), median("gain")
+    balance_gain, efficiency = median("balance_gain"), median("efficiency")
+    n = len(searches)
     summary = [
         [
-            "tuning quality (grid best time / search time, side by side)",
+            f"tuning quality (grid best time / search time, side by side; median of {n} searches)",
             quality,
             ">= 0.95 (issue 4), goal 0.99",
             "met" if quality >= 0.99 else ("met 0.95" if quality >= 0.95 else "missed"),
@@ -172,8 +185,14 @@ def main() -> None:
             "met" if efficiency >= 0.9 else "missed",
         ],
     ]
+    per_search = [
+        [s["seed"], s["tuned"].key, s["quality"], s["cost"], s["gain"], s["balance_gain"], s["rank_in_grid"],
+         s["launched"], s["records"], s["wall"]]
+        for s in searches
+    ]
     contenders_rows = [
-        [name, c.key, medians.get(name), args.batch_size / medians[name] * 1000 if name in medians else None]
+        [name, c.key, medians.get(name),
+         args.batch_size / medians[name] * 1000 if name in medians else None]
         for name, c in contenders.items()
     ]
     _results.write(
@@ -182,6 +201,11 @@ def main() -> None:
         device=args.device,
         tables={
             "summary": _results.markdown_table(["measure", "value", "target", "status"], summary),
+            "each search": _results.markdown_table(
+                ["seed", "choice", "quality", "cost", "gain", "split gain", "rank in grid's single runs",
+                 "launched", "records (incl. pruned)", "wall s (incl. profile, plan)"],
+                per_search,
+            ),
             f"side by side ({args.rounds} rounds, medians)": _results.markdown_table(
                 ["config", "candidate", "step ms", "samples/s"], contenders_rows
             ),
@@ -194,10 +218,7 @@ def main() -> None:
                     ["grid ok", len(ok)],
                     ["grid wall s", grid_wall],
                     ["search trial budget", args.trials],
-                    ["search launched", result.launched],
-                    ["search records (incl. pruned)", len(result.records)],
-                    ["search wall s (incl. profile, plan)", search_wall],
-                    ["search's config's rank in the grid's single runs", rank_in_grid],
+                    ["searches (seeds)", n],
                 ],
             ),
         },
@@ -208,7 +229,8 @@ def main() -> None:
             "balance_gain": balance_gain,
             "efficiency": efficiency,
             "grid_wall_s": grid_wall,
-            "search_wall_s": search_wall,
+            "searches": [{k: (v.key if isinstance(v, Candidate) else v) for k, v in s.items() if k != "profile"}
+                         for s in searches],
             "medians_ms": medians,
             "contenders": {k: c.key for k, c in contenders.items()},
             "grid": [
