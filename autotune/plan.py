@@ -218,6 +218,7 @@ class _Costs:
         self.input_bytes = profile.input_bytes_at(micro_batch_size)
         self.link = link
         self.state_ratio = profile.optimizer_state_ratio
+        self.step_ratio = profile.optimizer_peak_ratio
         if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
             self.optimizer_ms_per_byte = profile.optimizer_step_ms / profile.parameter_bytes
         else:
@@ -238,6 +239,7 @@ class _Costs:
             input_bytes=self.input_bytes,
             optimizer_ms_per_byte=self.optimizer_ms_per_byte,
             optimizer_state_ratio=self.state_ratio,
+            optimizer_peak_ratio=self.step_ratio,
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,
@@ -273,7 +275,8 @@ class _Costs:
             stage_in = self.input_bytes if start == 0 else self.layers[start - 1].output_bytes
             stage_out = self.layers[stop - 1].output_bytes
             saved = self.saved_prefix[stop] - self.saved_prefix[start]
-            held = stage_in if checkpointing else saved
+            kept_output = stage_out * (wire if stage < last else 1.0)  # as the simulator: outputs wait too
+            held = (stage_in if checkpointing else saved) + kept_output
             activations = in_flight[stage] * held + (saved if checkpointing else 0)
             receive = (m * stage_in if stage > 0 else 0) + (m * stage_out if stage < last else 0)
             params = self.param_prefix[stop] - self.param_prefix[start]

@@ -113,6 +113,9 @@ class Profile:
     """One optimizer step over the whole model; the simulator charges each rank its share by parameter bytes."""
     optimizer_state_bytes: int | None = None
     """Optimizer state of the whole model after a step; None: assume AdamW (2 x parameter bytes)."""
+    optimizer_peak_bytes: int | None = None
+    """Most bytes one optimizer step over the whole model allocates on top of what it keeps (temporaries); the
+    simulator charges each rank its share by parameter bytes. None: not measured (0)."""
     device: str = "cpu"
     """Where it was measured: cpu (one thread) or cuda."""
     model: str = ""
@@ -148,6 +151,13 @@ class Profile:
     def parameter_bytes(self) -> int:
         """Parameter bytes of the whole model."""
         return sum(layer.parameter_bytes for layer in self.layers)
+
+    @property
+    def optimizer_peak_ratio(self) -> float:
+        """Optimizer-step temporaries per parameter byte (0 when not measured)."""
+        if not self.optimizer_peak_bytes or self.parameter_bytes == 0:
+            return 0.0
+        return self.optimizer_peak_bytes / self.parameter_bytes
 
     @property
     def optimizer_state_ratio(self) -> float:
@@ -242,6 +252,7 @@ class Profile:
             "checkpoint_recompute_ratio": list(self.checkpoint_recompute_ratio),
             "optimizer_step_ms": self.optimizer_step_ms,
             "optimizer_state_bytes": self.optimizer_state_bytes,
+            "optimizer_peak_bytes": self.optimizer_peak_bytes,
             "parameter_bytes": self.parameter_bytes,
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
@@ -284,6 +295,9 @@ class Profile:
                 optimizer_step_ms=float(data.get("optimizer_step_ms", 0.0)),
                 optimizer_state_bytes=(
                     None if data.get("optimizer_state_bytes") is None else int(data["optimizer_state_bytes"])
+                ),
+                optimizer_peak_bytes=(
+                    None if data.get("optimizer_peak_bytes") is None else int(data["optimizer_peak_bytes"])
                 ),
                 device=str(data.get("device", "cpu")),
                 model=str(data.get("model", "")),
@@ -385,7 +399,7 @@ def profile_model(
             if progress is not None:
                 progress(len(sizes) + round_ + 1, total, f"timing round {round_ + 1} of {repeats}")
         measured = [size.result() for size in samples]
-        optimizer_ms, state_bytes = _profile_optimizer(spec, layers, clock, repeats)
+        optimizer_ms, state_bytes, optimizer_peak = _profile_optimizer(spec, layers, clock, repeats)
     finally:
         torch.set_num_threads(threads)
     n = len(layers)
@@ -413,6 +427,7 @@ def profile_model(
         checkpoint_recompute_ratio=tuple(s.checkpoint_recompute_ratio for s in measured),
         optimizer_step_ms=optimizer_ms,
         optimizer_state_bytes=state_bytes,
+        optimizer_peak_bytes=optimizer_peak,
         device="cuda" if device.startswith("cuda") else "cpu",
         model=str(spec.path),
         batch_size=batch_size,
@@ -710,11 +725,14 @@ def _saved_bytes(
     return saved[:n], saved[n], output_bytes
 
 
-def _profile_optimizer(spec: ModelSpec, layers: nn.Sequential, clock: _Clock, repeats: int) -> tuple[float, int]:
-    """Median time of one optimizer step over the whole model, and the state it keeps."""
+def _profile_optimizer(
+    spec: ModelSpec, layers: nn.Sequential, clock: _Clock, repeats: int
+) -> tuple[float, int, int]:
+    """Median time of one optimizer step over the whole model, the state it keeps, and the most bytes a step
+    allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes)."""
     params = [p for p in layers.parameters() if p.requires_grad]
     if not params:
-        return 0.0, 0
+        return 0.0, 0, 0
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(spec, params)
@@ -727,8 +745,27 @@ def _profile_optimizer(spec: ModelSpec, layers: nn.Sequential, clock: _Clock, re
         clock.sync()
         times.append(clock.ms(start, end))
     state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    transient = _step_transient_bytes(optimizer, params[0].device)
     layers.zero_grad(set_to_none=True)
-    return statistics.median(times), state
+    return statistics.median(times), state, transient
+
+
+def _step_transient_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Peak bytes of one optimizer step over what was live before it: the allocator's peak on CUDA, the live
+    tensor-storage tracker (as trials use) on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    from autotune.trial.memory import LiveTensorBytes
+
+    with LiveTensorBytes() as tracker:
+        before = tracker.live_bytes
+        optimizer.step()
+    return max(0, tracker.peak_bytes - before)
 
 
 def _nbytes(value: Any) -> int:

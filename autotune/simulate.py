@@ -161,6 +161,7 @@ def simulate(
         input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
         optimizer_ms_per_byte=_optimizer_ms_per_byte(profile, link),
         optimizer_state_ratio=profile.optimizer_state_ratio,
+        optimizer_peak_ratio=profile.optimizer_peak_ratio,
         link=link,
         memory_limit_bytes=memory_limit_bytes,
         with_timeline=with_timeline,
@@ -176,6 +177,7 @@ def simulate_costs(
     optimizer_ms_per_byte: float,
     optimizer_state_ratio: float,
     link: LinkModel,
+    optimizer_peak_ratio: float = 0.0,
     memory_limit_bytes: int | None = None,
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
@@ -229,7 +231,7 @@ def simulate_costs(
     allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree) for p in rank_params]
     step_ms = max(rank_end[r] + allreduce_ms[r] + optimizer_ms[r] for r in range(pp))
 
-    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio)
+    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio)
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
     timeline: tuple[TimelineEvent, ...] = ()
     if with_timeline:
@@ -297,7 +299,8 @@ class _StageCosts:
     grad_transfer: list[float]
     """Into stage s: the gradient of its output from s+1."""
     held_bytes: list[int]
-    """What one in-flight micro-batch keeps between F and B (stage input only, with checkpointing)."""
+    """What one in-flight micro-batch keeps between F and B: saved activations (the stage input only, with
+    checkpointing) and the stage's output."""
     recompute_bytes: list[int]
     """What a checkpointed backward rebuilds for the micro-batch it works on (0 without checkpointing)."""
     receive_buffer_bytes: list[int]
@@ -345,7 +348,10 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
-        result["held_bytes"].append(stage_in if candidate.activation_checkpointing else saved)
+        # torch's stage keeps each in-flight micro-batch's outputs (fwd_cache) until that micro-batch's backward,
+        # in the wire dtype where they travel on (the last stage's output keeps its dtype for the loss).
+        kept_output = int(stage_out * (wire if s < n_stages - 1 else 1.0))
+        result["held_bytes"].append((stage_in if candidate.activation_checkpointing else saved) + kept_output)
         result["recompute_bytes"].append(saved if candidate.activation_checkpointing else 0)
         receive = (m * stage_in if s > 0 else 0) + (m * stage_out if s < n_stages - 1 else 0)
         result["receive_buffer_bytes"].append(int(receive * wire))
@@ -381,12 +387,16 @@ def _optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
     return 1e3 / link.optimizer_bytes_per_s
 
 
-def _peak_memory(plan: _Plan, stages: _StageCosts, candidate: Candidate, state_ratio: float) -> list[int]:
+def _peak_memory(
+    plan: _Plan, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0
+) -> list[int]:
     """Walk each rank's actions in order (a rank runs one at a time, so list order is time order):
 
         F: +held              B: (+recompute, transient) -held
         I: +recompute (kept)  W: -held -recompute
-    """
+
+    then the optimizer step, once the activations are gone: its temporaries (step_ratio x the rank's parameter
+    bytes) on top of the static memory."""
     peaks = []
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
@@ -406,7 +416,8 @@ def _peak_memory(plan: _Plan, stages: _StageCosts, candidate: Candidate, state_r
                 peak = max(peak, live)
             else:
                 live -= stages.held_bytes[s] + stages.recompute_bytes[s]
-        peaks.append(int(static + peak))
+        step = step_ratio * sum(stages.parameter_bytes[s] for s in rank_stages)
+        peaks.append(int(static + max(peak, step)))
     return peaks
 
 

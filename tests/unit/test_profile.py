@@ -38,6 +38,7 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert profile.input_bytes[1] == 4 * profile.input_bytes[0] > 0
     assert profile.optimizer_step_ms > 0
     assert profile.optimizer_state_bytes == pytest.approx(2 * profile.parameter_bytes, rel=0.01)  # AdamW
+    assert 0 < profile.optimizer_peak_bytes <= 3 * profile.parameter_bytes  # foreach temporaries
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0
     assert [layer.parameter_groups for layer in profile.layers] == [1] * 10  # one Linear each
     # Checkpointing measured, not assumed: a forward again (with bookkeeping) in the backward, per size.

@@ -72,8 +72,9 @@ def test_bfloat16_wire_halves_transfer_bytes_and_receive_buffers():
     prof = profile_of(layer(f=1, b=2, out=4000), layer(f=1, b=2, out=4000))
     fp32 = simulate(prof, candidate(Schedule.GPIPE, 2, 4, [1, 1]), link=link)
     bf16 = simulate(prof, candidate(Schedule.GPIPE, 2, 4, [1, 1], wire_dtype="bfloat16"), link=link)
-    assert fp32.peak_memory_bytes == (4 * 4000, 4 * 4000)  # grads in on rank 0, activations in on rank 1
-    assert bf16.peak_memory_bytes == (2 * 4000, 2 * 4000)
+    # Receive buffers (grads in on rank 0, activations in on rank 1) and the outputs each in-flight micro-batch keeps.
+    assert fp32.peak_memory_bytes == (4 * 4000 + 4 * 4000, 4 * 4000 + 4 * 4000)
+    assert bf16.peak_memory_bytes == (2 * 4000 + 2 * 4000, 2 * 4000 + 4 * 4000)  # the last output stays float32
     assert fp32.step_time_ms - bf16.step_time_ms == pytest.approx(2 * 2.0)  # two hops on the path, 2 ms saved each
 
 
@@ -148,6 +149,19 @@ def test_checkpointed_split_backward_recomputes_once_per_parameter_group_and_the
     assert plain[("I", 1)] == 2 and plain[("W", 1)] == 0.5
     assert checkpointed[("I", 1)] == 2 + 1 and checkpointed[("W", 1)] == 0.5 + groups * 1
     assert checkpointed[("W", 0)] == 2.5 + 1  # the first stage's single full backward recomputes once
+
+
+def test_optimizer_temporaries_count_once_the_activations_are_gone():
+    prof = profile_of(layer(saved=1000, params=4000), layer(saved=1000, params=4000))
+    prof = dataclasses.replace(prof, optimizer_state_bytes=2 * 8000)
+    c = candidate(Schedule.GPIPE, 2, 2, [1, 1])
+    static = 4000 * (2 + 2)  # parameters, gradients, AdamW's two moments
+    assert simulate(prof, c, link=FREE).peak_memory_bytes == (static + 2 * 1000,) * 2
+    # A step that allocates 1x the parameters on top: more than the activations, so it sets the peak.
+    heavy = dataclasses.replace(prof, optimizer_peak_bytes=8000)
+    assert simulate(heavy, c, link=FREE).peak_memory_bytes == (static + 4000,) * 2
+    light = dataclasses.replace(prof, optimizer_peak_bytes=800)  # under the activations: no change
+    assert simulate(light, c, link=FREE).peak_memory_bytes == (static + 2 * 1000,) * 2
 
 
 def test_static_memory_optimizer_and_data_parallel_all_reduce():
