@@ -44,10 +44,10 @@ def keep_freed_cpu_memory() -> bool:
     """Make the CPU stand-in reuse freed memory, as CUDA's caching allocator does on a GPU. True if it took effect.
 
     By default glibc serves large blocks with mmap and hands them back on free, moving its threshold with the
-    allocation history, so the same forward either reuses heap pages or page-faults fresh ones: repeated profiles
-    of recipes/cnn.py disagreed by 20-70 % at the largest micro-batch, and trials swung with them. Fixing the mmap
-    threshold at its maximum and never trimming the heap made them agree within 4 %. Tensors over 32 MiB are still
-    mapped afresh. A no-op off glibc."""
+    allocation history, so the same forward either reuses heap pages or page-faults fresh ones: four profiles of
+    recipes/cnn.py spread by 45 % at the largest micro-batch, and trials swung with them. Fixing the mmap
+    threshold at its maximum and never trimming the heap brought that to 8 % (bench/profile_stability.py).
+    Tensors over 32 MiB are still mapped afresh. A no-op off glibc."""
     import ctypes
     import ctypes.util
 
