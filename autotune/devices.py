@@ -49,12 +49,12 @@ def keep_freed_cpu_memory() -> bool:
     threshold at its maximum and never trimming the heap brought that to 8 % (bench/profile_stability.py).
     Tensors over 32 MiB are still mapped afresh. A no-op off glibc."""
     import ctypes
-    import ctypes.util
 
     m_trim_threshold, m_mmap_threshold = -1, -3
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The interpreter's own symbols include libc's; ctypes.util.find_library would run ldconfig in a subprocess
+        # in every rank.
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -20,7 +20,15 @@ from autotune.schedules import (
     stage_ranks,
     validate_schedule,
 )
-from autotune.simulate import Estimate, LinkModel, max_in_flight, simulate_costs, step_time_lower_bound
+from autotune.simulate import (
+    Estimate,
+    LinkModel,
+    held_per_microbatch,
+    max_in_flight,
+    optimizer_ms_per_byte,
+    simulate_costs,
+    step_time_lower_bound,
+)
 from autotune.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -219,10 +227,7 @@ class _Costs:
         self.link = link
         self.state_ratio = profile.optimizer_state_ratio
         self.step_ratio = profile.optimizer_peak_ratio
-        if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
-            self.optimizer_ms_per_byte = profile.optimizer_step_ms / profile.parameter_bytes
-        else:
-            self.optimizer_ms_per_byte = 1e3 / link.optimizer_bytes_per_s
+        self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
         self.time = [c.forward_ms + c.backward_ms for c in self.layers]
         self.time_checkpointed = [2 * c.forward_ms + c.backward_ms for c in self.layers]
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
@@ -275,8 +280,7 @@ class _Costs:
             stage_in = self.input_bytes if start == 0 else self.layers[start - 1].output_bytes
             stage_out = self.layers[stop - 1].output_bytes
             saved = self.saved_prefix[stop] - self.saved_prefix[start]
-            kept_output = stage_out * (wire if stage < last else 1.0)  # as the simulator: outputs wait too
-            held = (stage_in if checkpointing else saved) + kept_output
+            held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=stage == last)
             activations = in_flight[stage] * held + (saved if checkpointing else 0)
             receive = (m * stage_in if stage > 0 else 0) + (m * stage_out if stage < last else 0)
             params = self.param_prefix[stop] - self.param_prefix[start]

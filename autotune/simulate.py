@@ -159,7 +159,7 @@ def simulate(
         costs,
         candidate,
         input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
-        optimizer_ms_per_byte=_optimizer_ms_per_byte(profile, link),
+        optimizer_ms_per_byte=optimizer_ms_per_byte(profile, link),
         optimizer_state_ratio=profile.optimizer_state_ratio,
         optimizer_peak_ratio=profile.optimizer_peak_ratio,
         link=link,
@@ -348,15 +348,22 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
-        # torch's stage keeps each in-flight micro-batch's outputs (fwd_cache) until that micro-batch's backward,
-        # in the wire dtype where they travel on (the last stage's output keeps its dtype for the loss).
-        kept_output = int(stage_out * (wire if s < n_stages - 1 else 1.0))
-        result["held_bytes"].append((stage_in if candidate.activation_checkpointing else saved) + kept_output)
+        result["held_bytes"].append(
+            int(held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=s == n_stages - 1))
+        )
         result["recompute_bytes"].append(saved if candidate.activation_checkpointing else 0)
         receive = (m * stage_in if s > 0 else 0) + (m * stage_out if s < n_stages - 1 else 0)
         result["receive_buffer_bytes"].append(int(receive * wire))
         result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
     return _StageCosts(**result)
+
+
+def held_per_microbatch(saved: int, stage_in: int, stage_out: int, *, candidate: Candidate, last: bool) -> float:
+    """Bytes one in-flight micro-batch keeps on a stage between its F and its B: the saved activations (only the
+    stage input, with checkpointing), and the stage's output, which torch's stage keeps (fwd_cache) until that
+    backward, in the wire dtype where it travels on (the last stage's output keeps its dtype for the loss)."""
+    wire = 0.5 if candidate.wire_dtype == "bfloat16" and not last else 1.0
+    return (stage_in if candidate.activation_checkpointing else saved) + int(stage_out * wire)
 
 
 def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, link: LinkModel) -> None:
@@ -381,7 +388,8 @@ def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, lin
                     live -= held[plan.stage[a]]
 
 
-def _optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
+def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
+    """Optimizer-step time per parameter byte: the profile's timed step, else the link model's throughput."""
     if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
         return profile.optimizer_step_ms / profile.parameter_bytes
     return 1e3 / link.optimizer_bytes_per_s
