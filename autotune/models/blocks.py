@@ -185,7 +185,8 @@ def describe(value: Any) -> str:
     if isinstance(value, Mapping):
         keys = ", ".join(map(str, list(value)[:4]))
         return f"a {type(value).__name__} with keys ({keys})"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _type_name(model: nn.Module, name: str, block: nn.Module) -> str:

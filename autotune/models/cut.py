@@ -67,7 +67,7 @@ def cut_sequential(model: nn.Sequential) -> BlockModel:
     """Today's behaviour: the children are the blocks, a stage is an nn.Sequential of a slice."""
     if len(model) == 0:
         raise ModelFileError("build_model() returned an empty model; return at least one layer")
-    names = tuple(name for name, _ in model.named_children())
+    names = tuple(model._modules)  # named_children() would drop a module listed twice
     return BlockModel(
         family="sequential",
         model=model,

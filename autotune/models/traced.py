@@ -168,13 +168,13 @@ class _Partition:
 
 
 def _assign(body: list[fx.Node], calls: list[fx.Node]) -> tuple[dict[fx.Node, int], list[Role]]:
-    """Segment of each node: code before the first block call is the embedding (when it computes anything), each
-    call starts a block that keeps the glue after it, code after the last call is the head (when it computes
-    anything beyond unpacking the last block's output)."""
-    checks = _checks(body)
+    """Segment of each node: code before the first block call is the embedding, each call starts a block that keeps
+    the glue after it, code after the last call is the head. The embedding and the head are blocks of their own
+    only when they run a module or read a parameter; plain glue (a shape read, an assertion) joins the first or
+    last block."""
     first, last = body.index(calls[0]), body.index(calls[-1])
-    has_prefix = any(n not in checks for n in body[:first])
-    has_suffix = any(n not in checks and not _follows(n, calls[-1]) for n in body[last + 1 :])
+    has_prefix = any(_holds_state(n) for n in body[:first])
+    has_suffix = any(_holds_state(n) for n in body[last + 1 :])
     call_set = set(calls)
     roles: list[Role] = ["embedding"] if has_prefix else []
     segment_of: dict[fx.Node, int] = {}
@@ -183,20 +183,12 @@ def _assign(body: list[fx.Node], calls: list[fx.Node]) -> tuple[dict[fx.Node, in
             roles.append("block")
         elif i > last and has_suffix and roles[-1] == "block" and not _follows(n, calls[-1]):
             roles.append("head")
-        segment_of[n] = max(len(roles) - 1, 0)  # checks before the first call go with it when there is no prefix
+        segment_of[n] = max(len(roles) - 1, 0)  # glue before the first call goes with it when there is no prefix
     return segment_of, roles
 
 
-def _checks(body: list[fx.Node]) -> set[fx.Node]:
-    """Nodes that only feed assertions (fx's guards on concrete arguments, torch._assert on shapes)."""
-    checks: set[fx.Node] = set()
-    for n in reversed(body):
-        name = getattr(n.target, "__name__", "")
-        if (n.op == "call_function" and name in ("_assert", "_assert_is_none")) or (
-            n.users and all(u in checks for u in n.users)
-        ):
-            checks.add(n)
-    return checks
+def _holds_state(node: fx.Node) -> bool:
+    return node.op in ("call_module", "get_attr")
 
 
 def _follows(node: fx.Node, call: fx.Node) -> bool:
