@@ -29,6 +29,7 @@ from torch import nn
 
 from autotune.errors import ModelFileError
 from autotune.models.blocks import BlockModel, Role, StageInputs, bind_inputs
+from autotune.models.handoff import handoff
 from autotune.models.views import Absent, Passthrough, Recorder, Stop, Zero, stand_in_layers, view
 
 LAYER_LISTS = ("layers", "h", "blocks", "layer")
@@ -178,7 +179,7 @@ class Stage(nn.Module):
         (x,) = carried
         for block in self.blocks:
             x = block(x, context=ctx)
-        return x
+        return handoff(x, carried)
 
 
 def _base_kwargs(base: nn.Module, side: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from autotune.errors import ModelFileError
 from autotune.models.blocks import BlockModel, Family, Role, StageInputs, bind_inputs
+from autotune.models.handoff import handoff
 
 # Node names are the keys of a stage's environment.
 _Plan = tuple[tuple[str, ...], tuple[str, ...]]
@@ -315,5 +316,4 @@ class TracedStage(nn.Module):
                 env.update(zip(outs, result))
         if self.returns is None:
             return fx.node.map_arg(self.output, lambda n: env[n.name])
-        values = tuple(env[name] for name in self.returns)
-        return values[0] if len(values) == 1 else values
+        return handoff(tuple(env[name] for name in self.returns), carried)
