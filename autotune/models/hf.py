@@ -74,12 +74,17 @@ def recognise(model: nn.Module) -> Anatomy | None:
     if not isinstance(base, nn.Module) or not isinstance(head, nn.Module):
         return None
     head_name = next((name for name, child in model.named_children() if child is head), None)
+    # transformers' own pipeline plan names the base model's parts in order (embed_tokens, layers, norm) for
+    # 119 model families in 5.x; the conventional names cover the others (GPT-2: h, ln_f).
+    plan = list(getattr(getattr(model, "config", None), "base_model_pp_plan", None) or ())
     layers_name = next(
-        (name for name in LAYER_LISTS
+        (name for name in [*plan, *LAYER_LISTS]
          if isinstance(getattr(base, name, None), nn.ModuleList) and len(getattr(base, name))),
         None,
     )
-    norm_name = next((name for name in FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)), None)
+    after = plan[plan.index(layers_name) + 1 :] if layers_name in plan else []
+    norm_name = next((name for name in [*after, *FINAL_NORMS] if isinstance(getattr(base, name, None), nn.Module)),
+                     None)
     if head_name is None or layers_name is None or norm_name is None:
         return None
     if "inputs_embeds" not in inspect.signature(base.forward).parameters:
@@ -102,7 +107,7 @@ def cut_hf(anatomy: Anatomy) -> BlockModel:
     block: Role = "block"
     roles: tuple[Role, ...] = ("embedding", *((block,) * n), "head")
     return BlockModel(
-        family="hf-gpt2" if anatomy.layers_name == "h" else "hf-decoder",
+        family="hf-gpt2" if type(anatomy.top).__name__.startswith("GPT2") else "hf-decoder",
         model=anatomy.top,
         blocks=cutter.blocks,
         names=names,

@@ -91,6 +91,8 @@ def _trace_failure(model: nn.Module, exc: BaseException, fix: str) -> str:
         if isinstance(self_, nn.Module):
             owner = next((name for name, m in model.named_modules() if m is self_), None)
     reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    if "co_varnames" in reason:  # torch.fx's own words for a forward(**kwargs) traced with fixed arguments
+        reason = "its forward takes **kwargs, which torch.fx cannot trace with some arguments fixed"
     inside = f" in the forward of {owner or type(model).__name__}" if owner is not None else ""
     hint = fix or "name the modules to cut between with --split-at (module names, globs)"
     if owner:

@@ -109,13 +109,15 @@ class Absent(nn.Module):
 
 
 class Zero(nn.Module):
-    """Stands for a module whose output only feeds values the view discards (a position embedding while the view
-    computes masks): a 0-dim zero that broadcasts against anything."""
+    """Stands for a module whose output only feeds values the view discards (a position embedding or an embedding
+    norm while the view computes masks): zeros shaped like a float input (a norm keeps its input's shape), or a
+    0-dim zero for an index input (an embedding's output broadcasts against the hidden state it is added to)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         like = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        dtype = like.dtype if like is not None and like.is_floating_point() else torch.get_default_dtype()
-        return torch.zeros((), dtype=dtype, device=like.device if like is not None else None)
+        if like is not None and like.is_floating_point():
+            return torch.zeros_like(like)
+        return torch.zeros((), device=like.device if like is not None else None)
 
 
 class Passthrough(nn.Module):

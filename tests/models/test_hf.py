@@ -64,6 +64,31 @@ def test_every_cut_equals_the_model(name: str) -> None:
     stage_parameters_are_blocks(model)
 
 
+OTHERS = {  # *ForCausalLM recognised by shape, with what makes each different
+    "Gemma2": dict(SMALL, head_dim=8),  # soft-capped logits, sliding-window layers, tied embeddings
+    "Qwen3": dict(SMALL, head_dim=8),  # q/k norms
+    "Mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),  # mixture of experts
+    "GPTNeoX": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                    num_attention_heads=4, max_position_embeddings=64),  # gpt_neox.layers, embed_in, embed_out
+    "Bloom": dict(vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4),  # ALiBi, embedding layer norm
+}
+
+
+@pytest.mark.parametrize("family", list(OTHERS))
+def test_other_decoder_lms_of_the_same_shape(family: str) -> None:
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**OTHERS[family])
+    net = getattr(transformers, f"{family}ForCausalLM")(config).train()
+    for module in net.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    model = cut_model(net)
+    assert model.family == "hf-decoder" and model.roles[1:-1] == ("block",) * 3
+    inputs, targets = batch(padded=True)
+    assert_cuts_match(model, inputs, lm_loss, targets, three_way=False)
+    every_parameter_in_a_block(model)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_padding_mask_is_exact(name: str) -> None:
     model = cut_model(build(name))
