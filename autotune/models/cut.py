@@ -13,7 +13,7 @@ from torch import nn
 
 from autotune.errors import ModelFileError
 from autotune.models.blocks import BlockModel, StageInputs, bind_inputs, describe
-from autotune.models.hf import cut_hf
+from autotune.models.hf import cut_hf, is_transformers_model
 from autotune.models.hf import recognise as recognise_hf
 from autotune.models.traced import cut_traced
 from autotune.models.vision import recognise_vision
@@ -47,7 +47,7 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
         leaves = match_split_at(model, patterns)
         if hf is not None and [f"{hf.base_name}.{hf.layers_name}.{i}" for i in range(len(hf.layers))] == leaves:
             return cut_hf(hf)
-        return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=_fix(model))
+        return _traced_or_why(model, leaves, inputs, hf_family=hf is not None)
     if hf is not None:
         return cut_hf(hf)
     vision = recognise_vision(model)
@@ -60,7 +60,24 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
             f"cannot find repeated blocks in {type(model).__name__} (no nn.ModuleList or nn.Sequential of modules "
             f"of one class); {_fix(model)}"
         )
-    return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=_fix(model))
+    return _traced_or_why(model, leaves, inputs, hf_family=False)
+
+
+def _traced_or_why(model: nn.Module, leaves: list[str], inputs: Any, *, hf_family: bool) -> BlockModel:
+    try:
+        return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=_fix(model))
+    except ModelFileError as exc:
+        if not is_transformers_model(model):
+            raise
+        name = type(model).__name__
+        known = (
+            f"leave out --split-at: autotune cuts {name} at its decoder layers by itself"
+            if hf_family
+            else "autotune cuts Hugging Face decoder-only *ForCausalLM models (embeddings, a list of layers and a "
+            "final norm in the base model, then an LM head); for another kind, wrap its parts in modules of your own"
+        )
+        raise ModelFileError(f"{exc}. {name} is a Hugging Face model, whose forward torch.fx cannot trace: {known}") \
+            from exc
 
 
 def cut_sequential(model: nn.Sequential) -> BlockModel:

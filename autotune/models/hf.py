@@ -44,8 +44,9 @@ class Anatomy:
 
     top: nn.Module
     """The *ForCausalLM model."""
-    base_name: str
-    """Attribute of the base model in top ("model", "transformer")."""
+    base_path: tuple[str, ...]
+    """Attributes from top to the module holding the layers: ("model",), ("transformer",), OPT's
+    ("model", "decoder")."""
     layers_name: str
     """Attribute of the decoder layers' ModuleList in the base model."""
     norm_name: str
@@ -54,8 +55,12 @@ class Anatomy:
     """Attribute of the LM head in top ("lm_head")."""
 
     @property
+    def base_name(self) -> str:
+        return ".".join(self.base_path)
+
+    @property
     def base(self) -> nn.Module:
-        return getattr(self.top, self.base_name)
+        return self.top.get_submodule(self.base_name)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -65,10 +70,10 @@ class Anatomy:
 def recognise(model: nn.Module) -> Anatomy | None:
     """The anatomy of a Hugging Face decoder-only LM, found by class and attribute shape (transformers is not
     imported); None when the model is not one."""
-    if not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):
+    if not is_transformers_model(model):
         return None
-    base_name = getattr(model, "base_model_prefix", "")
-    base = getattr(model, base_name, None) if base_name else None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(base, nn.Module) or not isinstance(head, nn.Module):
@@ -77,11 +82,14 @@ def recognise(model: nn.Module) -> Anatomy | None:
     # transformers' own pipeline plan names the base model's parts in order (embed_tokens, layers, norm) for
     # 119 model families in 5.x; the conventional names cover the others (GPT-2: h, ln_f).
     plan = list(getattr(getattr(model, "config", None), "base_model_pp_plan", None) or ())
-    layers_name = next(
-        (name for name in [*plan, *LAYER_LISTS]
-         if isinstance(getattr(base, name, None), nn.ModuleList) and len(getattr(base, name))),
-        None,
-    )
+    path: tuple[str, ...] = (prefix,)
+    layers_name = _layer_list(base, plan)
+    if layers_name is None:  # one level down (OPT: model.decoder.layers)
+        inner = [(name, child) for name, child in base.named_children() if _layer_list(child, plan) is not None]
+        if len(inner) != 1:
+            return None
+        path, base = (prefix, inner[0][0]), inner[0][1]
+        layers_name = _layer_list(base, plan)
     after = plan[plan.index(layers_name) + 1 :] if layers_name in plan else []
     norm_name = next((name for name in [*after, *FINAL_NORMS] if isinstance(getattr(base, name, None), nn.Module)),
                      None)
@@ -89,7 +97,19 @@ def recognise(model: nn.Module) -> Anatomy | None:
         return None
     if "inputs_embeds" not in inspect.signature(base.forward).parameters:
         return None
-    return Anatomy(top=model, base_name=base_name, layers_name=layers_name, norm_name=norm_name, head_name=head_name)
+    return Anatomy(top=model, base_path=path, layers_name=layers_name, norm_name=norm_name, head_name=head_name)
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+
+
+def _layer_list(base: nn.Module, plan: list[str]) -> str | None:
+    return next(
+        (name for name in [*plan, *LAYER_LISTS]
+         if isinstance(getattr(base, name, None), nn.ModuleList) and len(getattr(base, name))),
+        None,
+    )
 
 
 def cut_hf(anatomy: Anatomy) -> BlockModel:
@@ -296,7 +316,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = getattr(anatomy.base, anatomy.norm_name)
         self.source = _HiddenState()
-        self.top = view(anatomy.top, replace={anatomy.base_name: self.source}, keep_parameters=True)
+        self.top = _with_stand_in(anatomy.top, anatomy.base_path, self.source)
 
     def forward(self, hidden: torch.Tensor, *, context: StageContext) -> torch.Tensor:
         self.source.hidden = self.norm(hidden)
@@ -304,3 +324,18 @@ class Head(nn.Module):
             return self.top().logits
         finally:
             self.source.hidden = None
+
+
+def _with_stand_in(top: nn.Module, path: tuple[str, ...], stand_in: nn.Module) -> nn.Module:
+    """A view of top whose module at `path` is `stand_in`; modules between keep no parameters and no other
+    children (OPTModel between OPTForCausalLM and its decoder)."""
+    if len(path) == 1:
+        return view(top, replace={path[0]: stand_in}, keep_parameters=True)
+    middle = getattr(top, path[0])
+    replace: dict[str, nn.Module] = {
+        name: Absent(f"{path[0]}.{name}", "only the base model's output is read") for name in middle._modules
+    }
+    replace[path[1]] = stand_in
+    inner = view(middle, replace=replace, keep_parameters=False) if len(path) == 2 else _with_stand_in(
+        middle, path[1:], stand_in)
+    return view(top, replace={path[0]: inner}, keep_parameters=True)

@@ -71,6 +71,8 @@ OTHERS = {  # *ForCausalLM recognised by shape, with what makes each different
     "GPTNeoX": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                     num_attention_heads=4, max_position_embeddings=64),  # gpt_neox.layers, embed_in, embed_out
     "Bloom": dict(vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4),  # ALiBi, embedding layer norm
+    "OPT": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
+                word_embed_proj_dim=32),  # layers one level down: model.decoder.layers
 }
 
 
@@ -161,5 +163,12 @@ def test_split_at_the_family_layers_keeps_the_family() -> None:
 
 
 def test_split_at_elsewhere_on_a_hf_model_says_why_it_cannot_trace() -> None:
-    with pytest.raises(ModelFileError, match=r"cannot trace LlamaForCausalLM.*--split-at"):
+    with pytest.raises(ModelFileError, match=r"cannot trace LlamaForCausalLM.*\*\*kwargs.*leave out --split-at"):
         cut_model(build("llama"), split_at=["model.layers.*.mlp"])
+
+
+def test_a_hf_model_of_another_kind_is_refused_with_the_reason() -> None:
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)
+    with pytest.raises(ModelFileError, match=r"BertForMaskedLM is a Hugging Face model.*decoder-only \*ForCausalLM"):
+        cut_model(transformers.BertForMaskedLM(config))
