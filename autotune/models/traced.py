@@ -70,7 +70,7 @@ def cut_traced(
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # whatever tracing raises, the user gets one line with the fix
-        raise ModelFileError(_trace_failure(model, exc, fix)) from exc
+        raise ModelFileError(_trace_failure(model, exc, fix, _summary(leaves))) from exc
     traced = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     plan = _Partition(traced, leaves, main=provided[0], side=provided[1:], concrete=concrete, model=model, fix=fix)
     cutter = TracedCutter(model, plan, provided)
@@ -79,28 +79,48 @@ def cut_traced(
     )
 
 
-def _trace_failure(model: nn.Module, exc: BaseException, fix: str) -> str:
-    """One line: where tracing failed (the innermost frame in a module's forward, outside torch) and the fix."""
+def _summary(leaves: Sequence[str]) -> str:
+    """'layers.0' .. 'layers.11' -> "layers.*"; otherwise the first few names."""
+    parents = {name.rsplit(".", 1)[0] for name in leaves if "." in name}
+    if len(parents) == 1 and all("." in name for name in leaves):
+        return f"'{parents.pop()}.*'"
+    return ", ".join(f"'{name}'" for name in leaves[:4]) + (", ..." if len(leaves) > 4 else "")
+
+
+def _trace_failure(model: nn.Module, exc: BaseException, fix: str, blocks: str) -> str:
+    """One line: where tracing failed (the innermost frame outside torch), why, and the fix that applies there:
+    code in a submodule's forward -> make that module a block; code in the model's own forward -> make it
+    traceable (the blocks themselves may hold any code)."""
     where, owner = "", None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
         filename = frame.f_code.co_filename
         if "/torch/" in filename or "/autotune/" in filename:
             continue
         where = f" at {filename}:{frame.f_lineno}"
-        self_ = frame.f_locals.get("self")
+        code = frame.f_code
+        self_ = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if isinstance(self_, nn.Module):
             owner = next((name for name, m in model.named_modules() if m is self_), None)
-    reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    reason = " ".join(str(exc).split())[:160] or type(exc).__name__
     if "co_varnames" in reason:  # torch.fx's own words for a forward(**kwargs) traced with fixed arguments
         reason = "its forward takes **kwargs, which torch.fx cannot trace with some arguments fixed"
-    inside = f" in the forward of {owner or type(model).__name__}" if owner is not None else ""
-    hint = fix or "name the modules to cut between with --split-at (module names, globs)"
-    if owner:
-        hint += f"; a module whose forward cannot be traced can be a block itself (--split-at '{owner}')"
-    return (
-        f"cannot trace {type(model).__name__}.forward to cut it into stages{inside}{where}: {reason} — {hint}, "
-        f"or return an nn.Sequential from build_model()"
-    )
+    name = type(model).__name__
+    if owner:  # inside a submodule: that module can be a block, whose code is never traced
+        return (
+            f"cannot trace {name}.forward to cut it into stages, in the forward of {owner}{where}: {reason} — make "
+            f"{owner} a block (--split-at '{owner}' with the other blocks; a block's own code is not traced), "
+            f"or {fix or 'name other blocks with --split-at'}"
+        )
+    if owner == "":  # the model's own forward: the code between the blocks must trace
+        check = "write a size check as torch._assert(condition, message) instead of assert, move branches on values"
+        return (
+            f"cannot trace {name}.forward to cut it into stages{where}: {reason} — autotune traces the code between "
+            f"the blocks with torch.fx, where tensors and their sizes are symbolic: "
+            f"{check if 'control flow' in reason else 'change that line, or move it'} into a block's forward (the "
+            f"blocks, {blocks}, may hold any code), or return an nn.Sequential from build_model()"
+        )
+    hint = fix or "name the blocks with --split-at"
+    return f"cannot trace {name}.forward to cut it into stages{where}: {reason} — {hint}, or return an nn.Sequential"
 
 
 class _Partition:

@@ -189,7 +189,49 @@ def test_a_forward_that_cannot_be_traced_names_the_reason_and_the_fix() -> None:
     assert "cannot trace DataDependent.forward" in message
     assert "test_traced.py:" in message  # where the control flow is
     assert "control flow" in message  # torch's reason
-    assert "--split-at" in message and "'layers.*'" in message  # the fix, with this model's names
+    # The branch is in the model's own forward, between the blocks: no --split-at helps, the code must change.
+    assert "move branches on values into a block's forward (the blocks, 'layers.*', may hold any code)" in message
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's forward: a size check with assert between the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(50, 16), nn.Embedding(32, 16)
+        self.h = nn.ModuleList(Block(16) for _ in range(2))
+        self.block_size = 32
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}"
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for block in self.h:
+            x = block(x, torch.ones_like(idx, dtype=x.dtype))
+        return x
+
+
+class TracedNanoGPT(NanoGPT):
+    """The fix the message names: torch._assert instead of assert."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        torch._assert(t <= self.block_size, "sequence too long")
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for block in self.h:
+            x = block(x, torch.ones_like(idx, dtype=x.dtype))
+        return x
+
+
+def test_an_assert_between_the_blocks_says_torch_assert_and_that_fix_works() -> None:
+    with pytest.raises(ModelFileError, match=r"cannot trace NanoGPT.forward .*test_traced.py:\d+: .*control flow.* "
+                                             r"write a size check as torch._assert\(condition, message\)"):
+        cut_model(NanoGPT())
+    torch.manual_seed(0)
+    model = cut_model(TracedNanoGPT())
+    assert model.names == ("wte+wpe", "h.0", "h.1")
+    ids = torch.randint(0, 50, (3, 7))
+    assert_cuts_match(model, ids, mse, torch.randn(3, 7, 16))
 
 
 class Encoder(nn.Module):
