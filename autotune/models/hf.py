@@ -207,11 +207,9 @@ class Stage(nn.Module):
         return handoff(x, carried)
 
 
-def _base_kwargs(base: nn.Module, side: dict[str, Any]) -> dict[str, Any]:
-    kwargs = dict(side)
-    if "use_cache" in inspect.signature(base.forward).parameters:
-        kwargs["use_cache"] = False  # no KV cache in training (the model's own forward builds one by default)
-    return kwargs
+def _fixed_kwargs(base: nn.Module) -> dict[str, Any]:
+    """No KV cache in training (the model's own forward builds one by default)."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
 
 
 class Embedding(nn.Module):
@@ -229,11 +227,12 @@ class Embedding(nn.Module):
             },
             keep_parameters=True,
         )
+        self.fixed = _fixed_kwargs(base)
 
     def forward(self, input_ids: torch.Tensor, *, context: StageContext) -> torch.Tensor:
         self.recorder.reset(stop_at=0)
         try:
-            self.base(input_ids=input_ids, **_base_kwargs(self.base, context.side))
+            self.base(input_ids=input_ids, **context.side, **self.fixed)
         except Stop as stop:
             return stop.value
         raise ModelFileError(f"{type(self.base).__name__}.forward never called its first decoder layer")
@@ -258,12 +257,13 @@ class Context(nn.Module):
             elif isinstance(child, nn.modules.dropout._DropoutNd):
                 replace[name] = Passthrough()
         self.base = view(base, replace=replace, keep_parameters=False)
+        self.fixed = _fixed_kwargs(base)
 
     def forward(self, hidden: torch.Tensor, side: dict[str, Any], *, first: int, last: int) -> dict[int, Any]:
         self.recorder.reset(first=first, last=last)
         with torch.no_grad():
             try:
-                self.base(inputs_embeds=hidden.detach(), **_base_kwargs(self.base, side))
+                self.base(inputs_embeds=hidden.detach(), **side, **self.fixed)
             except Stop:
                 return self.recorder.calls
         raise ModelFileError(f"{type(self.base).__name__}.forward never called decoder layer {last}")
