@@ -6,8 +6,8 @@ import random
 import pytest
 
 from autotune.candidate import Candidate
+from autotune.costs import LayerCost, Profile
 from autotune.errors import InvalidCandidateError, UsageError
-from autotune.profile import LayerCost, Profile
 from autotune.schedules import Action, Schedule, default_stages_per_rank
 from autotune.simulate import (
     DeadlockError,
