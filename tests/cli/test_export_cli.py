@@ -9,10 +9,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from autotune.candidate import Candidate
 from autotune.cli import ExportTarget, app
+from autotune.config_file import save_config
 from autotune.exports import ExportFormat
 from autotune.schedules import Schedule
-from autotune.tuned_config import Environment, MeasuredResult, TunedConfig, save_config
+from autotune.tuned_config import Environment, MeasuredResult, TunedConfig
 
 runner = CliRunner()
 
@@ -20,9 +22,9 @@ runner = CliRunner()
 @pytest.fixture
 def config_path(tmp_path: Path) -> Path:
     config = TunedConfig(
-        model="recipes/gpt.py", model_sha256="0123456789abcdef", model_layers=10, gpus=4, global_batch_size=64,
-        micro_batch_size=8, num_microbatches=8, pipeline_degree=4, data_parallel_degree=1,
-        schedule=Schedule.ONE_F_ONE_B, layers_per_stage=(3, 2, 2, 3), activation_checkpointing=False,
+        model="recipes/gpt.py", model_sha256="0123456789abcdef", model_layers=10,
+        candidate=Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=4, global_batch_size=64, n_microbatches=8,
+                            layers_per_stage=(3, 2, 2, 3)),
         memory_limit_bytes=None,
         measured=MeasuredResult(step_time_ms=100.0, throughput_samples_per_s=640.0, peak_memory_bytes=(1, 1, 1, 1)),
         environment=Environment(device="cpu", torch="2.13.0", autotune="0.1.0", python="3.11.7"),

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from autotune.candidate import Candidate
 from autotune.errors import UsageError
 from autotune.exports import ExportFormat, export_config, stage_boundaries
 from autotune.schedules import Schedule
@@ -34,16 +35,16 @@ def make_config(
         model="recipes/gpt.py",
         model_sha256="0123456789abcdef",
         model_layers=sum(split),
-        gpus=pp * dp,
-        global_batch_size=batch,
-        micro_batch_size=batch // (microbatches * dp),
-        num_microbatches=microbatches,
-        pipeline_degree=pp,
-        data_parallel_degree=dp,
-        schedule=schedule,
-        layers_per_stage=split,
-        activation_checkpointing=ckpt,
-        wire_dtype=wire,  # type: ignore[arg-type]
+        candidate=Candidate(
+            schedule=schedule,
+            pipeline_degree=pp,
+            data_parallel_degree=dp,
+            global_batch_size=batch,
+            n_microbatches=microbatches,
+            layers_per_stage=split,
+            activation_checkpointing=ckpt,
+            wire_dtype=wire,  # type: ignore[arg-type]
+        ),
         memory_limit_bytes=None,
         measured=MeasuredResult(step_time_ms=100.0, throughput_samples_per_s=640.0, peak_memory_bytes=(1,) * pp * dp),
         environment=Environment(device="cpu", torch="2.13.0", autotune="0.1.0", python="3.11.7"),
