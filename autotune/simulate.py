@@ -10,8 +10,15 @@ from itertools import accumulate, pairwise
 from typing import Any
 
 from autotune.candidate import Candidate
+from autotune.costs import LayerCost, Profile
 from autotune.errors import AutotuneError, UsageError
-from autotune.profile import LayerCost, Profile
+from autotune.memory_model import (
+    held_per_microbatch,
+    parameter_memory_bytes,
+    receive_buffer_bytes,
+    recompute_bytes,
+    wire_factor,
+)
 from autotune.schedules import Action, ActionKind, Schedule, action_lists, stage_ranks
 
 
@@ -311,8 +318,7 @@ class _StageCosts:
 def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel) -> _StageCosts:
     bounds = list(accumulate(candidate.layers_per_stage, initial=0))
     overhead = link.per_action_overhead_ms
-    wire = 0.5 if candidate.wire_dtype == "bfloat16" else 1.0  # activations are assumed float32
-    m = candidate.n_microbatches
+    wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
 
     def total(field: str, a: int, b: int) -> float:
@@ -348,22 +354,14 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
-        result["held_bytes"].append(
-            int(held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=s == n_stages - 1))
-        )
-        result["recompute_bytes"].append(saved if candidate.activation_checkpointing else 0)
-        receive = (m * stage_in if s > 0 else 0) + (m * stage_out if s < n_stages - 1 else 0)
-        result["receive_buffer_bytes"].append(int(receive * wire))
+        first, last = s == 0, s == n_stages - 1
+        held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+        result["held_bytes"].append(int(held))
+        result["recompute_bytes"].append(recompute_bytes(saved, candidate=candidate))
+        receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        result["receive_buffer_bytes"].append(int(receive))
         result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
     return _StageCosts(**result)
-
-
-def held_per_microbatch(saved: int, stage_in: int, stage_out: int, *, candidate: Candidate, last: bool) -> float:
-    """Bytes one in-flight micro-batch keeps on a stage between its F and its B: the saved activations (only the
-    stage input, with checkpointing), and the stage's output, which torch's stage keeps (fwd_cache) until that
-    backward, in the wire dtype where it travels on (the last stage's output keeps its dtype for the loss)."""
-    wire = 0.5 if candidate.wire_dtype == "bfloat16" and not last else 1.0
-    return (stage_in if candidate.activation_checkpointing else saved) + int(stage_out * wire)
 
 
 def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, link: LinkModel) -> None:
@@ -408,7 +406,7 @@ def _peak_memory(
     peaks = []
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
-        static = sum(stages.parameter_bytes[s] * (2 + state_ratio) + stages.receive_buffer_bytes[s]
+        static = sum(parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
                      for s in rank_stages)
         live = peak = 0
         for a in ids:
