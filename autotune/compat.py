@@ -30,7 +30,7 @@ import torch
 
 from autotune.errors import AutotuneError
 
-TESTED_TORCH = ("2.9.1", "2.14.1")
+TESTED_TORCH = ("2.11.0", "2.14.1")
 """The oldest and the newest torch the test suite runs on (CI runs it on both)."""
 
 
@@ -120,7 +120,7 @@ def missing_symbols() -> list[str]:
 # --- schedules: torch's orders, and ours on torch's runtime -------------------------------------------------------
 
 _COMPUTE_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-"""torch's compute action types by member name (their values changed from ints to letters in torch 2.10 or so)."""
+"""torch's compute action types by member name: their values changed from ints (torch 2.9) to letters (2.11)."""
 
 
 def schedule_actions(
