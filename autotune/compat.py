@@ -5,6 +5,7 @@
                                              patched out while it runs (pipelining.schedules: FSDP actions, dropped)
     running its own orders (VHalf, VMin)     _PipelineScheduleRuntime, _Action, _ComputationType,
                                              _prepare_schedule_with_comms (pipelining.schedules)
+    V placement on torch 2.11 with gloo      PipelineStage._get_init_p2p_neighbors_ops (self-sends dropped)
     live tensor bytes on CPU                 TorchDispatchMode (utils._python_dispatch), tree_flatten (utils._pytree)
     saved activations that are parameters    Tensor._base
     BatchNorm anywhere in a layer            _BatchNorm (nn.modules.batchnorm)
@@ -236,3 +237,14 @@ TORCH_DISTRIBUTED_PATH = "torch/distributed"
 
 TORCH_PATH = "/torch/"
 """In a stack frame's file name: the frame is inside torch."""
+
+
+def prepare_stage(stage: Any) -> Any:
+    """torch 2.11 warms up each stage's point-to-point links on its first step, with its neighbour stages even when
+    one lives on the same rank (V placement), and gloo cannot send to its own rank ("Pair is not connected"): those
+    warm-up sends and receives are dropped. Later torch warms up differently; there this changes nothing."""
+    original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if original is not None:
+        own = stage.group_rank
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if getattr(op, "group_peer", None) != own]
+    return stage

@@ -232,7 +232,7 @@ def build_pipeline(
         module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
-        stages.append(PipelineStage(module, s, candidate.n_stages, device, group=pp_group))
+        stages.append(compat.prepare_stage(PipelineStage(module, s, candidate.n_stages, device, group=pp_group)))
     del layers  # drop the other ranks' layers
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     params = [p for m in modules for p in m.parameters()]

@@ -100,3 +100,11 @@ def test_only_compat_names_private_torch_symbols():
     }
     assert offenders == {}
     assert PRIVATE_TORCH_NAME.search((PACKAGE / "compat.py").read_text())
+
+
+def test_warm_up_sends_to_the_stages_own_rank_are_dropped():
+    from types import SimpleNamespace
+
+    ops = [SimpleNamespace(group_peer=0), SimpleNamespace(group_peer=1), SimpleNamespace(group_peer=1)]
+    stage = SimpleNamespace(group_rank=1, _get_init_p2p_neighbors_ops=lambda: ops)
+    assert compat.prepare_stage(stage)._get_init_p2p_neighbors_ops() == ops[:1]
