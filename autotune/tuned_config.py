@@ -25,6 +25,8 @@ from autotune.units import format_bytes
 
 SCHEMA_VERSION = 1
 WIRE_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16")
+LayerRole = Literal["embedding", "block", "head", "other"]
+LAYER_ROLES: tuple[LayerRole, ...] = ("embedding", "block", "head", "other")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +119,9 @@ class TunedConfig:
     """Layer count of each stage in model order; pp x stages-per-rank entries."""
     activation_checkpointing: bool
     """Each stage recomputes its forward in its backward instead of keeping activations."""
+    layer_roles: tuple[LayerRole, ...] | None = None
+    """What each layer is (embedding, transformer block, head, other), one per layer; None (key absent) when unknown.
+    Exports use it to count transformer layers the way Megatron-LM and torchtitan do."""
     wire_dtype: WireDtype = "float32"
     """dtype of activations and gradients sent between stages."""
     memory_limit_bytes: int | None
@@ -211,6 +216,8 @@ class TunedConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data in schema order (the order of the fields), as written to YAML; unknown keys go last."""
         data = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        if self.layer_roles is None:  # optional key: absent when unknown
+            del data["layer_roles"]
         data.update((key, value) for key, value in self.extra.items() if key not in data)
         return data
 
@@ -227,7 +234,7 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- reading
 
-_Kind = Literal["int", "int?", "number", "number?", "str", "str?", "bool", "ints", "section"]
+_Kind = Literal["int", "int?", "number", "number?", "str", "str?", "bool", "ints", "strs?", "section"]
 _KIND_NAMES = {
     "int": "an integer",
     "int?": "an integer or null",
@@ -237,6 +244,7 @@ _KIND_NAMES = {
     "str?": "a string or null",
     "bool": "true or false",
     "ints": "a list of integers",
+    "strs?": "a list of strings or null",
     "section": "a mapping of keys",
 }
 _TOP: dict[str, _Kind] = {
@@ -253,6 +261,7 @@ _TOP: dict[str, _Kind] = {
     "schedule": "str",
     "layers_per_stage": "ints",
     "activation_checkpointing": "bool",
+    "layer_roles": "strs?",
     "wire_dtype": "str",
     "memory_limit_bytes": "int?",
     "measured": "section",
@@ -266,7 +275,7 @@ _SECTIONS: dict[str, dict[str, _Kind]] = {
     "search": {"study": "str?", "storage": "str?", "trials": "int", "feasible": "int", "best_trial": "int?"},
     "environment": {"device": "str", "torch": "str", "autotune": "str", "python": "str"},
 }
-_DEFAULTS: dict[str, Any] = {"wire_dtype": "float32"}
+_DEFAULTS: dict[str, Any] = {"wire_dtype": "float32", "layer_roles": None}
 """Keys a config may leave out, with the value they mean."""
 
 
@@ -345,6 +354,13 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "<config>") -> Tu
     if wire_dtype not in WIRE_DTYPES:
         raise ConfigError(f"{source}: wire_dtype {wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}; fix it")
 
+    roles = data.get("layer_roles")
+    if roles is not None and not set(roles) <= set(LAYER_ROLES):
+        unknown = sorted(set(roles) - set(LAYER_ROLES))
+        raise ConfigError(
+            f"{source}: layer_roles has {', '.join(map(repr, unknown))}; each entry must be one of "
+            f"{', '.join(LAYER_ROLES)}"
+        )
     measured, predicted, search, env = (data[s] for s in ("measured", "predicted", "search", "environment"))
     try:
         return TunedConfig(
@@ -361,6 +377,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "<config>") -> Tu
             schedule=schedule,
             layers_per_stage=tuple(data["layers_per_stage"]),
             activation_checkpointing=data["activation_checkpointing"],
+            layer_roles=None if roles is None else tuple(roles),
             wire_dtype=wire_dtype,
             memory_limit_bytes=data["memory_limit_bytes"],
             measured=MeasuredResult(
@@ -391,6 +408,7 @@ def _wrong_type(key: str, value: Any, kind: _Kind) -> str | None:
         "str": isinstance(value, str),
         "bool": isinstance(value, bool),
         "ints": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+        "strs": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "section": isinstance(value, dict),
     }[base]
     return None if ok else f"{key} must be {_KIND_NAMES[kind]}, not {_describe(value)}"
@@ -452,6 +470,11 @@ def _check_values(c: TunedConfig) -> None:
         raise ConfigError(
             f"layers_per_stage {split} covers {sum(split)} layers but model_layers is {c.model_layers}; "
             f"make the entries add up to {c.model_layers}"
+        )
+    if c.layer_roles is not None and len(c.layer_roles) != c.model_layers:
+        raise ConfigError(
+            f"layer_roles has {len(c.layer_roles)} entries but model_layers is {c.model_layers}; give one role per "
+            f"layer or leave layer_roles out"
         )
     try:
         validate_schedule(c.schedule, pipeline_degree=pp, n_microbatches=m, n_stages=len(split))
