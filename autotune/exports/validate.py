@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -187,7 +188,10 @@ def _torchtitan(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPla
         "dp": par.data_parallel_replicate_degree,
     }
     if target.version == "main":
-        read["micro-batches"] = par.num_pp_microbatches if c.pipeline_degree > 1 else c.num_microbatches
+        # micro-batches per pipeline x gradient-accumulation steps, from the token counts
+        per_pipeline = par.num_pp_microbatches if c.pipeline_degree > 1 else 1
+        tokens_per_round = training.num_tokens_per_microbatch_per_dp_rank * per_pipeline * c.data_parallel_degree
+        read["micro-batches"] = per_pipeline * (training.num_tokens_per_train_step // tokens_per_round)
     elif c.pipeline_degree > 1:
         read["micro-batches"] = training.local_batch_size // par.pipeline_parallel_microbatch_size
     else:
@@ -226,9 +230,24 @@ def _torchtitan_split(par: Any, c: TunedConfig, plan: LayerPlan) -> list[int]:
 
     dims = types.SimpleNamespace(pp=par.pipeline_parallel_degree)
     model = types.SimpleNamespace(layers=[None] * plan.blocks)
+    generate = getattr(pipeline, "_generate_llm_fqn_per_model_part", None) or pipeline.generate_llm_fqn_per_model_part
     with _quiet():
-        stages, layers, first, last = pipeline._get_pipeline_metadata(dims, par, model)
-        parts = pipeline._generate_llm_fqn_per_model_part(stages, layers, first, last)
+        if hasattr(pipeline, "_get_pipeline_metadata"):  # 0.3 and main
+            stages, layers, first, last = pipeline._get_pipeline_metadata(dims, par, model)
+        else:  # 0.2: the same arithmetic inline in pipeline_llm
+            first, last, layers = (
+                par.pipeline_parallel_first_stage_less_layers,
+                par.pipeline_parallel_last_stage_less_layers,
+                plan.blocks,
+            )
+            per_stage = par.pipeline_parallel_layers_per_stage
+            multi = SCHEDULES[c.schedule].placement != "single"
+            stages = (
+                math.ceil((layers + first + last) / per_stage)
+                if per_stage
+                else par.pipeline_parallel_degree * (2 if multi else 1)
+            )
+        parts = generate(stages, layers, first, last)
     return [sum(1 for name in part if name.startswith("layers.")) for part in parts]
 
 
