@@ -53,8 +53,9 @@ def split_settings(plan: LayerPlan, c: TunedConfig) -> dict[str, int] | None:
     multi = SCHEDULES[c.schedule].placement != "single"
     default_stages = c.pipeline_degree * (2 if multi else 1)
     best: tuple[int, dict[str, int]] | None = None
-    for first in range(n_blocks + 1):
-        for last in range(n_blocks + 1):
+    weights = range(min(n_blocks, max(plan.block_split) + 2) + 1)  # larger weights only empty the end stages
+    for first in weights:
+        for last in weights:
             if torchtitan_blocks(n_stages, n_blocks, first, last) != plan.block_split:
                 continue
             settings = {}
