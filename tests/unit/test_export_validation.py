@@ -1,7 +1,8 @@
 """Exports fed to the trainers' own code (--validate): accepted and read back as tuned, refused when broken.
 
 Each test skips cleanly where its trainer is not importable. CI installs torchtitan 0.3.0 and DeepSpeed 0.19.8;
-Megatron-LM (Python 3.12, a source checkout on PYTHONPATH) runs only where a developer put it.
+Megatron-LM needs Python >= 3.12 (megatron-core 0.19.2 from PyPI ships megatron.training, or a Megatron-LM checkout
+on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def test_deepspeed_refuses_a_broken_export() -> None:
 
 needs_megatron = pytest.mark.skipif(
     not _importable("megatron.training.arguments"),
-    reason="Megatron-LM is not importable (Python >= 3.12 and a Megatron-LM checkout on PYTHONPATH)",
+    reason="Megatron-LM is not importable (Python >= 3.12: pip install megatron-core==0.19.2, or a checkout)",
 )
 
 
