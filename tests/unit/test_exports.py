@@ -10,6 +10,7 @@ import math
 import re
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -537,3 +538,18 @@ def test_megatron_v_schedule_is_named_and_falls_back_to_an_even_split() -> None:
     assert "schedule ZBVZeroBubble: Megatron places virtual stages in a loop" in comments(text)
     assert _megatron_split(_megatron_args(ZBV)) == [5, 5]
     assert _megatron_split(_megatron_args(with_roles(ZBV))) == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name"), [("torchtitan", "AUTOTUNE_TORCHTITAN_ARGS"), ("megatron", "AUTOTUNE_MEGATRON_ARGS")]
+)
+def test_flag_exports_are_bash_to_source(tmp_path: Path, fmt: str, name: str) -> None:
+    import subprocess
+
+    path = tmp_path / "args.sh"
+    for config in (with_roles(INTERLEAVED_UNEVEN), CKPT_BF16):
+        text = export_config(config, fmt, "main")
+        path.write_text(text)
+        script = f'source {shlex.quote(str(path))} && printf "%s\\n" "${{{name}[@]}}"'
+        words = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+        assert words == bash_array(text, name)
