@@ -155,6 +155,17 @@ def test_missing_wire_dtype_means_float32(tmp_path: Path) -> None:
     assert load_config(write_dict(tmp_path, data)).wire_dtype == "float32"
 
 
+def test_layer_roles_are_optional_and_round_trip(tmp_path: Path) -> None:
+    data = valid_dict()
+    assert "layer_roles" not in data and load_config(write_dict(tmp_path, data)).layer_roles is None
+    assert "layer_roles" not in yaml.safe_load(dump_config(load_config(write_dict(tmp_path, data))))
+    roles = ["embedding"] + ["block"] * 8 + ["head"]
+    data["layer_roles"] = roles
+    config = load_config(write_dict(tmp_path, data))
+    assert config.layer_roles == tuple(roles)
+    assert yaml.safe_load(dump_config(config))["layer_roles"] == roles
+
+
 def test_candidate_property_matches_the_config() -> None:
     config = make_config(
         schedule=Schedule.INTERLEAVED_1F1B,
