@@ -125,6 +125,16 @@ def stage_bounds(layers_per_stage: Sequence[int]) -> list[int]:
     return list(itertools.accumulate(layers_per_stage, initial=0))
 
 
+def pipeline_layouts(gpus: int, batch_size: int, n_layers: int) -> list[tuple[int, int]]:
+    """Every (pp, dp) with pp x dp = gpus, dp dividing the batch and a layer per pipeline rank, longest pipeline
+    first; pp = 1 (plain data parallelism) included, so the planner says whether pipelining pays at all."""
+    return [
+        (gpus // dp, dp)
+        for dp in range(1, gpus + 1)
+        if gpus % dp == 0 and batch_size % dp == 0 and gpus // dp <= n_layers
+    ]
+
+
 def uniform_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
     """Layers spread as evenly as possible; earlier stages take the remainder."""
     base, extra = divmod(n_layers, n_stages)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autotune.candidate import Candidate
+from autotune.costs import Profile
 from autotune.errors import AutotuneError
 from autotune.plan import PlannedCandidate, plan
-from autotune.profile import Profile
+from autotune.records import SearchResult
 from autotune.schedules import Schedule
 from autotune.simulate import LinkModel, simulate
 from autotune.units import format_bytes
-
-if TYPE_CHECKING:
-    from autotune.search import SearchResult
 
 
 def best_one_f_one_b(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.compat import is_batch_norm
 from autotune.errors import ModelFileError
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
@@ -80,7 +81,7 @@ def load_model_file(path: str | Path) -> ModelSpec:
         ),
         batchnorm_layers=tuple(
             i for i, layer in enumerate(layers)
-            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layer.modules())
+            if any(is_batch_norm(m) for m in layer.modules())
         ),
     )
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate, pairwise
 
 from autotune.candidate import uniform_split
+from autotune.costs import LayerCost
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.schedules import Schedule, stage_ranks
 from autotune.units import format_bytes
@@ -104,6 +105,21 @@ def rank_loads(
     for rank, cost in zip(ranks, part_costs(costs, layers_per_stage)):
         loads[rank] += cost
     return loads
+
+
+def layer_times(costs: Sequence[LayerCost], *, checkpointing: bool = False) -> list[float]:
+    """What the balanced split evens out, per layer: forward + backward time, plus the forward again when the stage
+    is checkpointed (its backward recomputes it)."""
+    if checkpointing:
+        return [2 * c.forward_ms + c.backward_ms for c in costs]
+    return [c.forward_ms + c.backward_ms for c in costs]
+
+
+def balanced_split(
+    costs: Sequence[LayerCost], schedule: Schedule, pipeline_degree: int, n_stages: int, *, checkpointing: bool = False
+) -> tuple[int, ...]:
+    """The time-balanced split the planner and the search start from: balance_for_schedule of layer_times."""
+    return balance_for_schedule(layer_times(costs, checkpointing=checkpointing), schedule, pipeline_degree, n_stages)
 
 
 def balance_for_schedule(

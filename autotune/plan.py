@@ -8,10 +8,11 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
-from autotune.candidate import Candidate, uniform_split
+from autotune.candidate import Candidate, pipeline_layouts, uniform_split
+from autotune.costs import LayerCost, Profile
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
-from autotune.partition import StageMemory, balance_for_schedule
-from autotune.profile import LayerCost, Profile
+from autotune.memory_model import stage_memory_bytes
+from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
 from autotune.schedules import (
     SCHEDULES,
     Schedule,
@@ -23,7 +24,6 @@ from autotune.schedules import (
 from autotune.simulate import (
     Estimate,
     LinkModel,
-    held_per_microbatch,
     max_in_flight,
     optimizer_ms_per_byte,
     simulate_costs,
@@ -69,18 +69,19 @@ def plan(
     prune_within: float | None = 0.25,
     layouts: Iterable[tuple[int, int]] | None = None,
 ) -> list[PlannedCandidate]:
-    """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated; fastest
-    first, candidates over the memory limit last.
+    """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
+    fastest first, candidates over the memory limit last.
 
-    Layouts are the (pp, dp) pairs of _layouts (or `layouts`): every pp x dp = gpus whose dp divides B and whose pp
-    has a layer per rank, pp = 1 (plain data parallelism) included. Micro-batch counts are the divisors of B/dp that
-    the schedule accepts (invalid ones are skipped); B/M and M are per replica. Splits: the placement-aware min-max
-    split of per-layer time and the uniform split; when both exceed the memory limit, a memory-aware split, then
-    the same with activation checkpointing. The CHECKPOINTED_VARIANTS fastest candidates also get a checkpointed
-    twin, fitting or not, so a tight limit ranks checkpointing against the other ways of saving memory. Points are
-    simulated cheapest lower bound first, and a point whose lower bound is more than prune_within (25 %) slower
-    than the best feasible step so far is skipped: it cannot rank near the top, and building torch's action lists
-    for large micro-batch counts is the expensive part. prune_within=None simulates everything."""
+    Layouts are the (pp, dp) pairs of candidate.pipeline_layouts (or `layouts`): every pp x dp = gpus whose dp
+    divides B and whose pp has a layer per rank, pp = 1 (plain data parallelism) included. Micro-batch counts
+    are the divisors of B/dp that the schedule accepts (invalid ones are skipped); B/M and M are per replica.
+    Splits: the placement-aware min-max split of per-layer time (partition.balanced_split) and the uniform
+    split; when both exceed the memory limit, a memory-aware split, then the same with activation checkpointing.
+    The CHECKPOINTED_VARIANTS fastest candidates also get a checkpointed twin, fitting or not, so a tight limit
+    ranks checkpointing against the other ways of saving memory. Points are simulated cheapest lower bound
+    first, and a point whose lower bound is more than prune_within (25 %) slower than the best feasible step so
+    far is skipped: it cannot rank near the top, and building torch's action lists for large micro-batch counts
+    is the expensive part. prune_within=None simulates everything."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
@@ -93,7 +94,7 @@ def plan(
     costs_at: dict[int, _Costs] = {}
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
-    chosen_layouts = list(layouts) if layouts is not None else _layouts(gpus, batch_size, n_layers)
+    chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, n_layers)
     for pp, dp in chosen_layouts:
         if pp * dp != gpus or batch_size % dp:
             raise UsageError(f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}")
@@ -180,13 +181,6 @@ def ensure_feasible(planned: Sequence[PlannedCandidate]) -> None:
 # --- enumeration --------------------------------------------------------------------------------------------------
 
 
-def _layouts(gpus: int, batch_size: int, n_layers: int) -> list[tuple[int, int]]:
-    """(pp, dp) pairs to plan, longest pipeline first: every pp x dp = gpus with B % dp == 0 and pp <= n_layers.
-    pp = 1 (plain data parallelism) is kept, so the ranking says whether pipelining pays at all."""
-    return [(gpus // dp, dp) for dp in range(1, gpus + 1)
-            if gpus % dp == 0 and batch_size % dp == 0 and gpus // dp <= n_layers]
-
-
 def _checkpointed_variants(
     planned: Sequence[PlannedCandidate], costs_at: dict[int, _Costs], memory_limit_bytes: int | None, limit_ms: float
 ) -> list[PlannedCandidate]:
@@ -228,8 +222,8 @@ class _Costs:
         self.state_ratio = profile.optimizer_state_ratio
         self.step_ratio = profile.optimizer_peak_ratio
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
-        self.time = [c.forward_ms + c.backward_ms for c in self.layers]
-        self.time_checkpointed = [2 * c.forward_ms + c.backward_ms for c in self.layers]
+        self.time = layer_times(self.layers)
+        self.time_checkpointed = layer_times(self.layers, checkpointing=True)
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
         self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
         self._balanced = splits if splits is not None else {}
@@ -256,8 +250,9 @@ class _Costs:
         """The placement-aware time-balanced split; schedules with the same placement share it."""
         key = (tuple(stage_ranks(schedule, pipeline_degree, n_stages)), self._shape[checkpointing])
         if key not in self._balanced:
-            time = self.time_checkpointed if checkpointing else self.time
-            self._balanced[key] = balance_for_schedule(time, schedule, pipeline_degree, n_stages)
+            self._balanced[key] = balanced_split(
+                self.layers, schedule, pipeline_degree, n_stages, checkpointing=checkpointing
+            )
         return self._balanced[key]
 
     def lower_bound(self, candidate: Candidate) -> float:
@@ -267,24 +262,25 @@ class _Costs:
         )
 
     def stage_memory(self, candidate: Candidate) -> StageMemory:
-        """The simulator's memory model for one stage alone, with the stage's worst in-flight count."""
+        """The memory model's bytes of one stage alone (memory_model.stage_memory_bytes), at the stage's worst
+        in-flight count."""
         in_flight = max_in_flight(
             candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages
         )
-        m, last = candidate.n_microbatches, candidate.n_stages - 1
-        wire = 0.5 if candidate.wire_dtype == "bfloat16" else 1.0
-        checkpointing = candidate.activation_checkpointing
-        static_factor = 2 + self.state_ratio
+        last = candidate.n_stages - 1
 
         def stage_memory(stage: int, start: int, stop: int) -> float:
-            stage_in = self.input_bytes if start == 0 else self.layers[start - 1].output_bytes
-            stage_out = self.layers[stop - 1].output_bytes
-            saved = self.saved_prefix[stop] - self.saved_prefix[start]
-            held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=stage == last)
-            activations = in_flight[stage] * held + (saved if checkpointing else 0)
-            receive = (m * stage_in if stage > 0 else 0) + (m * stage_out if stage < last else 0)
-            params = self.param_prefix[stop] - self.param_prefix[start]
-            return params * static_factor + activations + receive * wire
+            return stage_memory_bytes(
+                parameter_bytes=self.param_prefix[stop] - self.param_prefix[start],
+                saved=self.saved_prefix[stop] - self.saved_prefix[start],
+                stage_in=self.input_bytes if start == 0 else self.layers[start - 1].output_bytes,
+                stage_out=self.layers[stop - 1].output_bytes,
+                in_flight=in_flight[stage],
+                candidate=candidate,
+                first=stage == 0,
+                last=stage == last,
+                optimizer_state_ratio=self.state_ratio,
+            )
 
         return stage_memory
 

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
+from autotune import compat
 from autotune.candidate import Candidate, stage_bounds
 from autotune.model_file import ModelSpec, build_layers, build_optimizer, load_model_file
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
@@ -181,11 +182,11 @@ class RankPipeline:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.candidate.data_parallel_degree
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+        for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(reduced.view_as(grad))
 
 
 def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -231,7 +232,7 @@ def build_pipeline(
         module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
-        stages.append(PipelineStage(module, s, candidate.n_stages, device, group=pp_group))
+        stages.append(compat.prepare_stage(PipelineStage(module, s, candidate.n_stages, device, group=pp_group)))
     del layers  # drop the other ranks' layers
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     params = [p for m in modules for p in m.parameters()]
@@ -259,31 +260,12 @@ def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn:
     return cls(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
 
 
-_TORCH_KINDS = {
-    "F": torch_schedules._ComputationType.FORWARD,
-    "B": torch_schedules._ComputationType.FULL_BACKWARD,
-    "I": torch_schedules._ComputationType.BACKWARD_INPUT,
-    "W": torch_schedules._ComputationType.BACKWARD_WEIGHT,
-}
-
-
-def _run_own_order(
-    candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]
-) -> torch_schedules._PipelineScheduleRuntime:
+def _run_own_order(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
     """A schedule torch does not ship (VHalf, VMin): our action lists, the ones the simulator replays, on torch's
-    runtime. The one place that uses torch's private pipelining API, as torchtitan's CSV schedules do (torch 2.13):
-    `pipeline_order` holds every rank's compute actions, and `_prepare_schedule_with_comms` validates them, infers
-    the stage -> rank placement from them and inserts the sends and receives."""
+    runtime."""
     lists = action_lists(candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages)
-    schedule = torch_schedules._PipelineScheduleRuntime(
-        stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn
-    )
-    schedule.pipeline_order = {
-        rank: [torch_schedules._Action(a.stage, _TORCH_KINDS[a.kind], a.microbatch) for a in actions]
-        for rank, actions in enumerate(lists)
-    }
-    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
-    return schedule
+    order = [[(a.stage, a.kind, a.microbatch) for a in actions] for actions in lists]
+    return compat.runtime_schedule(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn, order=order)
 
 
 def setup_pipeline(
@@ -291,7 +273,8 @@ def setup_pipeline(
 ) -> RankPipeline:
     """For your training script under torchrun: init the process group if needed and build this rank's pipeline
     from a tuned config. `model` defaults to the config's model path."""
-    from autotune.tuned_config import TunedConfig, load_config
+    from autotune.config_file import load_config
+    from autotune.tuned_config import TunedConfig
 
     tuned = config if isinstance(config, TunedConfig) else load_config(Path(config))
     spec = load_model_file(Path(model) if model is not None else Path(tuned.model))

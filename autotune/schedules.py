@@ -41,7 +41,7 @@ class ScheduleInfo:
     """Fixed number of stages per rank, or None where any v >= 2 works (loop placement)."""
     torch_class: str | None
     """Class name in torch.distributed.pipelining.schedules; None for a schedule torch does not ship, whose order
-    autotune generates (action_lists) and runs on torch's _PipelineScheduleRuntime (runtime.make_schedule)."""
+    autotune generates (action_lists) and runs on torch's own runtime (compat.runtime_schedule)."""
 
 
 SCHEDULES: dict[Schedule, ScheduleInfo] = {
@@ -166,32 +166,10 @@ def _action_lists(
         # torch 2.13's get_schedule_ops shifts the last rank's forward micro-batch indices by one (1F4 with 4
         # micro-batches); Schedule1F1B itself runs the textbook order, written out here.
         return tuple(tuple(one_f_one_b(rank, pipeline_degree, n_microbatches)) for rank in range(pipeline_degree))
-    from unittest import mock
+    from autotune import compat  # torch's private pipelining API, imported only when needed
 
-    from torch.distributed.pipelining import _schedule_visualizer
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    # Building a schedule also inserts FSDP unshard/reshard actions, a pass quadratic in the list length (about 9 in
-    # 10 of the time at pp=8, m=256); they are dropped below anyway, so that one pass is skipped.
-    with mock.patch.object(torch_schedules, "_add_unshard_reshard", lambda actions, *args, **kwargs: actions):
-        ops = _schedule_visualizer.get_schedule_ops(
-            schedule.value, pipeline_degree, n_microbatches, num_stages_per_rank=n_stages // pipeline_degree
-        )
-    return tuple(tuple(_compute_actions(rank_ops)) for rank_ops in ops)
-
-
-def _compute_actions(rank_ops: list) -> list[Action]:  # type: ignore[type-arg]
-    # DualPipeV fuses a forward and a backward into one OVERLAP_F_B action; the runtime runs its sub-actions one
-    # after the other, so they are listed one after the other. Communication and gradient reduction are dropped.
-    actions: list[Action] = []
-    for op in rank_ops:
-        if op is None:
-            continue
-        for sub in op.sub_actions or (op,):
-            kind = sub.computation_type.value
-            if kind in ("F", "B", "I", "W"):
-                actions.append(Action(sub.stage_index, kind, sub.microbatch_index))
-    return actions
+    ops = compat.schedule_actions(schedule.value, pipeline_degree, n_microbatches, n_stages // pipeline_degree)
+    return tuple(tuple(Action(stage, kind, mb) for stage, kind, mb in rank_ops) for rank_ops in ops)  # type: ignore[arg-type]
 
 
 def one_f_one_b(rank: int, pipeline_degree: int, n_microbatches: int) -> list[Action]:

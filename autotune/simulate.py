@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import functools
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Any
 
+from autotune.action_graph import ActionGraph, compile_graph, compiled_graph
 from autotune.candidate import Candidate
-from autotune.errors import AutotuneError, UsageError
-from autotune.profile import LayerCost, Profile
-from autotune.schedules import Action, ActionKind, Schedule, action_lists, stage_ranks
-
-
-class DeadlockError(AutotuneError):
-    """An action list that can never finish: some rank waits on work that waits on it (exit 1: a schedule bug)."""
-
-    exit_code = 1
+from autotune.costs import LayerCost, Profile
+from autotune.errors import UsageError
+from autotune.memory_model import (
+    held_per_microbatch,
+    parameter_memory_bytes,
+    receive_buffer_bytes,
+    recompute_bytes,
+    wire_factor,
+)
+from autotune.schedules import Action, ActionKind, Schedule, stage_ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,9 +190,10 @@ def simulate_costs(
         )
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
     if actions is None:
-        plan = _compiled(candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages)
+        c = candidate
+        plan = compiled_graph(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages)
     else:
-        plan = _compile(tuple(tuple(rank) for rank in actions), candidate.n_stages, candidate.n_microbatches)
+        plan = compile_graph(tuple(tuple(rank) for rank in actions), candidate.n_stages, candidate.n_microbatches)
     if len(plan.rank_actions) != candidate.pipeline_degree:
         raise UsageError(
             f"the action lists have {len(plan.rank_actions)} ranks but the candidate has pipeline_degree "
@@ -281,7 +282,7 @@ def step_time_lower_bound(
 def max_in_flight(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once under the schedule's order
     (F adds one; B, or W after I, frees one). 1F1B: pp - stage; GPipe: n_microbatches."""
-    plan = _compiled(Schedule(schedule), pipeline_degree, n_microbatches, n_stages)
+    plan = compiled_graph(Schedule(schedule), pipeline_degree, n_microbatches, n_stages)
     return list(plan.in_flight)
 
 
@@ -311,8 +312,7 @@ class _StageCosts:
 def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel) -> _StageCosts:
     bounds = list(accumulate(candidate.layers_per_stage, initial=0))
     overhead = link.per_action_overhead_ms
-    wire = 0.5 if candidate.wire_dtype == "bfloat16" else 1.0  # activations are assumed float32
-    m = candidate.n_microbatches
+    wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
 
     def total(field: str, a: int, b: int) -> float:
@@ -348,25 +348,17 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
-        result["held_bytes"].append(
-            int(held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=s == n_stages - 1))
-        )
-        result["recompute_bytes"].append(saved if candidate.activation_checkpointing else 0)
-        receive = (m * stage_in if s > 0 else 0) + (m * stage_out if s < n_stages - 1 else 0)
-        result["receive_buffer_bytes"].append(int(receive * wire))
+        first, last = s == 0, s == n_stages - 1
+        held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+        result["held_bytes"].append(int(held))
+        result["recompute_bytes"].append(recompute_bytes(saved, candidate=candidate))
+        receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        result["receive_buffer_bytes"].append(int(receive))
         result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
     return _StageCosts(**result)
 
 
-def held_per_microbatch(saved: int, stage_in: int, stage_out: int, *, candidate: Candidate, last: bool) -> float:
-    """Bytes one in-flight micro-batch keeps on a stage between its F and its B: the saved activations (only the
-    stage input, with checkpointing), and the stage's output, which torch's stage keeps (fwd_cache) until that
-    backward, in the wire dtype where it travels on (the last stage's output keeps its dtype for the loss)."""
-    wire = 0.5 if candidate.wire_dtype == "bfloat16" and not last else 1.0
-    return (stage_in if candidate.activation_checkpointing else saved) + int(stage_out * wire)
-
-
-def _add_rank_side_costs(dur: list[float], plan: _Plan, stages: _StageCosts, link: LinkModel) -> None:
+def _add_rank_side_costs(dur: list[float], plan: ActionGraph, stages: _StageCosts, link: LinkModel) -> None:
     """What a rank spends beyond its stages' compute: posting each cross-rank send and receive, and each backward's
     slowdown from the activations the rank holds at that moment (walked in the rank's own order, as in
     _peak_memory)."""
@@ -396,7 +388,7 @@ def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
 
 
 def _peak_memory(
-    plan: _Plan, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0
+    plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0
 ) -> list[int]:
     """Walk each rank's actions in order (a rank runs one at a time, so list order is time order):
 
@@ -408,7 +400,7 @@ def _peak_memory(
     peaks = []
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
-        static = sum(stages.parameter_bytes[s] * (2 + state_ratio) + stages.receive_buffer_bytes[s]
+        static = sum(parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
                      for s in rank_stages)
         live = peak = 0
         for a in ids:
@@ -427,146 +419,3 @@ def _peak_memory(
         step = step_ratio * sum(stages.parameter_bytes[s] for s in rank_stages)
         peaks.append(int(static + max(peak, step)))
     return peaks
-
-
-# --- compiling action lists into a dependency graph ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Plan:
-    """Action lists flattened to arrays, with each action's dependencies and one topological order."""
-
-    rank: tuple[int, ...]
-    stage: tuple[int, ...]
-    kind: tuple[ActionKind, ...]
-    microbatch: tuple[int, ...]
-    prev: tuple[int, ...]
-    """Previous action on the same rank, or -1."""
-    dep: tuple[int, ...]
-    """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
-    cross: tuple[bool, ...]
-    """dep runs on another rank, so its tensor travels."""
-    messages: tuple[int, ...]
-    """Sends and receives the action posts: one receive if dep crosses ranks, one send per action on another rank
-    that needs its tensor."""
-    own: tuple[int, ...]
-    """This stage's earlier action it needs (B/I: F; W: I), or -1."""
-    order: tuple[int, ...]
-    rank_actions: tuple[tuple[int, ...], ...]
-    stage_rank: tuple[int, ...]
-    in_flight: tuple[int, ...]
-    """Per stage, the most micro-batches held at once."""
-
-
-@functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
-def _compiled(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> _Plan:
-    lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
-    return _compile(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
-
-
-def _compile(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> _Plan:
-    rank: list[int] = []
-    where: dict[tuple[int, str, int], int] = {}
-    stage_rank: dict[int, int] = {}
-    for r, actions in enumerate(lists):
-        for act in actions:
-            key = (act.stage, act.kind, act.microbatch)
-            if key in where:
-                raise DeadlockError(f"rank {r} runs {act} twice; each stage runs each action once per micro-batch")
-            if stage_rank.setdefault(act.stage, r) != r:
-                raise DeadlockError(
-                    f"stage {act.stage} has actions on ranks {stage_rank[act.stage]} and {r}; a stage lives on one rank"
-                )
-            where[key] = len(rank)
-            rank.append(r)
-    flat = [act for actions in lists for act in actions]
-    for s in range(n_stages):
-        for i in range(n_microbatches):
-            has_b = (s, "B", i) in where
-            split = (s, "I", i) in where, (s, "W", i) in where
-            if (s, "F", i) not in where or not (has_b or all(split)) or (has_b and any(split)):
-                raise DeadlockError(
-                    f"the action lists lack stage {s}'s work for micro-batch {i}: each stage needs F and either B or "
-                    f"I and W for every micro-batch"
-                )
-    if set(stage_rank) != set(range(n_stages)):
-        raise DeadlockError(f"the action lists name stages {sorted(stage_rank)}, expected 0..{n_stages - 1}")
-
-    n = len(flat)
-    prev, dep, own, cross = [-1] * n, [-1] * n, [-1] * n, [False] * n
-    offset = 0
-    for actions in lists:
-        for k in range(1, len(actions)):
-            prev[offset + k] = offset + k - 1
-        offset += len(actions)
-    for a, act in enumerate(flat):
-        s, i = act.stage, act.microbatch
-        if act.kind == "F":
-            d = where.get((s - 1, "F", i), -1)
-        elif act.kind in ("B", "I"):
-            d = where.get((s + 1, "B", i), where.get((s + 1, "I", i), -1)) if s < n_stages - 1 else -1
-            own[a] = where[(s, "F", i)]
-        else:
-            d = -1
-            own[a] = where[(s, "I", i)]
-        dep[a] = d
-        cross[a] = d >= 0 and rank[d] != rank[a]
-    sends = [0] * n
-    for a in range(n):
-        if cross[a]:
-            sends[dep[a]] += 1
-
-    # Kahn's algorithm: what never becomes ready is a deadlock.
-    waiting = [(prev[a] >= 0) + (dep[a] >= 0) + (own[a] >= 0) for a in range(n)]
-    unlocks: list[list[int]] = [[] for _ in range(n)]
-    for a in range(n):
-        for d in (prev[a], dep[a], own[a]):
-            if d >= 0:
-                unlocks[d].append(a)
-    ready = deque(a for a in range(n) if waiting[a] == 0)
-    order: list[int] = []
-    while ready:
-        a = ready.popleft()
-        order.append(a)
-        for b in unlocks[a]:
-            waiting[b] -= 1
-            if waiting[b] == 0:
-                ready.append(b)
-    rank_actions = []
-    offset = 0
-    for actions in lists:
-        rank_actions.append(tuple(range(offset, offset + len(actions))))
-        offset += len(actions)
-    if len(order) < n:
-        done = set(order)
-        stuck = []
-        for r, ids in enumerate(rank_actions):
-            first = next((a for a in ids if a not in done), None)
-            if first is not None:
-                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and d not in done]
-                stuck.append(f"rank {r} at {flat[first]} waits for {', '.join(needs) or 'its previous action'}")
-        raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck) + "; fix the action order")
-
-    in_flight = [0] * n_stages
-    live = [0] * n_stages
-    for act in flat:  # per stage, list order on its own rank is time order
-        if act.kind == "F":
-            live[act.stage] += 1
-            in_flight[act.stage] = max(in_flight[act.stage], live[act.stage])
-        elif act.kind in ("B", "W"):
-            live[act.stage] -= 1
-    return _Plan(
-        rank=tuple(rank),
-        stage=tuple(a.stage for a in flat),
-        kind=tuple(a.kind for a in flat),
-        microbatch=tuple(a.microbatch for a in flat),
-        prev=tuple(prev),
-        dep=tuple(dep),
-        cross=tuple(cross),
-        messages=tuple(int(c) + k for c, k in zip(cross, sends)),
-        own=tuple(own),
-        order=tuple(order),
-        rank_actions=tuple(rank_actions),
-        stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
-        in_flight=tuple(in_flight),
-    )

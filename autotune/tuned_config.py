@@ -1,30 +1,30 @@
-"""The tuned config: what a search found, as a versioned YAML file that `check`, `export`, `report` and users read."""
+"""The tuned config: what a search found (schema version 1), the values that must fit together, and its plain-data
+form. TunedConfig is the schema: its fields, in order, are the file's keys (autotune.config_file derives the key
+checks from their types); the configuration proper is a Candidate, written flat as CANDIDATE_KEYS."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
+import enum
 import importlib.metadata
-import os
 import platform
-import tempfile
+import typing
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 import autotune
 from autotune.candidate import Candidate, Measurement, WireDtype
-from autotune.errors import ConfigError, InvalidCandidateError, UsageError
+from autotune.errors import ConfigError, InvalidCandidateError
 from autotune.schedules import Schedule, parse_schedule, validate_schedule
-from autotune.units import format_bytes
 
 SCHEMA_VERSION = 1
-WIRE_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16")
+WIRE_DTYPES: tuple[WireDtype, ...] = typing.get_args(WireDtype)
+LayerRole = Literal["embedding", "block", "head", "other"]
+"""What a layer is in the model: the token/patch embedding, a repeated block, the head (norm + output), other."""
+LAYER_ROLES: tuple[LayerRole, ...] = typing.get_args(LayerRole)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ class SearchSummary:
     feasible: int = 0
     """Trials that finished without OOM, timeout or error."""
     best_trial: int | None = None
-    """Number of the trial this config was taken from."""
+    """Number of a trial of the chosen candidate (its first successful run)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,25 @@ class Environment:
         return cls(device=device, torch=torch_version, autotune=autotune.__version__, python=platform.python_version())
 
 
+CANDIDATE_KEYS: dict[str, str] = {
+    "gpus": "world_size",
+    "global_batch_size": "global_batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "num_microbatches": "n_microbatches",
+    "pipeline_degree": "pipeline_degree",
+    "data_parallel_degree": "data_parallel_degree",
+    "schedule": "schedule",
+    "layers_per_stage": "layers_per_stage",
+    "activation_checkpointing": "activation_checkpointing",
+    "wire_dtype": "wire_dtype",
+}
+"""The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
+derived from the others and checked against them on reading)."""
+
+OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles"})
+"""Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TunedConfig:
     """A tuned pipeline configuration, schema version 1. Fields are in the order of the YAML file."""
@@ -98,27 +117,14 @@ class TunedConfig:
     model_sha256: str
     """Short content hash of the model file (autotune.model_file.fingerprint); `check` uses it to spot edits."""
     model_layers: int
-    """Layers of the model's nn.Sequential; equals sum(layers_per_stage)."""
-    gpus: int
-    """Ranks in all: pipeline_degree x data_parallel_degree."""
-    global_batch_size: int
-    """B: samples per optimizer step over all replicas."""
-    micro_batch_size: int
-    """M: samples per micro-batch."""
-    num_microbatches: int
-    """Micro-batches each pipeline runs per step: B / (M x dp)."""
-    pipeline_degree: int
-    """pp: ranks in one pipeline."""
-    data_parallel_degree: int
-    """dp: replicas of the pipeline."""
-    schedule: Schedule
-    """Pipeline schedule, named as torch names it."""
-    layers_per_stage: tuple[int, ...]
-    """Layer count of each stage in model order; pp x stages-per-rank entries."""
-    activation_checkpointing: bool
-    """Each stage recomputes its forward in its backward instead of keeping activations."""
-    wire_dtype: WireDtype = "float32"
-    """dtype of activations and gradients sent between stages."""
+    """Layers of the model as autotune cuts it; equals sum(layers_per_stage)."""
+    layer_roles: tuple[LayerRole, ...] | None = None
+    """Optional, one per layer: embedding | block | head | other, for exporters that name layers by role (torchtitan
+    counts the embedding and the head as layers of their own). Written only when known; None: unknown."""
+    candidate: Candidate
+    """The configuration itself; written flat as CANDIDATE_KEYS (gpus, global_batch_size, micro_batch_size,
+    num_microbatches, pipeline_degree, data_parallel_degree, schedule, layers_per_stage, activation_checkpointing,
+    wire_dtype)."""
     memory_limit_bytes: int | None
     """Per-rank memory cap the search respected; None when there was none (CPU)."""
     measured: MeasuredResult
@@ -133,21 +139,58 @@ class TunedConfig:
     """Top-level keys this version does not know, kept so that saving a newer file does not drop them."""
 
     def __post_init__(self) -> None:
-        _check_values(self)
+        check_values(self.to_dict())
+
+    # The candidate's values under the names the file gives them (exporters and users read these).
+    @property
+    def gpus(self) -> int:
+        """Ranks in all: pipeline_degree x data_parallel_degree."""
+        return self.candidate.world_size
 
     @property
-    def candidate(self) -> Candidate:
-        """The configuration as a Candidate, to run with `trial` or rebuild with `runtime`."""
-        return Candidate(
-            schedule=self.schedule,
-            pipeline_degree=self.pipeline_degree,
-            global_batch_size=self.global_batch_size,
-            n_microbatches=self.num_microbatches,
-            layers_per_stage=self.layers_per_stage,
-            data_parallel_degree=self.data_parallel_degree,
-            activation_checkpointing=self.activation_checkpointing,
-            wire_dtype=self.wire_dtype,
-        )
+    def global_batch_size(self) -> int:
+        """B: samples per optimizer step over all replicas."""
+        return self.candidate.global_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        """M: samples per micro-batch."""
+        return self.candidate.micro_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each pipeline runs per step: B / (M x dp)."""
+        return self.candidate.n_microbatches
+
+    @property
+    def pipeline_degree(self) -> int:
+        """pp: ranks in one pipeline."""
+        return self.candidate.pipeline_degree
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """dp: replicas of the pipeline."""
+        return self.candidate.data_parallel_degree
+
+    @property
+    def schedule(self) -> Schedule:
+        """Pipeline schedule, named as torch names it."""
+        return self.candidate.schedule
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        """Layer count of each stage in model order; pp x stages-per-rank entries."""
+        return self.candidate.layers_per_stage
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Each stage recomputes its forward in its backward instead of keeping activations."""
+        return self.candidate.activation_checkpointing
+
+    @property
+    def wire_dtype(self) -> WireDtype:
+        """dtype of activations and gradients sent between stages."""
+        return self.candidate.wire_dtype
 
     @classmethod
     def from_measurement(
@@ -158,6 +201,7 @@ class TunedConfig:
         memory_limit_bytes: int | None,
         model_sha256: str | None = None,
         model_layers: int | None = None,
+        layer_roles: tuple[LayerRole, ...] | None = None,
         predicted: PredictedResult | None = None,
         search: SearchSummary | None = None,
         environment: Environment | None = None,
@@ -187,16 +231,8 @@ class TunedConfig:
             model=str(model),
             model_sha256=model_sha256,
             model_layers=sum(c.layers_per_stage) if model_layers is None else model_layers,
-            gpus=c.world_size,
-            global_batch_size=c.global_batch_size,
-            micro_batch_size=c.micro_batch_size,
-            num_microbatches=c.n_microbatches,
-            pipeline_degree=c.pipeline_degree,
-            data_parallel_degree=c.data_parallel_degree,
-            schedule=c.schedule,
-            layers_per_stage=tuple(c.layers_per_stage),
-            activation_checkpointing=c.activation_checkpointing,
-            wire_dtype=c.wire_dtype,
+            layer_roles=layer_roles,
+            candidate=c,
             memory_limit_bytes=memory_limit_bytes,
             measured=MeasuredResult(
                 step_time_ms=float(measurement.step_time_ms),
@@ -209,212 +245,34 @@ class TunedConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data in schema order (the order of the fields), as written to YAML; unknown keys go last."""
-        data = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        """Plain data in file order (the order of the fields, the candidate flat); unknown keys go last."""
+        data: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "candidate":
+                data.update((key, plain(getattr(value, attribute))) for key, attribute in CANDIDATE_KEYS.items())
+            elif f.name != "extra" and not (f.name in OPTIONAL_KEYS and value is None):
+                data[f.name] = plain(value)
         data.update((key, value) for key, value in self.extra.items() if key not in data)
         return data
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Schedule):
+def plain(value: Any) -> Any:
+    """A field value as YAML and JSON hold it: enums by value, tuples as lists, dataclasses as mappings."""
+    if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):
         return list(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return value
 
 
-# ---------------------------------------------------------------------------------------------- reading
-
-_Kind = Literal["int", "int?", "number", "number?", "str", "str?", "bool", "ints", "section"]
-_KIND_NAMES = {
-    "int": "an integer",
-    "int?": "an integer or null",
-    "number": "a number",
-    "number?": "a number or null",
-    "str": "a string",
-    "str?": "a string or null",
-    "bool": "true or false",
-    "ints": "a list of integers",
-    "section": "a mapping of keys",
-}
-_TOP: dict[str, _Kind] = {
-    "version": "int",
-    "model": "str",
-    "model_sha256": "str",
-    "model_layers": "int",
-    "gpus": "int",
-    "global_batch_size": "int",
-    "micro_batch_size": "int",
-    "num_microbatches": "int",
-    "pipeline_degree": "int",
-    "data_parallel_degree": "int",
-    "schedule": "str",
-    "layers_per_stage": "ints",
-    "activation_checkpointing": "bool",
-    "wire_dtype": "str",
-    "memory_limit_bytes": "int?",
-    "measured": "section",
-    "predicted": "section",
-    "search": "section",
-    "environment": "section",
-}
-_SECTIONS: dict[str, dict[str, _Kind]] = {
-    "measured": {"step_time_ms": "number", "throughput_samples_per_s": "number", "peak_memory_bytes": "ints"},
-    "predicted": {"step_time_ms": "number?", "peak_memory_bytes": "ints"},
-    "search": {"study": "str?", "storage": "str?", "trials": "int", "feasible": "int", "best_trial": "int?"},
-    "environment": {"device": "str", "torch": "str", "autotune": "str", "python": "str"},
-}
-_DEFAULTS: dict[str, Any] = {"wire_dtype": "float32"}
-"""Keys a config may leave out, with the value they mean."""
-
-
-def load_config(path: str | Path) -> TunedConfig:
-    """Read a tuned config; any problem is a ConfigError whose one line names the problem and the fix."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; pass the YAML file written by `autotune search --output`") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory; pass the YAML file written by `autotune search --output`") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{path}: cannot be read ({reason}); pass a readable tuned config") from None
-    return parse_config(text, source=str(path))
-
-
-def parse_config(text: str, *, source: str = "<config>") -> TunedConfig:
-    """Parse the YAML text of a tuned config (see load_config)."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(
-            f"{source}: not valid YAML ({problem}{where}); fix the file or write it again with `autotune search`"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{source}: holds {_describe(data)}, not a tuned config (a mapping of keys like version, model, "
-            f"schedule); pass the YAML file written by `autotune search --output`"
-        )
-    return config_from_dict(data, source=source)
-
-
-def config_from_dict(data: Mapping[str, Any], *, source: str = "<config>") -> TunedConfig:
-    """Check plain data (from YAML or JSON) against schema version 1 and build the config."""
-    version = data.get("version")
-    if "version" in data and (version != SCHEMA_VERSION or isinstance(version, bool)):
-        fix = (
-            "upgrade autotune to read it"
-            if isinstance(version, int) and version > SCHEMA_VERSION
-            else ("write it again with `autotune search`")
-        )
-        raise ConfigError(
-            f"{source}: schema version {version!r} is not supported (this autotune reads version {SCHEMA_VERSION}); "
-            f"{fix}"
-        )
-
-    missing = [key for key in _TOP if key not in data and key not in _DEFAULTS]
-    for section, keys in _SECTIONS.items():
-        if isinstance(data.get(section), dict):
-            missing += [f"{section}.{key}" for key in keys if key not in data[section]]
-    if missing:
-        raise ConfigError(
-            f"{source}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}; add "
-            f"{'them' if len(missing) > 1 else 'it'} or write the config again with `autotune search`"
-        )
-
-    wrong = [_wrong_type(key, data.get(key, _DEFAULTS.get(key)), kind) for key, kind in _TOP.items()]
-    for section, keys in _SECTIONS.items():
-        if isinstance(data[section], dict):
-            wrong += [_wrong_type(f"{section}.{key}", data[section][key], kind) for key, kind in keys.items()]
-    problems = [problem for problem in wrong if problem]
-    if problems:
-        raise ConfigError(f"{source}: {'; '.join(problems)}; fix the value{'s' if len(problems) > 1 else ''}")
-
-    try:
-        schedule = parse_schedule(data["schedule"])
-    except UsageError:
-        names = ", ".join(s.value for s in Schedule)
-        raise ConfigError(f"{source}: unknown schedule {data['schedule']!r}; set schedule to one of: {names}") from None
-    wire_dtype = data.get("wire_dtype", _DEFAULTS["wire_dtype"])
-    if wire_dtype not in WIRE_DTYPES:
-        raise ConfigError(f"{source}: wire_dtype {wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}; fix it")
-
-    measured, predicted, search, env = (data[s] for s in ("measured", "predicted", "search", "environment"))
-    try:
-        return TunedConfig(
-            version=data["version"],
-            model=data["model"],
-            model_sha256=data["model_sha256"],
-            model_layers=data["model_layers"],
-            gpus=data["gpus"],
-            global_batch_size=data["global_batch_size"],
-            micro_batch_size=data["micro_batch_size"],
-            num_microbatches=data["num_microbatches"],
-            pipeline_degree=data["pipeline_degree"],
-            data_parallel_degree=data["data_parallel_degree"],
-            schedule=schedule,
-            layers_per_stage=tuple(data["layers_per_stage"]),
-            activation_checkpointing=data["activation_checkpointing"],
-            wire_dtype=wire_dtype,
-            memory_limit_bytes=data["memory_limit_bytes"],
-            measured=MeasuredResult(
-                step_time_ms=float(measured["step_time_ms"]),
-                throughput_samples_per_s=float(measured["throughput_samples_per_s"]),
-                peak_memory_bytes=tuple(measured["peak_memory_bytes"]),
-            ),
-            predicted=PredictedResult(
-                step_time_ms=None if predicted["step_time_ms"] is None else float(predicted["step_time_ms"]),
-                peak_memory_bytes=tuple(predicted["peak_memory_bytes"]),
-            ),
-            search=SearchSummary(**{key: search[key] for key in _SECTIONS["search"]}),
-            environment=Environment(**{key: env[key] for key in _SECTIONS["environment"]}),
-            extra={key: value for key, value in data.items() if key not in _TOP},
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-
-
-def _wrong_type(key: str, value: Any, kind: _Kind) -> str | None:
-    if value is None and kind.endswith("?"):
-        return None
-    base = kind.rstrip("?")
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    ok = {
-        "int": is_int,
-        "number": is_int or isinstance(value, float),
-        "str": isinstance(value, str),
-        "bool": isinstance(value, bool),
-        "ints": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
-        "section": isinstance(value, dict),
-    }[base]
-    return None if ok else f"{key} must be {_KIND_NAMES[kind]}, not {_describe(value)}"
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (dict, list)):
-        return f"a {'mapping' if isinstance(value, dict) else 'list'} ({_short(value)})"
-    return f"{type(value).__name__} {_short(value)}"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_values(c: TunedConfig) -> None:
-    """Values that each parse but do not fit together; messages name the numbers and the fix."""
-    if c.version != SCHEMA_VERSION:
-        raise ConfigError(f"schema version {c.version} is not supported; this autotune writes {SCHEMA_VERSION}")
+def check_values(c: Mapping[str, Any]) -> None:
+    """Values that each parse but do not fit together (c holds the file's keys); messages name the numbers and
+    the fix."""
+    if c["version"] != SCHEMA_VERSION:
+        raise ConfigError(f"schema version {c['version']} is not supported; this autotune writes {SCHEMA_VERSION}")
     for name in (
         "model_layers",
         "gpus",
@@ -424,23 +282,23 @@ def _check_values(c: TunedConfig) -> None:
         "pipeline_degree",
         "data_parallel_degree",
     ):
-        if getattr(c, name) < 1:
-            raise ConfigError(f"{name} is {getattr(c, name)}; it must be at least 1")
-    if c.memory_limit_bytes is not None and c.memory_limit_bytes < 1:
-        raise ConfigError(f"memory_limit_bytes is {c.memory_limit_bytes}; give a positive byte count or null")
-    pp, dp, b = c.pipeline_degree, c.data_parallel_degree, c.global_batch_size
-    m, mb = c.num_microbatches, c.micro_batch_size
+        if c[name] < 1:
+            raise ConfigError(f"{name} is {c[name]}; it must be at least 1")
+    if c["memory_limit_bytes"] is not None and c["memory_limit_bytes"] < 1:
+        raise ConfigError(f"memory_limit_bytes is {c['memory_limit_bytes']}; give a positive byte count or null")
+    pp, dp, b = c["pipeline_degree"], c["data_parallel_degree"], c["global_batch_size"]
+    m, mb = c["num_microbatches"], c["micro_batch_size"]
     if m * mb * dp != b:
         raise ConfigError(
             f"num_microbatches {m} x micro_batch_size {mb} x data_parallel_degree {dp} = {m * mb * dp}, but "
             f"global_batch_size is {b}; make the product equal global_batch_size"
         )
-    if pp * dp != c.gpus:
+    if pp * dp != c["gpus"]:
         raise ConfigError(
-            f"pipeline_degree {pp} x data_parallel_degree {dp} = {pp * dp}, but gpus is {c.gpus}; "
+            f"pipeline_degree {pp} x data_parallel_degree {dp} = {pp * dp}, but gpus is {c['gpus']}; "
             f"make gpus equal pipeline_degree x data_parallel_degree"
         )
-    split = list(c.layers_per_stage)
+    split, layers = list(c["layers_per_stage"]), c["model_layers"]
     if not split or len(split) % pp:
         raise ConfigError(
             f"layers_per_stage {split} has {len(split)} entries, not a multiple of pipeline_degree {pp}; "
@@ -448,95 +306,21 @@ def _check_values(c: TunedConfig) -> None:
         )
     if any(n < 1 for n in split):
         raise ConfigError(f"layers_per_stage {split} has an empty stage; give every stage at least one layer")
-    if sum(split) != c.model_layers:
+    if sum(split) != layers:
         raise ConfigError(
-            f"layers_per_stage {split} covers {sum(split)} layers but model_layers is {c.model_layers}; "
-            f"make the entries add up to {c.model_layers}"
+            f"layers_per_stage {split} covers {sum(split)} layers but model_layers is {layers}; "
+            f"make the entries add up to {layers}"
+        )
+    roles = c.get("layer_roles")
+    if roles is not None and len(roles) != layers:
+        raise ConfigError(
+            f"layer_roles has {len(roles)} entries but model_layers is {layers}; give one role per layer or drop "
+            f"layer_roles"
         )
     try:
-        validate_schedule(c.schedule, pipeline_degree=pp, n_microbatches=m, n_stages=len(split))
+        validate_schedule(parse_schedule(c["schedule"]), pipeline_degree=pp, n_microbatches=m, n_stages=len(split))
     except InvalidCandidateError as exc:
         raise ConfigError(str(exc)) from None
-
-
-# ---------------------------------------------------------------------------------------------- writing
-
-_INLINE_COMMENTS = {
-    "num_microbatches": "B / (M x dp): micro-batches per pipeline per step",
-    "layers_per_stage": "stages in model order",
-}
-
-
-def dump_config(config: TunedConfig, *, command: str | None = None, filename: str = "CONFIG") -> str:
-    """The YAML text of a config: a header saying how it was produced, then the keys in schema order."""
-    search, env = config.search, config.environment
-    source = (
-        f"the best of {search.trials} trials ({search.feasible} feasible) of study {search.study!r}"
-        if search.study
-        else "a single measured trial"
-    )
-    header = [
-        f"# autotune tuned config, schema version {SCHEMA_VERSION}.",
-        (
-            f"# Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by autotune {env.autotune} "
-            f"(torch {env.torch}, Python {env.python}) from {source},"
-        ),
-        (
-            f"# measured in a real pipelined run on {config.gpus} rank(s) of {env.device}; `predicted` is the "
-            "simulator's estimate."
-        ),
-    ]
-    if command:
-        header.append(f"# Command: {' '.join(command.splitlines())}")
-    header += [
-        f"# Check it still holds: autotune check {filename}",
-        f"# Use it elsewhere:     autotune export {filename} --format torchtitan|deepspeed|megatron",
-    ]
-    body = yaml.dump(config.to_dict(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10_000)
-    comments = dict(_INLINE_COMMENTS)
-    if config.memory_limit_bytes is not None:
-        comments["memory_limit_bytes"] = format_bytes(config.memory_limit_bytes)
-    lines = [_with_comment(line, comments) for line in body.splitlines()]
-    return "\n".join(header + lines) + "\n"
-
-
-def save_config(config: TunedConfig, path: str | Path, *, command: str | None = None) -> Path:
-    """Write the config atomically: a reader sees the old file or the new one, never a torn one."""
-    path = Path(path)
-    try:
-        atomic_write_text(path, dump_config(config, command=command, filename=str(path)))
-    except OSError as exc:
-        raise ConfigError(
-            f"{path}: cannot be written ({exc.strerror or exc}); pass --output with a writable path"
-        ) from None
-    return path
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same directory, fsync, then os.replace over the target (atomic on POSIX and Windows)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as tmp:
-            tmp.write(text)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
-        raise
-    with contextlib.suppress(OSError, AttributeError):  # make the rename itself durable where the OS allows
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def mask_password(url: str) -> str:
@@ -548,26 +332,3 @@ def mask_password(url: str) -> str:
     host = f"[{host}]" if ":" in host else host
     netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-class _Dumper(yaml.SafeDumper):
-    """Block mappings, flow lists ([3, 2, 2, 3]), null written as null."""
-
-
-def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
-
-
-def _represent_none(dumper: yaml.SafeDumper, _: None) -> yaml.Node:
-    return dumper.represent_scalar("tag:yaml.org,2002:null", "null")
-
-
-_Dumper.add_representer(list, _represent_list)
-_Dumper.add_representer(type(None), _represent_none)
-
-
-def _with_comment(line: str, comments: Mapping[str, str]) -> str:
-    key, sep, value = line.partition(":")
-    if sep and value.strip() and key in comments:  # top-level scalar lines only: nested keys are indented
-        return f"{line}  # {comments[key]}"
-    return line

@@ -21,7 +21,7 @@ import _results  # noqa: E402
 
 from autotune.model_file import check_model, load_model_file  # noqa: E402
 from autotune.plan import plan  # noqa: E402
-from autotune.profile import profile_model  # noqa: E402
+from autotune.profiling import profile_model  # noqa: E402
 from autotune.simulate import LinkModel, simulate  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402
 

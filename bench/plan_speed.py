@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
+from autotune.costs import LayerCost, Profile  # noqa: E402
 from autotune.plan import plan  # noqa: E402
-from autotune.profile import LayerCost, Profile  # noqa: E402
 
 GiB = 2**30
 

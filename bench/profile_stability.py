@@ -19,7 +19,7 @@ import _results  # noqa: E402
 
 CHILD = """
 import json, sys
-import autotune.profile as profile
+import autotune.profiling as profile
 if sys.argv[3] == "glibc defaults":
     profile.keep_freed_cpu_memory = lambda: False
 from autotune.model_file import check_model, load_model_file

@@ -1,9 +1,9 @@
 """Tuning quality and cost: `autotune search` against an exhaustive grid over the same space, side by side.
 
 1. Grid: every schedule x every B/M dividing B x every split, each run once as a real trial (2 ranks).
-2. Search: run_search over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
-   --trials budget, profile and plan included in its wall time; --searches times with seeds 0, 1, ... (a search
-   is one draw: trials are noisy), the summary taking medians over them.
+2. Search: autotune.tune over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
+   --trials budget, profile and plan included in its wall time (no config or report written); --searches times
+   with seeds 0, 1, ... (a search is one draw: trials are noisy), the summary taking medians over them.
 3. Side by side: each search's config, the grid's best, the rule-of-thumb default (uniform split, 1F1B,
    B/M = 4 x stages) and the uniform split at each search's schedule and B/M, run in turn --rounds times; medians.
    Trials run torch.distributed.pipelining's schedules directly (autotune.trial), one process per rank.
@@ -28,11 +28,10 @@ import _results  # noqa: E402
 from autotune.candidate import Candidate, Measurement, uniform_split  # noqa: E402
 from autotune.errors import InvalidCandidateError  # noqa: E402
 from autotune.model_file import check_model, load_model_file  # noqa: E402
-from autotune.plan import plan  # noqa: E402
-from autotune.profile import profile_model  # noqa: E402
 from autotune.schedules import Schedule, default_stages_per_rank  # noqa: E402
-from autotune.search import SearchOptions, rule_of_thumb, run_search  # noqa: E402
+from autotune.search import rule_of_thumb  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402
+from autotune.tune import TuneRequest, tune  # noqa: E402
 
 
 def splits(n_layers: int, n_stages: int):
@@ -102,23 +101,29 @@ def main() -> None:
     searches = []
     for seed in range(args.searches):
         started = time.time()
-        profile = profile_model(spec, batch_size=args.batch_size, device=args.device)
-        planned = plan(profile, gpus=args.gpus, batch_size=args.batch_size, memory_limit_bytes=None)
-        search_options = SearchOptions(
-            gpus=args.gpus,
-            batch_size=args.batch_size,
-            n_trials=args.trials,
-            seed=seed,
-            layouts=((args.gpus, 1),),
-            checkpointing=(False,),
-            wire_dtypes=("float32",),
-            trial=options,
+        outcome = tune(
+            TuneRequest(
+                model=Path(args.model),
+                gpus=args.gpus,
+                batch_size=args.batch_size,
+                device=args.device,
+                trials=args.trials,
+                seed=seed,
+                steps=options.steps,
+                warmup=options.warmup,
+                storage=f"sqlite:///{tempfile.mkdtemp()}/bench.db",
+                study_name="bench",
+                output=None,  # the searches' choices are compared below, not written
+                report_dir=None,
+                layouts=((args.gpus, 1),),
+                checkpointing=(False,),
+                wire_dtypes=("float32",),
+            )
         )
-        storage = f"sqlite:///{tempfile.mkdtemp()}/bench.db"
-        result = run_search(spec, profile, planned, search_options, study_name="bench", storage=storage)
+        result = outcome.result
         assert result.best is not None
         searches.append({"seed": seed, "wall": time.time() - started, "tuned": result.best.candidate,
-                         "launched": result.launched, "records": len(result.records), "profile": profile})
+                         "launched": result.launched, "records": len(result.records), "profile": outcome.profile})
 
     # 1. the exhaustive grid
     candidates = grid(spec.n_layers, args.gpus, args.batch_size)

@@ -12,6 +12,9 @@ SEQ_LEN = 32
 D_MODEL = 64
 N_HEADS = 4
 N_BLOCKS = 6
+LAYER_ROLES = ["embedding"] + ["block"] * N_BLOCKS + ["head"]
+"""What each layer of build_model() is: `autotune export` counts transformer layers for Megatron-LM and torchtitan
+from it when the tuned config has no layer_roles (read from this file's text, not run)."""
 
 
 class Embedding(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from autotune.candidate import Candidate, Measurement, TrialError
-from autotune.profile import LayerCost, Profile
+from autotune.costs import LayerCost, Profile
 from autotune.simulate import simulate
 
 COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]

@@ -9,10 +9,10 @@ from typing import Literal
 
 import autotune
 from autotune.candidate import Measurement
+from autotune.records import TrialRecord
 from autotune.report.facts import ReportFacts
 from autotune.report.figures import FigureImage, is_repeat
 from autotune.report.measures import describe_gain
-from autotune.search import TrialRecord
 from autotune.simulate import Estimate
 from autotune.tuned_config import mask_password
 from autotune.units import format_bytes

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.candidate import Candidate, Measurement
+from autotune.costs import Profile
 from autotune.explain import memory_choice_reason
-from autotune.profile import Profile
+from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
     Gain,
@@ -22,7 +23,6 @@ from autotune.report.measures import (
     ms_per_sample,
 )
 from autotune.report.reasons import ReportWarning, reproduce_commands, warnings_for, why_chosen
-from autotune.search import SearchResult
 from autotune.simulate import Estimate, simulate
 
 

@@ -13,9 +13,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from autotune.candidate import Candidate
+from autotune.records import TrialRecord
 from autotune.report.measures import Curve, RunMemory, StageBalance
 from autotune.schedules import Schedule
-from autotune.search import TrialRecord
 from autotune.simulate import TimelineEvent
 
 DPI = 100

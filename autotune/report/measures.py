@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
+from autotune.costs import Profile
 from autotune.errors import AutotuneError
-from autotune.partition import balance_for_schedule, part_costs
+from autotune.partition import balanced_split, part_costs
 from autotune.plan import PlannedCandidate, recommended_microbatch_range
-from autotune.profile import Profile
+from autotune.records import SearchResult
 from autotune.schedules import Schedule, default_stages_per_rank, stage_ranks, validate_schedule
-from autotune.search import SearchResult
 from autotune.simulate import Estimate, simulate
 
 GainBasis = Literal["measured", "predicted"]
@@ -200,11 +200,10 @@ def _simulated(
             break
         try:
             validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
-            costs = [c.forward_ms + c.backward_ms for c in profile.layer_costs(replica // m)]
+            split = balanced_split(profile.layer_costs(replica // m), schedule, pp, n_stages)
             candidate = Candidate(
                 schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=batch,
-                n_microbatches=m, layers_per_stage=balance_for_schedule(costs, schedule, pp, n_stages),
-                wire_dtype=wire,
+                n_microbatches=m, layers_per_stage=split, wire_dtype=wire,
             )
             estimate = simulate(profile, candidate, memory_limit_bytes=limit, with_timeline=False)
         except AutotuneError:

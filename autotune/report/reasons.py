@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autotune.candidate import Candidate, Measurement, stage_bounds
+from autotune.records import SearchResult, TrialRecord
 from autotune.report.measures import Gain, StageBalance, percent
-from autotune.search import SearchResult, TrialRecord
 from autotune.simulate import Estimate
 from autotune.tuned_config import mask_password
 from autotune.units import format_bytes

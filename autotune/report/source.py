@@ -5,11 +5,10 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from autotune.costs import Profile
 from autotune.errors import AutotuneError, UsageError
-from autotune.profile import Profile
-from autotune.search import SearchResult, load_search
+from autotune.records import SearchResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +27,7 @@ def locate_study(config_path: Path | None, storage: str | None, study_name: str 
         if not storage or not study_name:
             raise UsageError("say which search to report on: pass a CONFIG, or --storage URL and --study-name NAME")
         return StudySource(storage=_local_sqlite(storage, None), study_name=study_name)
-    from autotune.tuned_config import load_config
+    from autotune.config_file import load_config
 
     search = load_config(config_path).search
     name = study_name or search.study
@@ -45,8 +44,10 @@ def locate_study(config_path: Path | None, storage: str | None, study_name: str 
     return StudySource(storage=_local_sqlite(url, config_path), study_name=name, config_path=config_path)
 
 
-def load_study(source: StudySource) -> tuple[SearchResult, Profile, dict[str, Any]]:
+def load_study(source: StudySource) -> tuple[SearchResult, Profile]:
     """load_search, with storage errors (bad URL, unreachable database) as a UsageError that names the URL."""
+    from autotune.search import load_search  # Optuna: only this reads a storage
+
     try:
         return load_search(source.storage, source.study_name)
     except AutotuneError:

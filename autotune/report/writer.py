@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.candidate import Candidate
+from autotune.costs import Profile
 from autotune.errors import AutotuneError, UsageError
-from autotune.model_file import ModelSpec
-from autotune.profile import Profile
+from autotune.files import atomic_write_bytes, atomic_write_text
+from autotune.records import SearchResult
 from autotune.report.document import build_document
 from autotune.report.facts import ReportFacts, gather_facts
 from autotune.report.figures import (
@@ -26,8 +26,9 @@ from autotune.report.figures import (
 )
 from autotune.report.html import render_html
 from autotune.report.markdown import FIGURES_DIR, render_markdown
-from autotune.search import SearchResult
-from autotune.tuned_config import atomic_write_text
+
+if TYPE_CHECKING:
+    from autotune.model_file import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +44,20 @@ def write_search_report(
     config_path: Path | None,
     report_dir: Path,
     memory_limit_bytes: int | None,
-    setup: dict[str, Any] | None = None,
+    setup: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write report_dir/report.md (+ figures/*.png) and report_dir/report.html; return report_dir.
 
     spec: the loaded model file, for the BatchNorm check (None when the file is not at hand). config_path: the tuned
-    config written from this search; when it exists its exports are included. setup: the study's setup (model, gpus,
-    batch_size, device, n_trials, seed), for the command that reproduces the search."""
+    config written from this search; when it exists its exports are included. setup: the study's setup (model,
+    gpus, batch_size, device, n_trials, seed) for the command that reproduces the search; default result.setup."""
     report_dir = Path(report_dir)
-    if setup is None:
-        setup = _stored_setup(result)
     config_candidate, exports = _config_exports(config_path)
     facts = gather_facts(
         result,
         profile=profile,
         memory_limit_bytes=memory_limit_bytes,
-        setup=setup,
+        setup=result.setup if setup is None else setup,
         model=str(spec.path) if spec is not None else None,
         batchnorm_layers=batchnorm_layers(spec, profile),
         config_candidate=config_candidate,
@@ -72,7 +71,7 @@ def write_search_report(
         figures_dir = report_dir / FIGURES_DIR
         figures_dir.mkdir(parents=True, exist_ok=True)
         for figure in figures:
-            _atomic_write_bytes(figures_dir / figure.filename, figure.png)
+            atomic_write_bytes(figures_dir / figure.filename, figure.png)
         drawn = {figure.name for figure in figures}
         for name in FIGURE_NAMES:  # a figure an earlier report drew but this one cannot: do not leave it stale
             if name not in drawn:
@@ -137,8 +136,8 @@ def _config_exports(config_path: Path | None) -> tuple[Candidate | None, list[tu
     """The config file's candidate and its exports, or nothing when there is no readable config."""
     if config_path is None or not Path(config_path).exists():
         return None, []
+    from autotune.config_file import load_config
     from autotune.exports import export_config
-    from autotune.tuned_config import load_config
 
     try:
         config = load_config(config_path)
@@ -152,35 +151,3 @@ def _config_exports(config_path: Path | None) -> tuple[Candidate | None, list[tu
         except AutotuneError as exc:
             exports.append((fmt, "", f"cannot export: {exc}"))
     return config.candidate, exports
-
-
-def _stored_setup(result: SearchResult) -> dict[str, Any] | None:
-    """The setup `autotune search` stored in the study (trial budget, seed, ...), for the reproduce command."""
-    if result.storage.startswith("sqlite:///") and not Path(result.storage[len("sqlite:///"):]).is_file():
-        return None  # optuna would create an empty database there
-    try:
-        import optuna
-
-        study = optuna.load_study(study_name=result.study_name, storage=result.storage)
-        setup = study.user_attrs.get("setup")
-    except Exception as exc:  # noqa: BLE001 - best effort: without it the command just omits --trials and --seed
-        log.debug("no stored setup for study %s: %s", result.study_name, exc)
-        return None
-    return dict(setup) if isinstance(setup, dict) else None
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, then os.replace: a reader never sees half a PNG."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
-        raise
-

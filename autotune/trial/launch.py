@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.candidate import Candidate, Measurement, TrialError
+from autotune.compat import TORCH_DISTRIBUTED_PATH
 from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
 from autotune.trial import server
@@ -167,7 +168,7 @@ def _stuck_outside_comms(stack_file: Path) -> bool:
             continue
         frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
         if frames:
-            return "torch/distributed" not in frames[0]
+            return TORCH_DISTRIBUTED_PATH not in frames[0]
     return False
 
 

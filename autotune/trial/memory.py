@@ -12,7 +12,6 @@ would hold.
 from __future__ import annotations
 
 import gc
-import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -20,8 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from autotune.compat import ALLOCATION_BYTES, OUT_OF_MEMORY_TEXTS, TorchDispatchMode, tree_flatten, view_base
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -108,7 +107,7 @@ class SavedActivationBytes:
         self._hooks.__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter):
             return tensor
         try:
             storage = tensor.untyped_storage()
@@ -149,18 +148,13 @@ class _SavedHolder:
         self._on_free()
 
 
-_ALLOC_BYTES = re.compile(
-    r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?"
-)
 _UNITS = {None: 1, "bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
-    return (
-        isinstance(exc, (MemoryLimitExceeded, torch.OutOfMemoryError, MemoryError))
-        or "can't allocate memory" in text
-        or "CUDA out of memory" in text
+    return isinstance(exc, (MemoryLimitExceeded, torch.OutOfMemoryError, MemoryError)) or any(
+        marker in text for marker in OUT_OF_MEMORY_TEXTS
     )
 
 
@@ -168,7 +162,7 @@ def requested_bytes(exc: BaseException) -> int | None:
     """The allocation an out-of-memory error was refused, as its message states it."""
     if isinstance(exc, MemoryLimitExceeded):
         return exc.live_bytes
-    match = _ALLOC_BYTES.search(str(exc))
+    match = ALLOCATION_BYTES.search(str(exc))
     if not match:
         return None
     return int(float(match.group(1)) * _UNITS[match.group(2)])

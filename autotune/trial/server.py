@@ -29,7 +29,24 @@ def start() -> int | None:
     context()
     with main_module_hidden():
         forkserver.ensure_running()
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # type: ignore[attr-defined]
+    return getattr(_forkserver(), "_forkserver_pid", None)
+
+
+def close_alive_pipe() -> None:
+    """In a rank: close the write end of the server's "tuner alive" pipe that multiprocessing hands every child.
+    While a rank held it, the server would never see the tuner die, and so never exit with it."""
+    server = _forkserver()
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def _forkserver() -> Any:
+    """multiprocessing's private fork-server singleton (the stdlib's; its pid and pipe are not public)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ import ctypes
 import datetime
 import faulthandler
 import gc
-import json
 import math
 import os
 import signal
@@ -27,23 +26,14 @@ import torch.distributed as dist
 import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
+from autotune.compat import COMMS_ERROR_TEXTS, TORCH_PATH
 from autotune.devices import keep_freed_cpu_memory
+from autotune.files import atomic_write_json
 from autotune.model_file import ModelSpec, load_model_file, make_batch
 from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
+from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
-
-_COMMS_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Read error",
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out waiting",
-    "NCCL communicator was aborted",
-    "ProcessGroupGloo",
-    "ECONNRESET",
-)
 
 
 def run_rank(job: RankJob) -> None:
@@ -62,10 +52,10 @@ def run_rank(job: RankJob) -> None:
         result = _train(job, phases)
     except BaseException as exc:  # noqa: BLE001 - everything a rank can raise becomes data
         traceback.print_exc()
-        _write_json(run_dir / f"error-{job.rank}.json", _classify(job.rank, exc))
+        atomic_write_json(run_dir / f"error-{job.rank}.json", _classify(job.rank, exc))
         sys.stdout.flush()
         os._exit(1)
-    _write_json(run_dir / f"result-{job.rank}.json", result)
+    atomic_write_json(run_dir / f"result-{job.rank}.json", result)
     os._exit(0)
 
 
@@ -219,7 +209,7 @@ def _classify(rank: int, exc: BaseException) -> dict[str, Any]:
     oom = oom_cause is not None
     comms = not oom and (
         isinstance(exc, (dist.DistBackendError, dist.DistNetworkError))
-        or any(marker in text for marker in _COMMS_MARKERS)
+        or any(marker in text for marker in COMMS_ERROR_TEXTS)
     )
     first_line = " ".join(f"{type(root).__name__}: {root}".split())[:500]
     return {
@@ -245,17 +235,11 @@ def _user_frame(exc: BaseException) -> str | None:
     where = None
     for link in reversed(_chain(exc)):
         for frame in traceback.extract_tb(link.__traceback__):
-            if "/torch/" not in frame.filename and "/autotune/" not in frame.filename:
+            if TORCH_PATH not in frame.filename and "/autotune/" not in frame.filename:
                 where = f"{frame.filename}:{frame.lineno}"
         if where:
             return where
     return where
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -267,10 +251,4 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)  # the parent died before prctl took effect
     # multiprocessing hands every fork-server child the write end of the server's "tuner alive" pipe; while a
     # rank held it, the server would never see the tuner die, never exit, and so never trigger PDEATHSIG.
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    alive_fd = getattr(server, "_forkserver_alive_fd", None)
-    if alive_fd is not None:
-        os.close(alive_fd)
-        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+    server.close_alive_pipe()

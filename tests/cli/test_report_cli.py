@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from autotune.cli import app
-from autotune.search import SearchResult
-from autotune.tuned_config import SearchSummary, TunedConfig, save_config
+from autotune.config_file import save_config
+from autotune.records import SearchResult
+from autotune.tuned_config import SearchSummary, TunedConfig
 from tests.unit.test_report import LIMIT, make_study
 
 runner = CliRunner()

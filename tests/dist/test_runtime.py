@@ -10,7 +10,8 @@ import pytest
 
 from autotune.candidate import Candidate, Measurement
 from autotune.schedules import Schedule
-from autotune.tuned_config import TunedConfig, save_config
+from autotune.config_file import save_config
+from autotune.tuned_config import TunedConfig
 from tests.conftest import RECIPES
 
 pytestmark = pytest.mark.dist

@@ -8,7 +8,7 @@ import torch
 
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file
-from autotune.profile import profile_model
+from autotune.profiling import profile_model
 from autotune.schedules import Schedule
 from autotune.trial import TrialOptions, run_trial
 from tests.conftest import RECIPES

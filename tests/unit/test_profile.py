@@ -3,9 +3,10 @@ import json
 import pytest
 import torch
 
+from autotune.costs import LayerCost, LayerProfile, Profile
 from autotune.errors import UsageError
 from autotune.model_file import load_model_file
-from autotune.profile import LayerCost, LayerProfile, Profile, default_micro_batch_sizes, profile_model
+from autotune.profiling import default_micro_batch_sizes, profile_model
 from tests.conftest import RECIPES
 
 

@@ -14,8 +14,10 @@ from PIL import Image
 from torch import nn
 
 from autotune.candidate import Candidate
+from autotune.config_file import save_config
 from autotune.model_file import ModelSpec, load_model_file
 from autotune.plan import plan
+from autotune.records import SearchResult, TrialRecord
 from autotune.report import write_search_report
 from autotune.report.document import build_document
 from autotune.report.facts import gather_facts
@@ -25,8 +27,8 @@ from autotune.report.measures import bm_curves
 from autotune.report.reasons import oom_neighbours, size_flag
 from autotune.report.writer import FIGURE_NAMES, batchnorm_layers
 from autotune.schedules import Schedule
-from autotune.search import SearchOptions, SearchResult, TrialRecord, run_search
-from autotune.tuned_config import SearchSummary, TunedConfig, save_config
+from autotune.search import SearchOptions, run_search
+from autotune.tuned_config import SearchSummary, TunedConfig
 from tests.conftest import RECIPES
 from tests.fakes import SimulatedRunner, synthetic_profile
 

@@ -69,16 +69,3 @@ def test_every_action_list_runs_each_forward_and_backward_once(schedule, pp, m):
 def test_invalid_schedules_are_refused_with_the_fix(schedule, pp, m, stages, match):
     with pytest.raises(InvalidCandidateError, match=match):
         validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=stages)
-
-
-@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV_ZERO_BUBBLE, Schedule.DUAL_PIPE_V,
-                                      Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS], ids=lambda s: s.value)
-def test_skipping_torchs_unshard_pass_gives_torchs_own_lists(schedule):
-    from torch.distributed.pipelining import _schedule_visualizer
-
-    from autotune.schedules import _compute_actions
-
-    pp, m = 4, 16
-    n_stages = pp * default_stages_per_rank(schedule)
-    reference = _schedule_visualizer.get_schedule_ops(schedule.value, pp, m, num_stages_per_rank=n_stages // pp)
-    assert action_lists(schedule, pp, m, n_stages) == [_compute_actions(r) for r in reference]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import optuna
 import pytest
 
+from autotune.costs import Profile
 from autotune.errors import UsageError
 from autotune.model_file import load_model_file
 from autotune.plan import plan
-from autotune.profile import Profile
 from autotune.schedules import Schedule
-from autotune.search import SearchOptions, SearchSpace, _shifted, rule_of_thumb, run_search
+from autotune.search import SearchOptions, SearchSpace, rule_of_thumb, run_search
+from autotune.search_space import _shifted
 from autotune.simulate import simulate
 from tests.conftest import RECIPES
 from tests.fakes import COSTS, SimulatedRunner, synthetic_profile
@@ -90,7 +92,37 @@ def test_memory_limit_prunes_before_launch(spec, tmp_path):
     result = search(spec, tmp_path, runner, memory_limit_bytes=lean + 1)
     pruned = [r for r in result.records if r.outcome == "pruned" and "limit" in r.reason]
     assert all(max(simulate(p, c, with_timeline=False).peak_memory_bytes) <= lean + 1 for c in runner.calls)
-    assert pruned or all(r.outcome != "pruned" for r in result.records)
+    assert pruned  # the rule-of-thumb default alone needs more than the leanest candidate
+    assert all(max(r.predicted_peak_memory_bytes) > lean + 1 for r in pruned)
+    assert not any(r.launched for r in pruned)
+
+
+class LuckyFirstRun(SimulatedRunner):
+    """The rule-of-thumb default's first run is lucky (0.3 x its simulated step time) and its later runs slow (3 x):
+    the fastest single run of the search is then a run of a candidate that does not win on its median."""
+
+    def __call__(self, spec, candidate, options):
+        measured = super().__call__(spec, candidate, options)
+        if candidate != rule_of_thumb(8, 2, 32) or measured.status != "ok":
+            return measured
+        factor = 0.3 if self.calls.count(candidate) == 1 else 3.0
+        step = measured.step_time_ms * factor
+        return replace(measured, step_time_ms=step, step_times_ms=(step,),
+                       throughput_samples_per_s=candidate.global_batch_size / step * 1000)
+
+
+def test_best_trial_is_a_run_of_the_chosen_candidate_live_and_stored(spec, tmp_path):
+    from autotune.search import load_search
+
+    result = search(spec, tmp_path, LuckyFirstRun())
+    default = rule_of_thumb(8, 2, 32)
+    fastest_run = min((r for r in result.records if r.outcome == "ok"), key=lambda r: r.step_time_ms)
+    assert fastest_run.candidate == default != result.best.candidate  # the trap is set
+    by_number = {r.number: r for r in result.records}
+    assert by_number[result.best_trial].candidate == result.best.candidate
+    assert by_number[result.best_trial].outcome == "ok" and by_number[result.best_trial].launched
+    stored, _ = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
+    assert stored.best_trial == result.best_trial
 
 
 def test_interrupted_search_resumes_without_losing_trials(spec, tmp_path):
@@ -108,6 +140,25 @@ def test_interrupted_search_resumes_without_losing_trials(spec, tmp_path):
     assert len(runner.calls) == 8 - 4
 
 
+def test_trials_enqueued_but_never_asked_are_not_records_and_resume_counts_each_trial_once(spec, tmp_path):
+    from autotune.search import load_search
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    first = search(spec, tmp_path, SimulatedRunner(interrupt_after=3))
+    # A seed or re-measurement enqueued but never asked (the budget or Ctrl-C cut it short) waits in the storage.
+    params = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32)).params_for(rule_of_thumb(8, 2, 32))
+    optuna.load_study(study_name="s", storage=storage).enqueue_trial(params, user_attrs={"phase": "seed"})
+    stored, _ = load_search(storage, "s")
+    assert [r.number for r in stored.records] == [r.number for r in first.records]
+    assert not any(r.outcome == "interrupted" and not r.launched for r in stored.records)
+    second = search(spec, tmp_path, SimulatedRunner(), resume=True)
+    numbers = [r.number for r in second.records]
+    asked = optuna.load_study(study_name="s", storage=storage).get_trials(
+        states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    )
+    assert sorted(numbers) == sorted(set(numbers)) == sorted(t.number for t in asked)
+
+
 def test_a_trial_left_running_by_a_crash_is_failed_on_resume(spec, tmp_path):
     search(spec, tmp_path, SimulatedRunner(interrupt_after=2))
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
@@ -123,7 +174,8 @@ def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
     from autotune.search import load_search
 
     result = search(spec, tmp_path, SimulatedRunner())
-    loaded, prof, setup = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
+    loaded, prof = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
+    setup = loaded.setup
     assert loaded.best.candidate == result.best.candidate
     assert [r.outcome for r in loaded.records] == [r.outcome for r in result.records]
     assert prof.n_layers == len(COSTS) and setup["gpus"] == 2 and setup["batch_size"] == 32
@@ -140,3 +192,23 @@ def test_one_stage_pipelines_only_take_single_stage_schedules_and_float32():
                                                "shift1_of_2": 0}))
     with pytest.raises(InvalidCandidateError, match="moot"):
         space.suggest(optuna.trial.FixedTrial({**base, "schedule": "GPipe", "wire_dtype": "bfloat16"}))
+
+
+def test_the_balanced_base_is_the_planners_split_checkpointing_included():
+    from autotune.costs import LayerCost, Profile
+    from autotune.partition import balanced_split
+
+    # Forward-heavy layers cost more once checkpointed (their forward runs twice): the checkpointed split differs.
+    layers = [LayerCost(forward_ms=f, backward_input_ms=b / 2, backward_weight_ms=b / 2, saved_bytes=10,
+                        output_bytes=10, parameter_bytes=10) for f, b in [(4, 1)] * 4 + [(0.5, 4.5)] * 4]
+    p = Profile.from_layer_costs(layers, micro_batch_size=4)
+    space = SearchSpace(p, SearchOptions(gpus=2, batch_size=32, layouts=((2, 1),)))
+    params = {"layout": "pp2xdp1", "schedule": "1F1B", "n_microbatches_dp1": 4, "split": "balanced",
+              "shift1_of_2": 0, "wire_dtype": "float32"}
+    plain = space.suggest(optuna.trial.FixedTrial({**params, "activation_checkpointing": False}))
+    ckpt = space.suggest(optuna.trial.FixedTrial({**params, "activation_checkpointing": True}))
+    costs = p.layer_costs(8)
+    assert plain.layers_per_stage == balanced_split(costs, Schedule.ONE_F_ONE_B, 2, 2)
+    assert ckpt.layers_per_stage == balanced_split(costs, Schedule.ONE_F_ONE_B, 2, 2, checkpointing=True)
+    assert ckpt.layers_per_stage != plain.layers_per_stage
+    assert space.params_for(ckpt) == {**params, "activation_checkpointing": True}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.candidate import Candidate
+from autotune.candidate import Candidate, pipeline_layouts
+from autotune.costs import LayerProfile, Profile
 from autotune.explain import best_one_f_one_b, lower_memory_changes, memory_choice_reason
 from autotune.model_file import load_model_file
-from autotune.plan import _layouts, plan
-from autotune.profile import LayerProfile, Profile
+from autotune.plan import plan
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, run_search
 from autotune.simulate import simulate
@@ -45,10 +45,10 @@ def peak(profile: Profile, candidate: Candidate) -> int:
 
 
 def test_layouts_are_every_pp_x_dp_the_model_and_batch_allow():
-    assert _layouts(8, 256, 48) == [(8, 1), (4, 2), (2, 4), (1, 8)]
-    assert _layouts(8, 12, 48) == [(8, 1), (4, 2), (2, 4)]  # dp 8 does not divide B = 12
-    assert _layouts(8, 256, 3) == [(2, 4), (1, 8)]  # a 3-layer model has no 4- or 8-rank pipeline
-    assert _layouts(6, 6, 10) == [(6, 1), (3, 2), (2, 3), (1, 6)]
+    assert pipeline_layouts(8, 256, 48) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    assert pipeline_layouts(8, 12, 48) == [(8, 1), (4, 2), (2, 4)]  # dp 8 does not divide B = 12
+    assert pipeline_layouts(8, 256, 3) == [(2, 4), (1, 8)]  # a 3-layer model has no 4- or 8-rank pipeline
+    assert pipeline_layouts(6, 6, 10) == [(6, 1), (3, 2), (2, 3), (1, 6)]
 
 
 def test_plan_ranks_data_parallel_layouts_with_micro_batches_per_replica():

@@ -5,12 +5,12 @@ import random
 
 import pytest
 
+from autotune.action_graph import DeadlockError
 from autotune.candidate import Candidate
+from autotune.costs import LayerCost, Profile
 from autotune.errors import InvalidCandidateError, UsageError
-from autotune.profile import LayerCost, Profile
 from autotune.schedules import Action, Schedule, default_stages_per_rank
 from autotune.simulate import (
-    DeadlockError,
     LinkModel,
     max_in_flight,
     simulate,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-import autotune.tuned_config as tc
+import autotune.files as files
 from autotune.candidate import Candidate, Measurement
+from autotune.config_file import dump_config, load_config, save_config
 from autotune.errors import ConfigError
 from autotune.schedules import Schedule
 from autotune.tuned_config import (
@@ -23,10 +24,7 @@ from autotune.tuned_config import (
     PredictedResult,
     SearchSummary,
     TunedConfig,
-    dump_config,
-    load_config,
     mask_password,
-    save_config,
 )
 
 SCHEMA_ORDER = [
@@ -76,7 +74,24 @@ def make_config(**changes: Any) -> TunedConfig:
         "environment": Environment(device="NVIDIA H100", torch="2.13.0", autotune="0.1.0", python="3.11.7"),
     }
     fields.update(changes)
-    return TunedConfig(**fields)
+    return config_of(fields)
+
+
+def config_of(fields: dict[str, Any]) -> TunedConfig:
+    """A config from the file's flat keys (gpus, num_microbatches, ...), the candidate built from them."""
+    candidate = Candidate(
+        schedule=fields.pop("schedule"),
+        pipeline_degree=fields.pop("pipeline_degree"),
+        data_parallel_degree=fields.pop("data_parallel_degree"),
+        global_batch_size=fields.pop("global_batch_size"),
+        n_microbatches=fields.pop("num_microbatches"),
+        layers_per_stage=fields.pop("layers_per_stage"),
+        activation_checkpointing=fields.pop("activation_checkpointing"),
+        wire_dtype=fields.pop("wire_dtype"),
+    )
+    gpus, micro = fields.pop("gpus"), fields.pop("micro_batch_size")
+    assert (gpus, micro) == (candidate.world_size, candidate.micro_batch_size)
+    return TunedConfig(candidate=candidate, **fields)
 
 
 def write_dict(tmp_path: Path, data: Any, name: str = "autotune.yaml") -> Path:
@@ -138,6 +153,17 @@ def test_missing_wire_dtype_means_float32(tmp_path: Path) -> None:
     data = valid_dict()
     del data["wire_dtype"]
     assert load_config(write_dict(tmp_path, data)).wire_dtype == "float32"
+
+
+def test_layer_roles_are_optional_and_round_trip(tmp_path: Path) -> None:
+    data = valid_dict()
+    assert "layer_roles" not in data and load_config(write_dict(tmp_path, data)).layer_roles is None
+    assert "layer_roles" not in yaml.safe_load(dump_config(load_config(write_dict(tmp_path, data))))
+    roles = ["embedding"] + ["block"] * 8 + ["head"]
+    data["layer_roles"] = roles
+    config = load_config(write_dict(tmp_path, data))
+    assert config.layer_roles == tuple(roles)
+    assert yaml.safe_load(dump_config(config))["layer_roles"] == roles
 
 
 def test_candidate_property_matches_the_config() -> None:
@@ -230,7 +256,7 @@ def test_failed_save_keeps_the_old_file_whole(tmp_path: Path, monkeypatch: pytes
     def boom(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tc.os, fail_in, boom)
+    monkeypatch.setattr(files.os, fail_in, boom)
     with pytest.raises(ConfigError, match=r"autotune\.yaml: cannot be written \(No space left on device\)"):
         save_config(make_config(global_batch_size=128, num_microbatches=16), path)
     assert path.read_bytes() == before
@@ -252,7 +278,7 @@ def test_the_target_is_never_torn(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         seen.append(src)
         real_replace(src, dst)
 
-    monkeypatch.setattr(tc.os, "replace", checked_replace)
+    monkeypatch.setattr(files.os, "replace", checked_replace)
     save_config(new_config, path)
     assert seen and load_config(path) == new_config
 
@@ -395,3 +421,86 @@ def test_inconsistent_values(tmp_path: Path, changes: dict[str, Any], message: s
     with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")) as info:
         load_config(path)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- layer roles, old files
+
+OLD_FILE = """\
+# autotune tuned config, schema version 1.
+version: 1
+model: recipes/mlp.py
+model_sha256: 5d0f0e9d2a9c4b11
+model_layers: 13
+gpus: 2
+global_batch_size: 256
+micro_batch_size: 128
+num_microbatches: 2
+pipeline_degree: 2
+data_parallel_degree: 1
+schedule: GPipe
+layers_per_stage: [7, 6]  # stages in model order
+activation_checkpointing: false
+memory_limit_bytes: null
+measured:
+  step_time_ms: 221.5
+  throughput_samples_per_s: 1155.7
+  peak_memory_bytes: [4194304, 3145728]
+predicted:
+  step_time_ms: 210.0
+  peak_memory_bytes: [4000000, 3000000]
+search:
+  study: mlp-cpu-g2-b256
+  storage: sqlite:///.autotune/mlp-cpu-g2-b256.db
+  trials: 12
+  feasible: 9
+  best_trial: 4
+environment:
+  device: cpu
+  torch: 2.13.0
+  autotune: 0.1.0
+  python: 3.11.7
+"""
+
+
+def test_a_file_written_before_wire_dtype_and_layer_roles_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(OLD_FILE)
+    config = load_config(path)
+    assert config.candidate == Candidate(
+        schedule=Schedule.GPIPE, pipeline_degree=2, global_batch_size=256, n_microbatches=2, layers_per_stage=(7, 6)
+    )
+    assert config.wire_dtype == "float32" and config.layer_roles is None
+    assert "layer_roles" not in yaml.safe_load(dump_config(config))
+
+
+def test_layer_roles_round_trip_after_model_layers(tmp_path: Path) -> None:
+    roles = ("embedding", "block", "block", "block", "block", "block", "block", "block", "block", "head")
+    config = make_config(layer_roles=roles)
+    path = save_config(config, tmp_path / "roles.yaml")
+    keys = list(yaml.safe_load(path.read_text()))
+    assert keys[keys.index("model_layers") + 1] == "layer_roles"
+    assert load_config(path) == config and load_config(path).layer_roles == roles
+
+
+@pytest.mark.parametrize(
+    ("roles", "message"),
+    [
+        (["block"] * 9, "layer_roles has 9 entries but model_layers is 10"),
+        (["block"] * 9 + ["decoder"], "layer_roles ['decoder'] are not among embedding, block, head, other"),
+        ("block", "layer_roles must be a list of strings or null, not str 'block'"),
+    ],
+)
+def test_bad_layer_roles(tmp_path: Path, roles: Any, message: str) -> None:
+    data = valid_dict()
+    data["layer_roles"] = roles
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(write_dict(tmp_path, data))
+
+
+def test_the_schema_follows_the_dataclass_fields() -> None:
+    """Every field of TunedConfig (the candidate as its flat keys) is a key of the file, in field order."""
+    from autotune.config_file import _SECTIONS, _TOP
+
+    assert [k for k in _TOP if k != "layer_roles"] == SCHEMA_ORDER
+    assert _TOP["memory_limit_bytes"].optional and _TOP["layers_per_stage"].kind == "ints"
+    assert list(_SECTIONS["search"]) == ["study", "storage", "trials", "feasible", "best_trial"]

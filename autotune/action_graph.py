@@ -1,0 +1,160 @@
+"""Pure: per-rank action lists compiled into a dependency graph the simulator replays: each action's previous action
+on its rank, the other stage's action whose tensor it needs, its own stage's earlier action, and one topological
+order (an action list that has none deadlocks)."""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+
+from autotune.errors import AutotuneError
+from autotune.schedules import Action, ActionKind, Schedule, action_lists
+
+
+class DeadlockError(AutotuneError):
+    """An action list that can never finish: some rank waits on work that waits on it (exit 1: a schedule bug)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionGraph:
+    """Action lists flattened to arrays, with each action's dependencies and one topological order."""
+
+    rank: tuple[int, ...]
+    stage: tuple[int, ...]
+    kind: tuple[ActionKind, ...]
+    microbatch: tuple[int, ...]
+    prev: tuple[int, ...]
+    """Previous action on the same rank, or -1."""
+    dep: tuple[int, ...]
+    """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
+    cross: tuple[bool, ...]
+    """dep runs on another rank, so its tensor travels."""
+    messages: tuple[int, ...]
+    """Sends and receives the action posts: one receive if dep crosses ranks, one send per action on another rank
+    that needs its tensor."""
+    own: tuple[int, ...]
+    """This stage's earlier action it needs (B/I: F; W: I), or -1."""
+    order: tuple[int, ...]
+    rank_actions: tuple[tuple[int, ...], ...]
+    stage_rank: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    """Per stage, the most micro-batches held at once."""
+
+
+@functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
+def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> ActionGraph:
+    """The graph of a schedule's own action lists (cached: the planner simulates many candidates per schedule)."""
+    lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
+    return compile_graph(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
+
+
+def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> ActionGraph:
+    """The graph of the given per-rank lists; a DeadlockError names what is missing, doubled or waits forever."""
+    rank: list[int] = []
+    where: dict[tuple[int, str, int], int] = {}
+    stage_rank: dict[int, int] = {}
+    for r, actions in enumerate(lists):
+        for act in actions:
+            key = (act.stage, act.kind, act.microbatch)
+            if key in where:
+                raise DeadlockError(f"rank {r} runs {act} twice; each stage runs each action once per micro-batch")
+            if stage_rank.setdefault(act.stage, r) != r:
+                raise DeadlockError(
+                    f"stage {act.stage} has actions on ranks {stage_rank[act.stage]} and {r}; a stage lives on one rank"
+                )
+            where[key] = len(rank)
+            rank.append(r)
+    flat = [act for actions in lists for act in actions]
+    for s in range(n_stages):
+        for i in range(n_microbatches):
+            has_b = (s, "B", i) in where
+            split = (s, "I", i) in where, (s, "W", i) in where
+            if (s, "F", i) not in where or not (has_b or all(split)) or (has_b and any(split)):
+                raise DeadlockError(
+                    f"the action lists lack stage {s}'s work for micro-batch {i}: each stage needs F and either B or "
+                    f"I and W for every micro-batch"
+                )
+    if set(stage_rank) != set(range(n_stages)):
+        raise DeadlockError(f"the action lists name stages {sorted(stage_rank)}, expected 0..{n_stages - 1}")
+
+    n = len(flat)
+    prev, dep, own, cross = [-1] * n, [-1] * n, [-1] * n, [False] * n
+    offset = 0
+    for actions in lists:
+        for k in range(1, len(actions)):
+            prev[offset + k] = offset + k - 1
+        offset += len(actions)
+    for a, act in enumerate(flat):
+        s, i = act.stage, act.microbatch
+        if act.kind == "F":
+            d = where.get((s - 1, "F", i), -1)
+        elif act.kind in ("B", "I"):
+            d = where.get((s + 1, "B", i), where.get((s + 1, "I", i), -1)) if s < n_stages - 1 else -1
+            own[a] = where[(s, "F", i)]
+        else:
+            d = -1
+            own[a] = where[(s, "I", i)]
+        dep[a] = d
+        cross[a] = d >= 0 and rank[d] != rank[a]
+    sends = [0] * n
+    for a in range(n):
+        if cross[a]:
+            sends[dep[a]] += 1
+
+    # Kahn's algorithm: what never becomes ready is a deadlock.
+    waiting = [(prev[a] >= 0) + (dep[a] >= 0) + (own[a] >= 0) for a in range(n)]
+    unlocks: list[list[int]] = [[] for _ in range(n)]
+    for a in range(n):
+        for d in (prev[a], dep[a], own[a]):
+            if d >= 0:
+                unlocks[d].append(a)
+    ready = deque(a for a in range(n) if waiting[a] == 0)
+    order: list[int] = []
+    while ready:
+        a = ready.popleft()
+        order.append(a)
+        for b in unlocks[a]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+    rank_actions = []
+    offset = 0
+    for actions in lists:
+        rank_actions.append(tuple(range(offset, offset + len(actions))))
+        offset += len(actions)
+    if len(order) < n:
+        done = set(order)
+        stuck = []
+        for r, ids in enumerate(rank_actions):
+            first = next((a for a in ids if a not in done), None)
+            if first is not None:
+                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and d not in done]
+                stuck.append(f"rank {r} at {flat[first]} waits for {', '.join(needs) or 'its previous action'}")
+        raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck) + "; fix the action order")
+
+    in_flight = [0] * n_stages
+    live = [0] * n_stages
+    for act in flat:  # per stage, list order on its own rank is time order
+        if act.kind == "F":
+            live[act.stage] += 1
+            in_flight[act.stage] = max(in_flight[act.stage], live[act.stage])
+        elif act.kind in ("B", "W"):
+            live[act.stage] -= 1
+    return ActionGraph(
+        rank=tuple(rank),
+        stage=tuple(a.stage for a in flat),
+        kind=tuple(a.kind for a in flat),
+        microbatch=tuple(a.microbatch for a in flat),
+        prev=tuple(prev),
+        dep=tuple(dep),
+        cross=tuple(cross),
+        messages=tuple(int(c) + k for c, k in zip(cross, sends)),
+        own=tuple(own),
+        order=tuple(order),
+        rank_actions=tuple(rank_actions),
+        stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
+        in_flight=tuple(in_flight),
+    )

@@ -1,0 +1,6 @@
+"""`python -m autotune.cli ...`"""
+
+from autotune.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`autotune check`: does a tuned config still hold (for CI)?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from autotune.cli.app import app, console, err_console, errors_to_exit_codes, print_json, start_fork_server
+from autotune.cli.options import DeviceChoice, DeviceOpt, JsonOpt
+from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
+
+
+@app.command(
+    epilog="Exit codes: 0 still fits and within tolerance, 1 regressed (or the trial failed), 2 the config "
+    "does not match the model (or cannot be read), 3 no longer fits the memory limit, 4 cannot launch."
+)
+def check(
+    config: Annotated[Path, typer.Argument(help="A tuned config written by autotune search.")],
+    model: Annotated[Path | None, typer.Option(help="The model file. Default: the config's model path.")] = None,
+    tolerance: Annotated[float, typer.Option(min=0, max=1, help="Allowed slowdown vs the recorded throughput.")] = 0.05,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs at most, before a slowdown counts as a regression.")] = 3,
+    memory_limit: Annotated[
+        str | None, typer.Option("--memory-limit", help="Override the config's memory limit, e.g. 40GiB.")
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps per run.")] = 5,
+    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per run.")] = 2,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Re-run a tuned config's trial, for CI: does it still match the model, fit the memory limit, and run within
+    `--tolerance` of the recorded throughput? A slow run is repeated (up to `--repeats`) and the median decides.
+
+    Example: `autotune check autotune.yaml --device cpu --json`
+    """
+    with errors_to_exit_codes(json_output):
+        start_fork_server()
+        from autotune.check import check_config, resolve_model
+        from autotune.config_file import load_config
+        from autotune.devices import resolve_device
+        from autotune.trial import TrialOptions
+        from autotune.units import format_bytes, parse_size
+
+        tuned = load_config(config)
+        spec = resolve_model(tuned, config, model)
+        limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
+        options = TrialOptions(
+            steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(device.value)
+        )
+        with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
+            result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)
+        if json_output:
+            print_json(result.to_dict())
+        else:
+            colour = "green" if result.status == "ok" else "red"
+            console.print(f"[{colour}]{result.status}[/{colour}]: {result.message}", highlight=False)
+        codes = {"ok": 0, "regressed": EXIT_INTERNAL, "failed": EXIT_INTERNAL, "oom": EXIT_INFEASIBLE}
+        if codes[result.status]:
+            raise typer.Exit(codes[result.status])

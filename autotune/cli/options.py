@@ -1,0 +1,77 @@
+"""Options shared by several commands, declared once (STYLE.md: aliases, not copies per command), and the parsing of
+the flag values Typer cannot parse itself."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from autotune.errors import UsageError
+from autotune.exports import ExportFormat
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WireDtypeChoice(str, Enum):
+    """--wire-dtype choices: the candidate's WireDtype values."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+ExportTarget = ExportFormat
+"""--format choices of `autotune export`: the exporter's own formats."""
+
+ModelArg = Annotated[Path, typer.Argument(help="Your model file: build_model(), make_batch(B), loss_fn(out, y).")]
+GpusOpt = Annotated[
+    int, typer.Option("--gpus", "-g", min=1, help="Ranks to run (GPUs, or CPU processes with --device cpu).")
+]
+BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Global batch size B per optimizer step.")]
+MemoryOpt = Annotated[
+    str | None,
+    typer.Option("--memory-limit", help="Per-rank memory cap, e.g. 40GiB. Default: the GPU's memory (none on CPU)."),
+]
+DeviceOpt = Annotated[
+    DeviceChoice, typer.Option("--device", help="cuda: one GPU per rank (NCCL). cpu: one process per rank (gloo).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
+MicroBatchOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--micro-batch-size",
+        "-M",
+        help="Micro-batch sizes to profile, repeatable or comma-separated (8,32). Default: powers of two dividing B, "
+        "and B (at most 6).",
+    ),
+]
+RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per micro-batch size (medians).")]
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """--layers-per-stage 3,5 -> (3, 5)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"cannot read --layers-per-stage {text!r}; write layer counts like 3,5") from None
+
+
+def parse_sizes(values: list[str] | None) -> list[int] | None:
+    """--micro-batch-size 8,32 -M 64 -> [8, 32, 64]."""
+    if not values:
+        return None
+    try:
+        sizes = [int(part) for value in values for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"cannot read --micro-batch-size {','.join(values)!r}; write sizes like 8,32") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--micro-batch-size needs sizes of at least 1, got {','.join(values)!r}")
+    return sizes

@@ -1,0 +1,151 @@
+"""`autotune search`: run autotune.tune (profile, plan, real trials, config, report) and show what it found."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from autotune.cli.app import EXIT_CODES_HELP, app, console, errors_to_exit_codes, print_json, start_fork_server
+from autotune.cli.options import BatchOpt, DeviceChoice, DeviceOpt, GpusOpt, JsonOpt, MemoryOpt, ModelArg
+from autotune.cli.progress import TerminalReporter
+from autotune.errors import EXIT_INTERRUPTED
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def search(
+    model: ModelArg,
+    gpus: GpusOpt,
+    batch_size: BatchOpt,
+    trials: Annotated[
+        int, typer.Option("--trials", "-n", min=2, help="Real trial runs to spend (leader re-runs included).")
+    ] = 20,
+    timeout: Annotated[str | None, typer.Option(help="Stop launching trials after this long, e.g. 20m.")] = None,
+    memory_limit: MemoryOpt = None,
+    storage: Annotated[
+        str | None,
+        typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: .autotune/<study>.db"),
+    ] = None,
+    study_name: Annotated[str | None, typer.Option(help="Default: <model>-<device>-g<gpus>-b<batch>.")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted study; finished trials are kept.")
+    ] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the tuned config.")] = Path(
+        "autotune.yaml"
+    ),
+    report_dir: Annotated[Path, typer.Option(help="Where to write the report.")] = Path("autotune-report"),
+    min_improvement: Annotated[
+        float,
+        typer.Option(
+            help="Keep an existing --output config unless the new best beats it by more than this (0.03 = 3 %)."
+        ),
+    ] = 0.03,
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
+    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
+    trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
+    checkpointing and the dtype between stages, under the memory limit. Writes the tuned config and a report.
+
+    How: profile the layers, simulate every schedule x B/M x balanced split, try the planner's best first (and the
+    rule-of-thumb default, for comparison), then let Optuna's TPE sampler propose more. A candidate the simulator
+    says cannot fit, or cannot come within 20 % of the best measured one, is recorded as pruned and not launched.
+    Failed trials (oom, error, timeout) are recorded with their reason. At the end the top 3 are re-run side by side
+    and the best median wins, so a lucky run on a noisy machine does not decide.
+
+    Ctrl-C stops the running trial, writes the best config so far and exits 130; `--resume` continues the study.
+
+    Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
+    """
+    with errors_to_exit_codes(json_output):
+        start_fork_server()
+        from autotune.tune import TuneRequest, tune
+        from autotune.units import parse_duration, parse_size
+
+        request = TuneRequest(
+            model=model,
+            gpus=gpus,
+            batch_size=batch_size,
+            device=device.value,
+            trials=trials,
+            timeout_s=parse_duration(timeout) if timeout else None,
+            memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
+            storage=storage,
+            study_name=study_name,
+            resume=resume,
+            seed=seed,
+            steps=steps,
+            warmup=warmup,
+            trial_timeout_s=trial_timeout,
+            output=output,
+            min_improvement=min_improvement,
+            report_dir=report_dir,
+            command="autotune " + " ".join(sys.argv[1:]),
+        )
+        outcome = tune(request, TerminalReporter())
+        summary = search_summary(outcome)
+        if json_output:
+            print_json(summary)
+        else:
+            render_search(outcome.result, summary)
+        if outcome.interrupted:
+            raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def search_summary(outcome: Any) -> dict[str, Any]:
+    """The --json object of a search."""
+    result = outcome.result
+    best = result.best
+    return {
+        "status": "interrupted" if result.interrupted else "ok",
+        "config": str(outcome.config_path),
+        "config_written": outcome.config_written,
+        "kept_existing_config": outcome.kept_existing_config,
+        "report": str(outcome.report_dir / "report.md"),
+        "study": result.study_name,
+        "storage": result.storage,
+        "best": best.to_dict(),
+        "best_trial": result.best_trial,
+        "trials": len(result.records),
+        "launched": result.launched,
+        "feasible": result.feasible,
+        "pruned": sum(1 for r in result.records if r.outcome == "pruned"),
+        "wall_time_s": result.wall_time_s,
+        "too_noisy_to_separate_leaders": result.too_noisy,
+        "leaders": [
+            {"candidate": leader.candidate.key, "step_time_ms": leader.step_time_ms, "runs": list(leader.step_times_ms)}
+            for leader in result.leaders[:5]
+        ],
+    }
+
+
+def render_search(result: Any, summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="fastest configurations (median over every run)")
+    for column in ("#", "candidate", "step ms", "samples/s", "runs"):
+        table.add_column(column, justify="right" if column != "candidate" else "left")
+    for i, leader in enumerate(result.leaders[:5], start=1):
+        table.add_row(
+            str(i),
+            leader.candidate.key,
+            f"{leader.step_time_ms:.1f}",
+            f"{leader.candidate.global_batch_size / leader.step_time_ms * 1000:.0f}",
+            str(len(leader.step_times_ms)),
+        )
+    console.print(table)
+    if summary["kept_existing_config"]:
+        console.print(f"kept the existing {summary['config']}: the new best does not beat it by the required margin")
+    else:
+        console.print(f"wrote {summary['config']} and {summary['report']}")
+    console.print(
+        f"{summary['trials']} trials ({summary['launched']} launched, {summary['pruned']} pruned, "
+        f"{summary['feasible']} ok) in {summary['wall_time_s']:.0f} s; study {summary['study']} in {summary['storage']}"
+    )
+    if result.too_noisy:
+        console.print("[yellow]the two fastest are within measurement noise: either is a sound choice[/yellow]")

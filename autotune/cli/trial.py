@@ -1,0 +1,153 @@
+"""`autotune trial`: run one configuration for real and show what it measured."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from autotune.cli.app import (
+    EXIT_CODES_HELP,
+    app,
+    console,
+    debugging,
+    err_console,
+    errors_to_exit_codes,
+    print_json,
+    start_fork_server,
+)
+from autotune.cli.options import (
+    BatchOpt,
+    DeviceChoice,
+    DeviceOpt,
+    GpusOpt,
+    JsonOpt,
+    MemoryOpt,
+    ModelArg,
+    WireDtypeChoice,
+    parse_split,
+)
+from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def trial(
+    model: ModelArg,
+    gpus: GpusOpt,
+    batch_size: BatchOpt,
+    microbatches: Annotated[int, typer.Option("--microbatches", "-m", min=1, help="B/M: micro-batches per step.")],
+    schedule: Annotated[
+        str,
+        typer.Option(
+            "--schedule",
+            "-s",
+            help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, VHalf "
+            "or VMin (case-insensitive).",
+        ),
+    ],
+    layers_per_stage: Annotated[
+        str | None,
+        typer.Option(help="Layer count per stage, comma-separated, e.g. 3,5. Default: uniform."),
+    ] = None,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel replicas; pipeline degree = gpus / dp.")] = 1,
+    activation_checkpointing: Annotated[
+        bool,
+        typer.Option("--activation-checkpointing", help="Recompute each stage's forward in its backward."),
+    ] = False,
+    wire_dtype: Annotated[
+        WireDtypeChoice,
+        typer.Option(
+            "--wire-dtype",
+            help="dtype of activations and gradients sent between stages. bfloat16 also measures the gradients' "
+            "relative error against a float32 twin on the first warm-up step.",
+        ),
+    ] = WireDtypeChoice.float32,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps (median is reported).")] = 5,
+    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps first; the last one measures memory.")] = 2,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds before the trial counts as hung.")] = 300.0,
+    memory_limit: MemoryOpt = None,
+    device: DeviceOpt = DeviceChoice.auto,
+    json_output: JsonOpt = False,
+) -> None:
+    """Run ONE configuration for real: N rank processes, torch's pipeline schedule, a few optimizer steps.
+
+    Reports the median step time, throughput and each rank's peak memory. A run that fails is still a result:
+    status `oom`, `timeout` or `error`, with the rank that caused it (exit 3 for oom, 1 for error or timeout).
+
+    Example: `autotune trial recipes/mlp.py --gpus 2 --device cpu --batch-size 32 --microbatches 4 --schedule 1F1B`
+    """
+    with errors_to_exit_codes(json_output):
+        start_fork_server()
+        from autotune.candidate import Candidate, uniform_split
+        from autotune.devices import resolve_device
+        from autotune.errors import UsageError
+        from autotune.model_file import check_model, load_model_file
+        from autotune.schedules import default_stages_per_rank, parse_schedule
+        from autotune.trial import TrialOptions, run_trial
+        from autotune.units import parse_size
+
+        chosen = parse_schedule(schedule)
+        if gpus % dp:
+            raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
+        spec = load_model_file(model)
+        check_model(spec, batch_size)
+        pp = gpus // dp
+        split = parse_split(layers_per_stage) or uniform_split(spec.n_layers, pp * default_stages_per_rank(chosen))
+        candidate = Candidate(
+            schedule=chosen,
+            pipeline_degree=pp,
+            data_parallel_degree=dp,
+            global_batch_size=batch_size,
+            n_microbatches=microbatches,
+            layers_per_stage=split,
+            activation_checkpointing=activation_checkpointing,
+            wire_dtype=wire_dtype.value,
+        )
+        candidate.validate(spec.n_layers)
+        options = TrialOptions(
+            steps=steps,
+            warmup=warmup,
+            timeout_s=timeout,
+            memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
+            device=resolve_device(device.value),
+            keep_run_dir=debugging(),
+            measure_wire_error=wire_dtype is WireDtypeChoice.bfloat16,
+        )
+        with err_console.status(f"running {candidate.key} on {gpus} {options.device} rank(s)..."):
+            measurement = run_trial(spec, candidate, options)
+        if json_output:
+            print_json(measurement.to_dict())
+        else:
+            render_measurement(measurement)
+        if measurement.status != "ok":
+            raise typer.Exit(EXIT_INFEASIBLE if measurement.status == "oom" else EXIT_INTERNAL)
+
+
+def render_measurement(m: Any) -> None:
+    from rich.table import Table
+
+    from autotune.units import format_bytes
+
+    c = m.candidate
+    table = Table(title=f"trial {c.key}", show_header=False)
+    table.add_row("status", f"[green]{m.status}[/green]" if m.status == "ok" else f"[red]{m.status}[/red]")
+    table.add_row("schedule", c.schedule.value)
+    table.add_row("pp x dp", f"{c.pipeline_degree} x {c.data_parallel_degree}")
+    table.add_row("micro-batches (B/M)", f"{c.n_microbatches} of {c.micro_batch_size} samples")
+    table.add_row("layers per stage", ", ".join(map(str, c.layers_per_stage)))
+    table.add_row("activation checkpointing", "yes" if c.activation_checkpointing else "no")
+    table.add_row("between stages", c.wire_dtype)
+    if m.status == "ok":
+        table.add_row("step time (median)", f"{m.step_time_ms:.1f} ms")
+        table.add_row("throughput", f"{m.throughput_samples_per_s:.1f} samples/s")
+        table.add_row("peak memory per rank", ", ".join(format_bytes(b) for b in m.peak_memory_bytes))
+        table.add_row("loss", f"{m.loss:.4f}" if m.loss is not None else "-")
+        if m.wire_grad_rel_error is not None:
+            table.add_row("bf16 gradient error", f"{m.wire_grad_rel_error:.2%} relative to float32 between stages")
+    if m.error is not None:
+        table.add_row("failed rank", str(m.error.rank) if m.error.rank is not None else "unknown")
+        table.add_row("reason", m.error.message)
+        if m.error.bytes_requested:
+            table.add_row("bytes asked", format_bytes(m.error.bytes_requested))
+    table.add_row("wall time", f"{m.wall_time_s:.2f} s")
+    console.print(table)

@@ -1,0 +1,250 @@
+"""torch's private surface, behind one door: every private torch name autotune uses is named here and only here.
+
+    what autotune needs                      private torch name (module)
+    a schedule's per-rank action lists       get_schedule_ops (pipelining._schedule_visualizer); _add_unshard_reshard
+                                             patched out while it runs (pipelining.schedules: FSDP actions, dropped)
+    running its own orders (VHalf, VMin)     _PipelineScheduleRuntime, _Action, _ComputationType,
+                                             _prepare_schedule_with_comms (pipelining.schedules)
+    V placement on torch 2.11 with gloo      PipelineStage._get_init_p2p_neighbors_ops (self-sends dropped)
+    live tensor bytes on CPU                 TorchDispatchMode (utils._python_dispatch), tree_flatten (utils._pytree)
+    saved activations that are parameters    Tensor._base
+    BatchNorm anywhere in a layer            _BatchNorm (nn.modules.batchnorm)
+    reading torch's failures                 its error texts (broken connections, out of memory) and source paths
+
+Importing this module checks the torch version against the tested range (a TorchVersionWarning outside it, no
+more); a symbol is looked up when first needed, and a missing one is a TorchAPIError (exit 4) that names it, the
+installed torch and the tested range. The pipelining modules are imported only when needed (~1-2 s).
+tests/unit/test_compat.py checks every symbol and the signatures autotune calls, on each torch CI runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+from unittest import mock
+
+import torch
+
+from autotune.errors import AutotuneError
+
+TESTED_TORCH = ("2.11.0", "2.14.1")
+"""The oldest and the newest torch the test suite runs on (CI runs it on both)."""
+
+
+class TorchVersionWarning(UserWarning):
+    """The installed torch is outside the tested range: it may work, nothing says it does."""
+
+
+class TorchAPIError(AutotuneError):
+    """The installed torch lacks an API autotune needs (exit 4: like a missing device, this environment cannot run
+    it); the message names the symbol and the torch versions that have it."""
+
+    exit_code = 4
+
+
+def _version_tuple(version: str) -> tuple[int, int, int]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return (0, 0, 0)
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def tested_range_text() -> str:
+    return f"torch {TESTED_TORCH[0]} to {TESTED_TORCH[1]}"
+
+
+def check_torch_version(version: str | None = None) -> str | None:
+    """Warn (TorchVersionWarning) when torch is outside the tested range; return the warning's text, or None."""
+    version = version or torch.__version__
+    installed = _version_tuple(version)
+    oldest, newest = (_version_tuple(v) for v in TESTED_TORCH)
+    if oldest <= installed and installed[:2] <= newest[:2]:
+        return None
+    text = (
+        f"autotune is tested with {tested_range_text()}; torch {version} is installed. It may work; if a command "
+        f"fails inside torch, install a tested one: pip install 'torch>={TESTED_TORCH[0]},<={TESTED_TORCH[1]}'"
+    )
+    warnings.warn(text, TorchVersionWarning, stacklevel=2)
+    return text
+
+
+check_torch_version()
+
+
+# --- looking symbols up -------------------------------------------------------------------------------------------
+
+_PIPELINING_SCHEDULES = "torch.distributed.pipelining.schedules"
+_VISUALIZER = "torch.distributed.pipelining._schedule_visualizer"
+
+SYMBOLS: tuple[tuple[str, str], ...] = (
+    (_VISUALIZER, "get_schedule_ops"),
+    (_PIPELINING_SCHEDULES, "_PipelineScheduleRuntime"),
+    (_PIPELINING_SCHEDULES, "_Action"),
+    (_PIPELINING_SCHEDULES, "_ComputationType"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_flatten"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),
+)
+"""Every private (module, name) autotune needs."""
+
+OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = ((_PIPELINING_SCHEDULES, "_add_unshard_reshard"),)
+"""Private names used only to go faster: without them autotune still works."""
+
+
+def symbol(module: str, name: str) -> Any:
+    """module.name, or a TorchAPIError naming what is missing and what to install."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise TorchAPIError(
+            f"torch {torch.__version__} has no {module}.{name}, which autotune needs; install a tested torch "
+            f"({tested_range_text()}): pip install 'torch>={TESTED_TORCH[0]},<={TESTED_TORCH[1]}'"
+        ) from None
+
+
+def missing_symbols() -> list[str]:
+    """The needed private names this torch lacks (empty on a tested torch)."""
+    missing = []
+    for module, name in SYMBOLS:
+        try:
+            symbol(module, name)
+        except TorchAPIError:
+            missing.append(f"{module}.{name}")
+    return missing
+
+
+# --- schedules: torch's orders, and ours on torch's runtime -------------------------------------------------------
+
+_COMPUTE_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+"""torch's compute action types by member name: their values changed from ints (torch 2.9) to letters (2.11)."""
+
+
+def schedule_actions(
+    schedule: str, pipeline_degree: int, n_microbatches: int, stages_per_rank: int
+) -> list[list[tuple[int, str, int]]]:
+    """torch's own per-rank compute order of a built-in schedule as (stage, kind F|B|I|W, micro-batch), without
+    any process group. DualPipeV's fused OVERLAP_F_B actions are listed as their sub-actions one after the other
+    (as the runtime runs them); communication, FSDP and gradient-reduction actions are dropped. Raises torch's own
+    ValueError for a combination the schedule refuses."""
+    get_schedule_ops = symbol(_VISUALIZER, "get_schedule_ops")
+    schedules = importlib.import_module(_PIPELINING_SCHEDULES)
+    # Building a schedule also inserts FSDP unshard/reshard actions, a pass quadratic in the list length (about 9 in
+    # 10 of the time at pp=8, m=256); they are dropped below anyway, so that pass is skipped.
+    skip_fsdp = (
+        mock.patch.object(schedules, "_add_unshard_reshard", lambda actions, *args, **kwargs: actions)
+        if hasattr(schedules, "_add_unshard_reshard")
+        else contextlib.nullcontext()
+    )
+    with skip_fsdp:
+        ops = get_schedule_ops(schedule, pipeline_degree, n_microbatches, num_stages_per_rank=stages_per_rank)
+    return [compute_actions(rank_ops) for rank_ops in ops]
+
+
+def compute_actions(rank_ops: Sequence[Any]) -> list[tuple[int, str, int]]:
+    """One rank's torch actions (_Action, or None for an idle step) as (stage, kind F|B|I|W, micro-batch): fused
+    actions as their sub-actions, everything but compute dropped."""
+    actions = []
+    for op in rank_ops:
+        if op is None:
+            continue
+        for sub in op.sub_actions or (op,):
+            kind = _COMPUTE_KINDS.get(sub.computation_type.name)
+            if kind is not None:
+                actions.append((sub.stage_index, kind, sub.microbatch_index))
+    return actions
+
+
+def runtime_schedule(
+    stages: Sequence[Any],
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., torch.Tensor],
+    order: Sequence[Sequence[tuple[int, str, int]]],
+) -> Any:
+    """A schedule torch does not ship, run by torch's own runtime (as torchtitan's CSV schedules are): `order` holds
+    every rank's compute actions as (stage, kind F|B|I|W, micro-batch); torch validates them, infers the stage ->
+    rank placement from them and inserts the sends and receives."""
+    runtime = symbol(_PIPELINING_SCHEDULES, "_PipelineScheduleRuntime")
+    action = symbol(_PIPELINING_SCHEDULES, "_Action")
+    kinds = symbol(_PIPELINING_SCHEDULES, "_ComputationType")
+    by_letter = {letter: getattr(kinds, name) for name, letter in _COMPUTE_KINDS.items()}
+    schedule = runtime(list(stages), n_microbatches=n_microbatches, loss_fn=loss_fn)
+    schedule.pipeline_order = {
+        rank: [action(stage, by_letter[kind], microbatch) for stage, kind, microbatch in actions]
+        for rank, actions in enumerate(order)
+    }
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    return schedule
+
+
+# --- tensors and modules -------------------------------------------------------------------------------------------
+
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+except ImportError:  # pragma: no cover - a torch without them is outside any tested range
+
+    class TorchDispatchMode:  # type: ignore[no-redef]
+        """Stand-in that fails with the fix when used."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            symbol("torch.utils._python_dispatch", "TorchDispatchMode")
+
+    def tree_flatten(tree: Any) -> Any:  # type: ignore[misc]
+        return symbol("torch.utils._pytree", "tree_flatten")(tree)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was taken of (None for a tensor that is no view)."""
+    return tensor._base
+
+
+def is_batch_norm(module: torch.nn.Module) -> bool:
+    """BatchNorm of any kind (1d/2d/3d, lazy, synchronized)."""
+    return isinstance(module, symbol("torch.nn.modules.batchnorm", "_BatchNorm"))
+
+
+# --- reading torch's failures -------------------------------------------------------------------------------------
+
+COMMS_ERROR_TEXTS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+    "ProcessGroupGloo",
+    "ECONNRESET",
+)
+"""What gloo / NCCL errors say when a peer is gone: a rank that failed only so is a victim, not the culprit."""
+
+OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "CUDA out of memory")
+"""What torch's CPU and CUDA allocators say when an allocation fails (beside torch.OutOfMemoryError)."""
+
+ALLOCATION_BYTES = re.compile(
+    r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?"
+)
+"""The refused allocation in torch's out-of-memory messages: group 1 the number, group 2 the unit."""
+
+TORCH_DISTRIBUTED_PATH = "torch/distributed"
+"""In a stack frame's file name: the frame is inside torch.distributed (a rank waiting on its peers)."""
+
+TORCH_PATH = "/torch/"
+"""In a stack frame's file name: the frame is inside torch."""
+
+
+def prepare_stage(stage: Any) -> Any:
+    """torch 2.11 warms up each stage's point-to-point links on its first step, with its neighbour stages even when
+    one lives on the same rank (V placement), and gloo cannot send to its own rank ("Pair is not connected"): those
+    warm-up sends and receives are dropped. Later torch warms up differently; there this changes nothing."""
+    original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if original is not None:
+        own = stage.group_rank
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if getattr(op, "group_peer", None) != own]
+    return stage

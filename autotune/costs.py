@@ -1,0 +1,326 @@
+"""Pure: per-layer costs of a model on one device (forward, input-grad and weight-grad time, saved-activation and
+output bytes) at several micro-batch sizes, and their interpolation in the micro-batch size. Torch-free: what the
+planner, the simulator and the report read; autotune.profiling measures it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.errors import UsageError
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer's cost for one micro-batch of a given size (what the partitioner and the simulator consume)."""
+
+    forward_ms: float
+    """Forward time."""
+    backward_input_ms: float
+    """Backward time for the gradient w.r.t. the layer's input (zero-bubble "B"/"I")."""
+    backward_weight_ms: float
+    """Backward time for the gradients w.r.t. the layer's parameters (zero-bubble "W")."""
+    saved_bytes: int
+    """Activation bytes autograd keeps from the forward until the backward."""
+    output_bytes: int
+    """Bytes of the layer's output: what a stage cut after this layer sends (and its gradient, back)."""
+    parameter_bytes: int
+    """Bytes of the layer's parameters."""
+    checkpointed_forward_ms: float | None = None
+    """Forward time inside an activation-checkpointed stage (saves nothing, pays the checkpoint's bookkeeping);
+    None: forward_ms."""
+    recompute_ms: float | None = None
+    """What a checkpointed stage's backward adds for this layer: its forward again, plus bookkeeping; None:
+    forward_ms."""
+    parameter_groups: int = 0
+    """Modules holding parameters of their own (see LayerProfile.parameter_groups)."""
+
+    @property
+    def backward_ms(self) -> float:
+        """A full backward: input grad and weight grad."""
+        return self.backward_input_ms + self.backward_weight_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One layer measured at each of the profile's micro-batch sizes (medians over repeats)."""
+
+    name: str
+    """Class name of the layer."""
+    parameter_bytes: int
+    """Bytes of the layer's parameters."""
+    forward_ms: tuple[float, ...]
+    """Forward time, one entry per Profile.micro_batch_sizes."""
+    backward_input_ms: tuple[float, ...]
+    """Input-grad backward time, per micro-batch size."""
+    backward_weight_ms: tuple[float, ...]
+    """Weight-grad backward time (full backward minus input-grad backward, floored at 0), per micro-batch size."""
+    saved_bytes: tuple[int, ...]
+    """Saved-activation bytes of one micro-batch, per micro-batch size."""
+    output_bytes: tuple[int, ...]
+    """Output bytes of one micro-batch, per micro-batch size."""
+    parameter_groups: int | None = None
+    """Modules in the layer that hold parameters of their own: torch's split backward (W) runs one autograd pass per
+    such group, and under activation checkpointing each pass recomputes the stage. None: 1 if it has parameters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Per-layer costs of a model on one device at several micro-batch sizes.
+
+    layer_costs(M) interpolates piecewise linearly in M between profiled sizes and extrapolates along the nearest
+    segment, so a fixed per-micro-batch cost (the intercept) survives as M shrinks: that is why B/M has an optimum."""
+
+    micro_batch_sizes: tuple[int, ...]
+    """Profiled micro-batch sizes, increasing."""
+    layers: tuple[LayerProfile, ...]
+    """Per layer, in model order."""
+    input_bytes: tuple[int, ...]
+    """Bytes of the model's input for one micro-batch, per micro-batch size."""
+    loss_forward_ms: tuple[float, ...] = ()
+    """loss_fn forward time per micro-batch size (charged to the last layer by layer_costs); () means 0."""
+    loss_backward_ms: tuple[float, ...] = ()
+    """loss_fn backward time per micro-batch size (charged to the last layer's input-grad time); () means 0."""
+    loss_saved_bytes: tuple[int, ...] = ()
+    """Bytes loss_fn saves for its backward, per micro-batch size (charged to the last layer); () means 0."""
+    checkpoint_forward_ratio: tuple[float, ...] = ()
+    """Per micro-batch size: the model's forward checkpointed as one unit (as a stage is) over its plain forward;
+    () means 1."""
+    checkpoint_recompute_ratio: tuple[float, ...] = ()
+    """Per micro-batch size: what checkpointing adds to the backward, over the plain forward (1 would be exactly
+    one forward again); () means 1."""
+    optimizer_step_ms: float = 0.0
+    """One optimizer step over the whole model; the simulator charges each rank its share by parameter bytes."""
+    optimizer_state_bytes: int | None = None
+    """Optimizer state of the whole model after a step; None: assume AdamW (2 x parameter bytes)."""
+    optimizer_peak_bytes: int | None = None
+    """Most bytes one optimizer step over the whole model allocates on top of what it keeps (temporaries); the
+    simulator charges each rank its share by parameter bytes. None: not measured (0)."""
+    device: str = "cpu"
+    """Where it was measured: cpu (one thread) or cuda."""
+    model: str = ""
+    """Path of the model file."""
+    batch_size: int | None = None
+    """The global batch size the sizes were chosen for."""
+    repeats: int = 0
+    """Timed repeats per size (medians are kept)."""
+    torch_version: str = ""
+    """torch.__version__ when measured."""
+
+    def __post_init__(self) -> None:
+        sizes = self.micro_batch_sizes
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise UsageError(f"profile micro-batch sizes must be distinct, increasing and >= 1, got {list(sizes)}")
+        if not self.layers:
+            raise UsageError("a profile needs at least one layer")
+        per_size = [self.input_bytes, *(getattr(layer, f) for layer in self.layers for f in _SERIES)]
+        per_size += [
+            s
+            for s in (self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
+                      self.checkpoint_forward_ratio, self.checkpoint_recompute_ratio)
+            if s
+        ]
+        if any(len(series) != len(sizes) for series in per_size):
+            raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Parameter bytes of the whole model."""
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+    @property
+    def optimizer_peak_ratio(self) -> float:
+        """Optimizer-step temporaries per parameter byte (0 when not measured)."""
+        if not self.optimizer_peak_bytes or self.parameter_bytes == 0:
+            return 0.0
+        return self.optimizer_peak_bytes / self.parameter_bytes
+
+    @property
+    def optimizer_state_ratio(self) -> float:
+        """Optimizer state bytes per parameter byte (AdamW: 2)."""
+        if self.optimizer_state_bytes is None or self.parameter_bytes == 0:
+            return 2.0
+        return self.optimizer_state_bytes / self.parameter_bytes
+
+    def layer_costs(self, micro_batch_size: float) -> list[LayerCost]:
+        """Each layer's cost at micro-batch size M; the loss is charged to the last layer (the last stage runs it)."""
+        at = _Interpolator(self.micro_batch_sizes, micro_batch_size)
+        forward_ratio = at(self.checkpoint_forward_ratio) if self.checkpoint_forward_ratio else 1.0
+        recompute_ratio = at(self.checkpoint_recompute_ratio) if self.checkpoint_recompute_ratio else 1.0
+        costs = []
+        for i, layer in enumerate(self.layers):
+            last = i == len(self.layers) - 1
+            own_forward = at(layer.forward_ms)
+            loss_forward = at(self.loss_forward_ms) if last and self.loss_forward_ms else 0.0
+            forward = own_forward + loss_forward
+            backward_input = at(layer.backward_input_ms) + (
+                at(self.loss_backward_ms) if last and self.loss_backward_ms else 0.0
+            )
+            saved = at(layer.saved_bytes) + (at(self.loss_saved_bytes) if last and self.loss_saved_bytes else 0.0)
+            costs.append(
+                LayerCost(
+                    forward_ms=forward,
+                    backward_input_ms=backward_input,
+                    backward_weight_ms=at(layer.backward_weight_ms),
+                    saved_bytes=math.ceil(saved),
+                    output_bytes=math.ceil(at(layer.output_bytes)),
+                    parameter_bytes=layer.parameter_bytes,
+                    checkpointed_forward_ms=own_forward * forward_ratio + loss_forward,  # the loss is outside
+                    recompute_ms=own_forward * recompute_ratio,
+                    parameter_groups=(
+                        int(layer.parameter_bytes > 0) if layer.parameter_groups is None else layer.parameter_groups
+                    ),
+                )
+            )
+        return costs
+
+    def input_bytes_at(self, micro_batch_size: float) -> int:
+        """Bytes of the model's input for one micro-batch of size M."""
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.input_bytes))
+
+    @classmethod
+    def from_layer_costs(
+        cls,
+        costs: Sequence[LayerCost],
+        *,
+        micro_batch_size: int = 1,
+        input_bytes: int = 0,
+        names: Sequence[str] | None = None,
+        optimizer_step_ms: float = 0.0,
+        device: str = "cpu",
+    ) -> Profile:
+        """A one-size profile from given costs (tests, benchmarks, what-if studies): other sizes scale in
+        proportion, as one size says nothing about a fixed per-micro-batch cost."""
+        return cls(
+            micro_batch_sizes=(micro_batch_size,),
+            layers=tuple(
+                LayerProfile(
+                    name=names[i] if names else f"layer{i}",
+                    parameter_bytes=c.parameter_bytes,
+                    forward_ms=(c.forward_ms,),
+                    backward_input_ms=(c.backward_input_ms,),
+                    backward_weight_ms=(c.backward_weight_ms,),
+                    saved_bytes=(c.saved_bytes,),
+                    output_bytes=(c.output_bytes,),
+                    parameter_groups=c.parameter_groups or None,
+                )
+                for i, c in enumerate(costs)
+            ),
+            input_bytes=(input_bytes,),
+            optimizer_step_ms=optimizer_step_ms,
+            device=device,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "model": self.model,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "repeats": self.repeats,
+            "torch_version": self.torch_version,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "input_bytes": list(self.input_bytes),
+            "loss_forward_ms": list(self.loss_forward_ms),
+            "loss_backward_ms": list(self.loss_backward_ms),
+            "loss_saved_bytes": list(self.loss_saved_bytes),
+            "checkpoint_forward_ratio": list(self.checkpoint_forward_ratio),
+            "checkpoint_recompute_ratio": list(self.checkpoint_recompute_ratio),
+            "optimizer_step_ms": self.optimizer_step_ms,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "optimizer_peak_bytes": self.optimizer_peak_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "layers": [
+                {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
+                 "parameter_groups": layer.parameter_groups,
+                 **{field: list(getattr(layer, field)) for field in _SERIES}}
+                for layer in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        version = data.get("version", PROFILE_VERSION)
+        if version != PROFILE_VERSION:
+            raise UsageError(f"profile version {version} is not supported (this autotune reads {PROFILE_VERSION}); "
+                             f"profile the model again")
+        try:
+            return cls(
+                micro_batch_sizes=tuple(int(m) for m in data["micro_batch_sizes"]),
+                layers=tuple(
+                    LayerProfile(
+                        name=str(layer["name"]),
+                        parameter_bytes=int(layer["parameter_bytes"]),
+                        forward_ms=tuple(float(x) for x in layer["forward_ms"]),
+                        backward_input_ms=tuple(float(x) for x in layer["backward_input_ms"]),
+                        backward_weight_ms=tuple(float(x) for x in layer["backward_weight_ms"]),
+                        saved_bytes=tuple(int(x) for x in layer["saved_bytes"]),
+                        output_bytes=tuple(int(x) for x in layer["output_bytes"]),
+                        parameter_groups=(
+                            None if layer.get("parameter_groups") is None else int(layer["parameter_groups"])
+                        ),
+                    )
+                    for layer in data["layers"]
+                ),
+                input_bytes=tuple(int(x) for x in data["input_bytes"]),
+                loss_forward_ms=tuple(float(x) for x in data.get("loss_forward_ms", ())),
+                loss_backward_ms=tuple(float(x) for x in data.get("loss_backward_ms", ())),
+                loss_saved_bytes=tuple(int(x) for x in data.get("loss_saved_bytes", ())),
+                checkpoint_forward_ratio=tuple(float(x) for x in data.get("checkpoint_forward_ratio", ())),
+                checkpoint_recompute_ratio=tuple(float(x) for x in data.get("checkpoint_recompute_ratio", ())),
+                optimizer_step_ms=float(data.get("optimizer_step_ms", 0.0)),
+                optimizer_state_bytes=(
+                    None if data.get("optimizer_state_bytes") is None else int(data["optimizer_state_bytes"])
+                ),
+                optimizer_peak_bytes=(
+                    None if data.get("optimizer_peak_bytes") is None else int(data["optimizer_peak_bytes"])
+                ),
+                device=str(data.get("device", "cpu")),
+                model=str(data.get("model", "")),
+                batch_size=None if data.get("batch_size") is None else int(data["batch_size"]),
+                repeats=int(data.get("repeats", 0)),
+                torch_version=str(data.get("torch_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"cannot read profile: {type(exc).__name__}: {exc}; profile the model again") from exc
+
+
+_SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
+
+
+class _Interpolator:
+    """Piecewise-linear in M through the profiled points; beyond them, the nearest segment continued.
+
+    Below the smallest size the value never drops under plain proportional scaling (v_min * M / M_min), above the
+    largest never under v_max: measurement noise must not make a cost negative or shrink with M."""
+
+    def __init__(self, sizes: Sequence[int], m: float) -> None:
+        if m <= 0:
+            raise UsageError(f"micro-batch size must be positive, got {m}")
+        self.sizes, self.m = sizes, m
+
+    def __call__(self, values: Sequence[float]) -> float:
+        sizes, m = self.sizes, self.m
+        if len(sizes) == 1:
+            return float(values[0]) * m / sizes[0]
+        if m <= sizes[0]:
+            i = 0
+        elif m >= sizes[-1]:
+            i = len(sizes) - 2
+        else:
+            i = next(k for k in range(len(sizes) - 1) if sizes[k] <= m <= sizes[k + 1])
+        x0, x1, y0, y1 = sizes[i], sizes[i + 1], float(values[i]), float(values[i + 1])
+        value = y0 + (y1 - y0) * (m - x0) / (x1 - x0)
+        if m < sizes[0]:
+            return max(value, float(values[0]) * m / sizes[0])
+        if m > sizes[-1]:
+            return max(value, float(values[-1]))
+        return value

@@ -1,0 +1,93 @@
+"""What every exporter shares: the header that names the target version and what cannot be expressed, stage ranges."""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+import textwrap
+from collections.abc import Sequence
+
+from autotune.candidate import stage_bounds
+from autotune.exports.roles import LayerPlan
+from autotune.exports.targets import TargetVersion
+from autotune.schedules import Schedule
+from autotune.tuned_config import TunedConfig
+
+V_MEMORY = {Schedule.V_HALF: "1/2", Schedule.V_MIN: "1/3"}
+"""Controllable-memory V schedules and their activation memory relative to 1F1B."""
+
+
+def stage_boundaries(layers_per_stage: Sequence[int]) -> list[int]:
+    """[3, 2, 2, 3] -> [0, 3, 5, 7, 10]: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
+    return stage_bounds(layers_per_stage)
+
+
+def ranges(split: Sequence[int]) -> list[tuple[int, int]]:
+    """[3, 2] -> [(0, 3), (3, 5)]: each stage's first layer and one past its last."""
+    return list(itertools.pairwise(stage_boundaries(split)))
+
+
+def v_memory_lacking(c: TunedConfig, who: str) -> str:
+    return (
+        f"schedule {c.schedule.value} (about {V_MEMORY[c.schedule]} of 1F1B's activation memory, Qi et al. 2024): "
+        f"neither {who} ships it; the only public implementation is the sail-sg/zero-bubble-pipeline-parallelism "
+        f"fork of Megatron-LM"
+    )
+
+
+def header(
+    c: TunedConfig,
+    target: TargetVersion,
+    how: str,
+    cannot: list[str],
+    notes: list[str],
+    plan: LayerPlan,
+    *,
+    prefix: str,
+) -> list[str]:
+    """The comment block every export starts with; `prefix` "#" wraps it as comment lines, "" leaves plain lines."""
+    name = target.trainer_name
+    lines = [
+        f"autotune tuned config -> {name}. {how}",
+        f"Target: {target.stamp}.",
+        (
+            f"Model {c.model} (sha256 {c.model_sha256}, {c.model_layers} layers), {c.gpus} ranks = pp "
+            f"{c.pipeline_degree} x dp {c.data_parallel_degree}, schedule {c.schedule.value}, B={c.global_batch_size}, "
+            f"M={c.micro_batch_size}, {c.num_microbatches} micro-batches, layers_per_stage "
+            f"{list(c.layers_per_stage)}; measured {c.measured.step_time_ms:.1f} ms/step on {c.environment.device}."
+        ),
+        f"Layer roles: {plan.describe()}.",
+    ]
+    if cannot:
+        lines.append(f"Not expressible in {name}:")
+        lines += [f"  - {item}" for item in cannot]
+    else:
+        lines.append(f"Not expressible in {name}: nothing; everything in the tuned config is expressed below.")
+    if notes:
+        lines.append("Notes:")
+        lines += [f"  - {item}" for item in notes]
+    if not prefix:
+        return lines
+    lead = f"{prefix} "
+    wrapped: list[str] = []
+    for line in lines:
+        indent = "    " if line.startswith("  - ") else ""
+        wrapped += textwrap.wrap(
+            line,
+            width=118,
+            initial_indent=lead,
+            subsequent_indent=lead + indent,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    return wrapped
+
+
+def shell_array(name: str, args: Sequence[tuple[str, str | Sequence[str] | None]]) -> list[str]:
+    """A bash array, one flag and its shell-quoted value(s) per line: NAME=(\n    --flag value\n    ...\n)."""
+    lines = [f"{name}=("]
+    for flag, value in args:
+        values = [] if value is None else [value] if isinstance(value, str) else list(value)
+        lines.append("    " + " ".join([flag, *map(shlex.quote, values)]))
+    lines.append(")")
+    return lines

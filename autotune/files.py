@@ -1,0 +1,52 @@
+"""Atomic file writes: a reader (or a SIGTERM mid-write) sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Temp file in the same directory, fsync, then os.replace over the target (atomic on POSIX and Windows).
+
+    The new file keeps the mode of the one it replaces (0o644 for a new file) unless `mode` is given; the folder is
+    created when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+    with contextlib.suppress(OSError, AttributeError):  # make the rename itself durable where the OS allows
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
+    """atomic_write_bytes of UTF-8 text with "\\n" line ends."""
+    atomic_write_bytes(path, text.encode("utf-8"), mode=mode)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """atomic_write_text of one JSON document."""
+    atomic_write_text(path, json.dumps(data))

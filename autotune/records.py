@@ -1,0 +1,267 @@
+"""Pure: a search as data (trial records, leaders, the result) and the one rule that summarizes it, for the live
+search and for one read back from its storage alike. Torch-free and Optuna-free: the report reads only this.
+
+    records (one per asked trial) ─┐
+                                   ├─ summarize ─▶ leaders (median over every run, fastest first)
+    runs (candidate -> measurements)┘               best (the fastest leader, all its runs merged)
+                                                    best_trial (the first successful run of that very candidate)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from autotune.candidate import Candidate, Measurement
+from autotune.errors import InfeasibleError
+from autotune.simulate import Estimate
+from autotune.units import format_bytes
+
+Outcome = Literal["ok", "oom", "error", "timeout", "pruned", "duplicate", "interrupted"]
+TrialState = Literal["running", "complete", "pruned", "fail"]
+"""A stored trial's state, as far as a record needs it (Optuna's TrialState, named in lower case)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One asked trial of the study, as the report and the CLI show it."""
+
+    number: int
+    """Optuna's trial number."""
+    candidate: Candidate | None
+    """The trial's candidate; None for a combination of parameters that cannot run."""
+    outcome: Outcome
+    """ok, oom, error, timeout (a real run); pruned (not launched); duplicate (measured before); interrupted."""
+    reason: str
+    """Why it ended so (the failing rank's message, the pruning rule)."""
+    throughput_samples_per_s: float | None = None
+    """Measured throughput (ok runs and repeats of them)."""
+    step_time_ms: float | None = None
+    """Measured median step time."""
+    peak_memory_bytes: tuple[int, ...] = ()
+    """Measured peak memory per global rank."""
+    predicted_throughput_samples_per_s: float | None = None
+    """The simulator's throughput."""
+    predicted_peak_memory_bytes: tuple[int, ...] = ()
+    """The simulator's peak memory per pipeline rank."""
+    phase: str = "explore"
+    """seed (from the planner), explore (from the sampler), remeasure, incumbent, default."""
+    launched: bool = False
+    """A real run was started for it."""
+    wall_time_s: float = 0.0
+    """The real run's wall time, launch to teardown (0 when not launched)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leader:
+    """A candidate that ran ok, with every successful run of it."""
+
+    candidate: Candidate
+    """The configuration."""
+    step_times_ms: tuple[float, ...]
+    """Median step time of every run of this candidate, in order."""
+
+    @property
+    def step_time_ms(self) -> float:
+        return statistics.median(self.step_times_ms)
+
+    @property
+    def spread(self) -> float:
+        """Relative spread (max - min) / median of its runs: how noisy its measurement is."""
+        return (max(self.step_times_ms) - min(self.step_times_ms)) / self.step_time_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """What a search found, from its records and runs (see summarize)."""
+
+    leaders: tuple[Leader, ...]
+    """Candidates that ran ok, fastest median first."""
+    best: Measurement | None
+    """The fastest leader's measurement, step time the median over all its runs; None when nothing ran ok."""
+    best_trial: int | None
+    """Number of the first successful run of the best candidate; None when nothing ran ok."""
+    too_noisy: bool
+    """The two best leaders' runs overlap: the choice between them is within noise."""
+    launched: int
+    """Records of real runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """A search, live or read back from its storage: what the CLI renders and the report is written from."""
+
+    study_name: str
+    """The Optuna study."""
+    storage: str
+    """Its storage URL."""
+    best: Measurement | None
+    """The chosen candidate's measurement, step time = median over all its runs; None when nothing ran ok."""
+    best_trial: int | None
+    """A trial of the chosen candidate: its first successful run."""
+    best_estimate: Estimate | None
+    """The chosen candidate simulated (no timeline)."""
+    leaders: tuple[Leader, ...]
+    """Candidates that ran ok, fastest median first."""
+    records: tuple[TrialRecord, ...]
+    """Every asked trial, in order."""
+    launched: int
+    """Real runs."""
+    wall_time_s: float
+    """The search's wall time (live), or its runs' summed wall time (stored)."""
+    interrupted: bool = False
+    """Ctrl-C stopped it before its budget was spent."""
+    too_noisy: bool = False
+    """The two best leaders' runs overlap: the choice between them is within noise."""
+    default: Candidate | None = None
+    """The rule-of-thumb candidate the report compares against."""
+    setup: Mapping[str, Any] = field(default_factory=dict)
+    """What the search was asked (model, gpus, batch_size, memory_limit_bytes, device, n_trials, seed), as stored."""
+
+    @property
+    def feasible(self) -> int:
+        return sum(1 for r in self.records if r.outcome == "ok")
+
+    @classmethod
+    def of(
+        cls,
+        summary: Summary,
+        *,
+        study_name: str,
+        storage: str,
+        records: Sequence[TrialRecord],
+        best_estimate: Estimate | None,
+        wall_time_s: float,
+        interrupted: bool = False,
+        default: Candidate | None = None,
+        setup: Mapping[str, Any] | None = None,
+    ) -> SearchResult:
+        """The result with what summarize found."""
+        return cls(
+            study_name=study_name,
+            storage=storage,
+            best=summary.best,
+            best_trial=summary.best_trial,
+            best_estimate=best_estimate,
+            leaders=summary.leaders,
+            records=tuple(records),
+            launched=summary.launched,
+            wall_time_s=wall_time_s,
+            interrupted=interrupted,
+            too_noisy=summary.too_noisy,
+            default=default,
+            setup=dict(setup or {}),
+        )
+
+
+def summarize(records: Sequence[TrialRecord], runs: Mapping[str, Sequence[Measurement]]) -> Summary:
+    """The leaders, the best candidate (fastest median over all its runs) and a trial of that very candidate.
+
+    records: every asked trial; runs: every real run's measurement, grouped by candidate key, in run order."""
+    leaders = leaders_of(runs)
+    best = best_measurement(runs, leaders)
+    best_trial = None
+    if best is not None:
+        best_trial = next(
+            (r.number for r in records if r.outcome == "ok" and r.launched and r.candidate == best.candidate), None
+        )
+    return Summary(
+        leaders=tuple(leaders),
+        best=best,
+        best_trial=best_trial,
+        too_noisy=too_noisy(leaders),
+        launched=sum(1 for r in records if r.launched),
+    )
+
+
+def leaders_of(runs: Mapping[str, Sequence[Measurement]]) -> list[Leader]:
+    """Candidates that ran ok, fastest median first."""
+    leaders = []
+    for measurements in runs.values():
+        ok = [m for m in measurements if m.status == "ok" and m.step_time_ms]
+        if ok:
+            leaders.append(Leader(candidate=ok[0].candidate, step_times_ms=tuple(m.step_time_ms for m in ok)))  # type: ignore[misc]
+    return sorted(leaders, key=lambda leader: leader.step_time_ms)
+
+
+def best_measurement(runs: Mapping[str, Sequence[Measurement]], leaders: Sequence[Leader]) -> Measurement | None:
+    """The fastest leader's measurement with its step time the median over all its runs."""
+    if not leaders:
+        return None
+    winner = leaders[0]
+    ok = [m for m in runs[winner.candidate.key] if m.status == "ok"]
+    step_ms = winner.step_time_ms
+    return replace(
+        ok[-1],
+        step_time_ms=step_ms,
+        step_times_ms=tuple(t for m in ok for t in m.step_times_ms),
+        throughput_samples_per_s=winner.candidate.global_batch_size / (step_ms / 1000),
+        peak_memory_bytes=tuple(max(values) for values in zip(*(m.peak_memory_bytes for m in ok))),
+    )
+
+
+def too_noisy(leaders: Sequence[Leader]) -> bool:
+    """The fastest leader's slowest run reaches the runner-up's fastest, and their medians are within 2 %."""
+    if len(leaders) < 2:
+        return False
+    a, b = leaders[0], leaders[1]
+    return max(a.step_times_ms) >= min(b.step_times_ms) and a.step_time_ms * 1.02 > b.step_time_ms
+
+
+def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:
+    """A trial's record from the user attributes the search stores on it (state: the stored trial's, None for a live
+    one). A trial still running, or without an outcome, never finished: "interrupted"; one a later search failed for
+    that (state "fail", no outcome) died with its tuner."""
+    candidate = Candidate.from_dict(attrs["candidate"]) if "candidate" in attrs else None
+    measurement = attrs.get("measurement") or {}
+    predicted = attrs.get("predicted") or {}
+    outcome: Outcome = "interrupted"
+    reason = attrs.get("reason", "stopped before it finished")
+    if state != "running" and "outcome" in attrs:
+        outcome = attrs["outcome"]
+    elif state == "fail":
+        reason = "the tuner died during this trial"
+    return TrialRecord(
+        number=number,
+        candidate=candidate,
+        outcome=outcome,
+        reason=reason,
+        throughput_samples_per_s=measurement.get("throughput_samples_per_s"),
+        step_time_ms=measurement.get("step_time_ms"),
+        peak_memory_bytes=tuple(measurement.get("peak_memory_bytes", ())),
+        predicted_throughput_samples_per_s=predicted.get("throughput_samples_per_s"),
+        predicted_peak_memory_bytes=tuple(predicted.get("peak_memory_bytes", ())),
+        phase=attrs.get("phase", "explore"),
+        launched=bool(attrs.get("launched", False)),
+        wall_time_s=float(measurement.get("wall_time_s", 0.0)) if attrs.get("launched") else 0.0,
+    )
+
+
+def predicted_attrs(estimate: Estimate) -> dict[str, Any]:
+    """What a trial stores of its candidate's simulation."""
+    return {
+        "step_time_ms": estimate.step_time_ms,
+        "throughput_samples_per_s": estimate.throughput_samples_per_s,
+        "bubble_fraction": estimate.bubble_fraction,
+        "peak_memory_bytes": list(estimate.peak_memory_bytes),
+        "feasible": estimate.feasible,
+    }
+
+
+def explain_infeasible(result: SearchResult, limit: int | None) -> InfeasibleError:
+    """Nothing ran within the memory limit: say what would fit."""
+    peaks = [
+        max(r.peak_memory_bytes or r.predicted_peak_memory_bytes or (math.inf,))
+        for r in result.records
+        if r.candidate is not None
+    ]
+    if not peaks or limit is None:
+        return InfeasibleError("no trial ran successfully; see the trial table (autotune report) for each reason")
+    leanest = min(peaks)
+    return InfeasibleError(
+        f"no configuration fits the memory limit of {format_bytes(limit)} per rank; the leanest tried needs "
+        f"{format_bytes(leanest)}: raise --memory-limit to at least that, or use more GPUs"
+    )

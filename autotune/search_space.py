@@ -1,0 +1,151 @@
+"""The search space: Optuna parameters <-> candidates. The split is a base (the planner's balanced split, or the
+uniform one) with each stage boundary shifted by a few layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
+
+import optuna
+
+from autotune.candidate import Candidate, WireDtype, pipeline_layouts, stage_bounds, uniform_split
+from autotune.costs import Profile
+from autotune.errors import InvalidCandidateError
+from autotune.partition import balanced_split
+from autotune.schedules import Schedule, default_stages_per_rank
+
+if TYPE_CHECKING:
+    from autotune.search import SearchOptions
+
+SPLIT_BASES = ("balanced", "uniform")
+
+
+class SearchSpace:
+    """Maps Optuna parameters to candidates and back.
+
+    Parameters: layout ("pp2xdp1"), schedule, n_microbatches (per dp), split base (balanced | uniform), one shift per
+    stage boundary in [-max_shift, max_shift] layers, activation checkpointing, wire dtype."""
+
+    def __init__(self, profile: Profile, options: SearchOptions) -> None:
+        self.profile = profile
+        self.options = options
+        self.n_layers = profile.n_layers
+        self.layouts = list(options.layouts or pipeline_layouts(options.gpus, options.batch_size, self.n_layers))
+        if not self.layouts:
+            raise InvalidCandidateError(
+                f"no pipeline x data-parallel layout of {options.gpus} GPUs fits a {self.n_layers}-layer model with "
+                f"batch size {options.batch_size}; use --gpus {min(options.gpus, self.n_layers)}"
+            )
+        self._balanced: dict[tuple[Schedule, int, int, int, bool], tuple[int, ...]] = {}
+
+    @staticmethod
+    def _layout_name(pp: int, dp: int) -> str:
+        return f"pp{pp}xdp{dp}"
+
+    def _microbatch_choices(self, dp: int) -> list[int]:
+        per_replica = self.options.batch_size // dp
+        return [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+
+    def balanced(self, schedule: Schedule, pp: int, dp: int, m: int, checkpointing: bool = False) -> tuple[int, ...]:
+        """The planner's balanced split (partition.balanced_split) at this micro-batch size, checkpointing included."""
+        key = (schedule, pp, dp, m, checkpointing)
+        if key not in self._balanced:
+            micro = self.options.batch_size // (m * dp)
+            n_stages = pp * default_stages_per_rank(schedule)
+            self._balanced[key] = balanced_split(
+                self.profile.layer_costs(micro), schedule, pp, n_stages, checkpointing=checkpointing
+            )
+        return self._balanced[key]
+
+    def suggest(self, trial: optuna.Trial) -> Candidate:
+        """The trial's candidate; raises InvalidCandidateError for a combination that cannot run."""
+        names = [self._layout_name(pp, dp) for pp, dp in self.layouts]
+        pp, dp = self.layouts[names.index(trial.suggest_categorical("layout", names))]
+        schedule = Schedule(trial.suggest_categorical("schedule", [s.value for s in self.options.schedules]))
+        m = trial.suggest_categorical(f"n_microbatches_dp{dp}", self._microbatch_choices(dp))
+        n_stages = pp * default_stages_per_rank(schedule)
+        if n_stages > self.n_layers:
+            raise InvalidCandidateError(
+                f"{schedule.value} needs {n_stages} stages, the model has {self.n_layers} layers"
+            )
+        if pp == 1 and n_stages > 1:
+            raise InvalidCandidateError(f"{schedule.value} splits one rank into {n_stages} stages: pointless at pp = 1")
+        base_name = trial.suggest_categorical("split", list(SPLIT_BASES))
+        shifts = [
+            trial.suggest_int(f"shift{j}_of_{n_stages}", -self.options.max_shift, self.options.max_shift)
+            for j in range(1, n_stages)
+        ]
+        checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
+        wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
+        if pp == 1 and wire != "float32":
+            raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: the wire dtype is moot")
+        candidate = Candidate(
+            schedule=schedule,
+            pipeline_degree=pp,
+            data_parallel_degree=dp,
+            global_batch_size=self.options.batch_size,
+            n_microbatches=m,
+            layers_per_stage=self._split_base(base_name, schedule, pp, dp, m, n_stages, checkpointing),
+            activation_checkpointing=checkpointing,
+            wire_dtype=wire,
+        )
+        candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
+        candidate.validate(self.n_layers)
+        return candidate
+
+    def _split_base(
+        self, name: str, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, checkpointing: bool
+    ) -> tuple[int, ...]:
+        if name == "uniform":
+            return uniform_split(self.n_layers, n_stages)
+        return self.balanced(schedule, pp, dp, m, checkpointing)
+
+    def params_for(self, candidate: Candidate) -> dict[str, Any] | None:
+        """Parameters that make suggest() return this candidate, or None when it lies outside the space."""
+        pp, dp = candidate.pipeline_degree, candidate.data_parallel_degree
+        if (
+            (pp, dp) not in self.layouts
+            or candidate.schedule not in self.options.schedules
+            or candidate.activation_checkpointing not in self.options.checkpointing
+            or candidate.wire_dtype not in self.options.wire_dtypes
+        ):
+            return None
+        n_stages = candidate.n_stages
+        for base_name in SPLIT_BASES:
+            base = self._split_base(
+                base_name,
+                candidate.schedule,
+                pp,
+                dp,
+                candidate.n_microbatches,
+                n_stages,
+                candidate.activation_checkpointing,
+            )
+            shifts = [b - a for a, b in zip(stage_bounds(base)[1:-1], stage_bounds(candidate.layers_per_stage)[1:-1])]
+            if all(abs(s) <= self.options.max_shift for s in shifts):
+                params: dict[str, Any] = {
+                    "layout": self._layout_name(pp, dp),
+                    "schedule": candidate.schedule.value,
+                    f"n_microbatches_dp{dp}": candidate.n_microbatches,
+                    "split": base_name,
+                    "activation_checkpointing": candidate.activation_checkpointing,
+                    "wire_dtype": candidate.wire_dtype,
+                }
+                params.update({f"shift{j}_of_{n_stages}": s for j, s in enumerate(shifts, start=1)})
+                return params
+        return None
+
+
+def _shifted(split: tuple[int, ...], shifts: Sequence[int]) -> tuple[int, ...]:
+    """Move each inner boundary by its shift, keeping boundaries strictly increasing (every stage >= 1 layer)."""
+    bounds = stage_bounds(split)
+    total, n = bounds[-1], len(split)
+    moved = [0]
+    for j in range(1, n):
+        lo, hi = moved[-1] + 1, total - (n - j)
+        moved.append(min(max(bounds[j] + shifts[j - 1], lo), hi))
+    moved.append(total)
+    return tuple(b - a for a, b in zip(moved, moved[1:]))
+
+

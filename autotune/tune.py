@@ -1,0 +1,314 @@
+"""The one pipeline from a model file to a tuned config and its report: what `autotune search`, bench/ and scripts run.
+
+    model file ──load, check──▶ ModelSpec ──profile──▶ Profile ──plan──▶ ranked candidates
+        ──search (real trials, the leaders re-measured side by side)──▶ SearchResult
+        ──keep the config already at `output` when the new best does not beat it, else write──▶ config
+        ──▶ report
+
+A TuneRequest goes in, a TuneOutcome comes out; a TuneReporter hears the progress (the CLI draws it on stderr).
+Failures are AutotuneErrors: nothing fits (InfeasibleError), no trial ran, a bad model file; Ctrl-C before any
+trial succeeded is re-raised as KeyboardInterrupt, after one it returns an outcome with result.interrupted set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from autotune.candidate import Measurement, WireDtype
+from autotune.config_file import load_config, save_config
+from autotune.costs import Profile
+from autotune.errors import AutotuneError, ConfigError
+from autotune.model_file import ModelSpec
+from autotune.profiling import ProgressFn
+from autotune.records import SearchResult, explain_infeasible
+from autotune.search import SearchReporter
+from autotune.trial import TrialRunner
+from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneRequest:
+    """What to tune and how; the defaults are `autotune search`'s."""
+
+    model: Path
+    """The model file."""
+    gpus: int
+    """Ranks in all (pp x dp)."""
+    batch_size: int
+    """Global batch size B."""
+    device: str = "auto"
+    """auto (CUDA when present, else a LaunchError that says to pass cpu), cpu or cuda."""
+    trials: int = 20
+    """Real trial runs to spend, leader re-measurements included."""
+    timeout_s: float | None = None
+    """Stop launching trials after this long; None: no limit."""
+    memory_limit_bytes: int | None = None
+    """Per-rank memory cap; None: the device's memory (no cap on CPU)."""
+    storage: str | None = None
+    """Optuna storage URL; None: SQLite under .autotune/ named after the study."""
+    study_name: str | None = None
+    """None: <model>-<device>-g<gpus>-b<batch>."""
+    resume: bool = False
+    """Continue an existing study of that name."""
+    seed: int = 0
+    """Sampler seed."""
+    steps: int = 5
+    """Measured steps per trial."""
+    warmup: int = 2
+    """Unmeasured steps per trial."""
+    trial_timeout_s: float = 300.0
+    """Seconds before one trial counts as hung."""
+    output: Path | None = Path("autotune.yaml")
+    """Where the tuned config goes; None: write none (and keep none)."""
+    min_improvement: float = 0.03
+    """Keep a config already at `output` (same model, GPUs, batch) unless the new best beats it by more than this."""
+    report_dir: Path | None = Path("autotune-report")
+    """Where the report goes; None: write none."""
+    command: str | None = None
+    """The command line recorded in the config's header."""
+    layouts: tuple[tuple[int, int], ...] | None = None
+    """(pp, dp) layouts to search; None: every one the model and batch allow."""
+    checkpointing: tuple[bool, ...] = (False, True)
+    """Activation checkpointing choices to search."""
+    wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
+    """dtypes between stages to search."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOutcome:
+    """What a tuning run found and wrote."""
+
+    result: SearchResult
+    """The search, every trial included; result.best is the chosen measurement."""
+    spec: ModelSpec
+    """The loaded model file."""
+    profile: Profile
+    """The profile the plan and the search were made from."""
+    device: str
+    """cpu or cuda, as resolved."""
+    memory_limit_bytes: int | None
+    """The per-rank cap the search respected."""
+    config_path: Path | None
+    """The tuned config (written now or kept); None when request.output was None."""
+    config_written: bool
+    """A new config was written."""
+    kept_existing_config: bool
+    """The config already at output still holds: the new best did not beat it by min_improvement."""
+    report_dir: Path | None
+    """Where report.md and report.html were written; None when request.report_dir was None."""
+
+    @property
+    def interrupted(self) -> bool:
+        return self.result.interrupted
+
+
+class TuneReporter(Protocol):
+    """Progress of a tuning run. Each phase is a context manager around its work."""
+
+    def profiling(self, description: str) -> AbstractContextManager[ProgressFn | None]: ...
+
+    def planning(self, description: str) -> AbstractContextManager[Any]: ...
+
+    def searching(self, budget: int) -> AbstractContextManager[SearchReporter | None]: ...
+
+    def warning(self, text: str) -> None: ...
+
+
+class SilentReporter:
+    """No progress shown; warnings go to the log."""
+
+    def profiling(self, description: str) -> AbstractContextManager[ProgressFn | None]:
+        return contextlib.nullcontext()
+
+    def planning(self, description: str) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def searching(self, budget: int) -> AbstractContextManager[SearchReporter | None]:
+        return contextlib.nullcontext()
+
+    def warning(self, text: str) -> None:
+        log.warning(text)
+
+
+def load_and_profile(
+    model: Path,
+    batch_size: int,
+    device: str,
+    *,
+    micro_batch_sizes: list[int] | None = None,
+    repeats: int = 5,
+    reporter: TuneReporter | None = None,
+) -> tuple[ModelSpec, Profile]:
+    """Load and check the model file, then profile it: (spec, profile)."""
+    from autotune.model_file import check_model, load_model_file
+    from autotune.profiling import profile_model
+
+    reporter = reporter or SilentReporter()
+    spec = load_model_file(model)
+    check_model(spec, batch_size)
+    with reporter.profiling(f"profiling {model.name} on {device}") as progress:
+        profile = profile_model(
+            spec,
+            batch_size=batch_size,
+            micro_batch_sizes=micro_batch_sizes,
+            device=device,
+            repeats=repeats,
+            progress=progress,
+        )
+    return spec, profile
+
+
+def tune(
+    request: TuneRequest, reporter: TuneReporter | None = None, *, runner: TrialRunner | None = None
+) -> TuneOutcome:
+    """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
+    runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
+    from autotune.devices import device_memory_bytes, resolve_device
+    from autotune.plan import ensure_feasible, plan
+    from autotune.search import SearchOptions, default_storage, default_study_name, run_search
+    from autotune.trial import TrialOptions, run_trial
+
+    reporter = reporter or SilentReporter()
+    device = resolve_device(request.device)
+    limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else device_memory_bytes(device)
+    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
+    name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
+    url = request.storage or default_storage(name)
+    incumbent = _incumbent(request, spec, reporter)
+    with reporter.planning(f"planning {request.gpus} ranks..."):
+        planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit)
+    ensure_feasible(planned)
+    options = SearchOptions(
+        gpus=request.gpus,
+        batch_size=request.batch_size,
+        n_trials=request.trials,
+        timeout_s=request.timeout_s,
+        memory_limit_bytes=limit,
+        study_name=name,
+        storage=url,
+        resume=request.resume,
+        seed=request.seed,
+        layouts=request.layouts,
+        checkpointing=request.checkpointing,
+        wire_dtypes=request.wire_dtypes,
+        incumbent=incumbent.candidate if incumbent else None,
+        trial=TrialOptions(
+            steps=request.steps,
+            warmup=request.warmup,
+            timeout_s=request.trial_timeout_s,
+            memory_limit_bytes=limit,
+            device=device,
+        ),
+    )
+    with reporter.searching(request.trials) as progress:
+        result = run_search(
+            spec,
+            profile,
+            planned,
+            options,
+            study_name=name,
+            storage=url,
+            runner=runner or run_trial,
+            reporter=progress,
+        )
+    if result.best is None:
+        if result.interrupted:
+            raise KeyboardInterrupt
+        if any(r.outcome in ("oom", "pruned") for r in result.records) and limit is not None:
+            raise explain_infeasible(result, limit)
+        raise AutotuneError("no trial ran successfully; run `autotune report` on the study to see each reason")
+    kept = written = False
+    if request.output is not None:
+        kept = _incumbent_holds(result, incumbent, request.min_improvement)
+        if not kept:
+            save_config(
+                _config_of(result, result.best, request, spec, limit, device), request.output, command=request.command
+            )
+            written = True
+    report_dir = None
+    if request.report_dir is not None:
+        from autotune.report import write_search_report
+
+        report_dir = write_search_report(
+            result,
+            spec=spec,
+            profile=profile,
+            config_path=request.output,
+            report_dir=request.report_dir,
+            memory_limit_bytes=limit,
+        )
+    return TuneOutcome(
+        result=result,
+        spec=spec,
+        profile=profile,
+        device=device,
+        memory_limit_bytes=limit,
+        config_path=request.output,
+        config_written=written,
+        kept_existing_config=kept,
+        report_dir=report_dir,
+    )
+
+
+def _incumbent(request: TuneRequest, spec: ModelSpec, reporter: TuneReporter) -> TunedConfig | None:
+    """The config already at request.output, when it is for this model, GPU count and batch size."""
+    output = request.output
+    if output is None or not output.exists():
+        return None
+    try:
+        config = load_config(output)
+    except ConfigError as exc:
+        reporter.warning(f"ignoring the existing {output}: {exc}")
+        return None
+    if (config.model_layers, config.gpus, config.global_batch_size) != (
+        spec.n_layers,
+        request.gpus,
+        request.batch_size,
+    ):
+        reporter.warning(f"{output} is for another model, GPU count or batch size; it will be replaced")
+        return None
+    return config
+
+
+def _incumbent_holds(result: SearchResult, incumbent: TunedConfig | None, min_improvement: float) -> bool:
+    """The existing config was re-measured and the new best does not beat it by more than min_improvement."""
+    best = result.best
+    if incumbent is None or best is None:
+        return False
+    old = next((leader for leader in result.leaders if leader.candidate.key == incumbent.candidate.key), None)
+    if old is None:
+        return False
+    return old.candidate.key == best.candidate.key or old.step_time_ms <= best.step_time_ms * (1 + min_improvement)  # type: ignore[operator]
+
+
+def _config_of(
+    result: SearchResult, best: Measurement, request: TuneRequest, spec: ModelSpec, limit: int | None, device: str
+) -> TunedConfig:
+    """The tuned config of the search's best measurement."""
+    estimate = result.best_estimate
+    return TunedConfig.from_measurement(
+        best,
+        model=str(request.model),
+        memory_limit_bytes=limit,
+        model_layers=spec.n_layers,
+        predicted=PredictedResult(
+            step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes)
+        )
+        if estimate
+        else None,
+        search=SearchSummary(
+            study=result.study_name,
+            storage=mask_password(result.storage),
+            trials=len(result.records),
+            feasible=result.feasible,
+            best_trial=result.best_trial,
+        ),
+        environment=Environment.current(device),
+    )

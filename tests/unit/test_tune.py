@@ -1,0 +1,74 @@
+"""autotune.tune: the whole pipeline (real profile and plan, simulated trials), config kept or replaced, the reporter
+told each phase."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+
+from autotune.config_file import load_config
+from autotune.errors import InfeasibleError
+from autotune.tune import TuneRequest, load_and_profile, tune
+from tests.fakes import SimulatedRunner
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def profiling(self, description):
+        self.events.append("profiling")
+        yield lambda completed, total, what: self.events.append("profiled") if completed == total else None
+
+    @contextlib.contextmanager
+    def planning(self, description):
+        self.events.append("planning")
+        yield
+
+    @contextlib.contextmanager
+    def searching(self, budget):
+        self.events.append(f"searching {budget}")
+        yield None
+
+    def warning(self, text):
+        self.events.append(f"warning: {text}")
+
+
+@pytest.fixture
+def setup(model_file, tmp_path):
+    model = model_file()
+    _, profile = load_and_profile(model, 16, "cpu", repeats=1)
+    request = TuneRequest(model=model, gpus=2, batch_size=16, device="cpu", trials=3, storage=f"sqlite:///{tmp_path}/s.db",
+                          study_name="t", output=tmp_path / "tuned.yaml", report_dir=tmp_path / "report",
+                          command="autotune search model.py")
+    return request, SimulatedRunner(profile)
+
+
+def test_tune_writes_the_config_and_the_report_then_keeps_a_config_that_still_holds(setup, tmp_path):
+    request, runner = setup
+    reporter = Recorder()
+    outcome = tune(request, reporter, runner=runner)
+    assert reporter.events == ["profiling", "profiled", "planning", "searching 3"]
+    assert outcome.config_written and not outcome.kept_existing_config and len(runner.calls) == 3
+    config = load_config(tmp_path / "tuned.yaml")
+    assert config.candidate == outcome.result.best.candidate
+    assert config.search.best_trial == outcome.result.best_trial
+    assert "# Command: autotune search model.py" in (tmp_path / "tuned.yaml").read_text()
+    assert (outcome.report_dir / "report.md").is_file() and (outcome.report_dir / "report.html").is_file()
+
+    before = (tmp_path / "tuned.yaml").read_text()
+    report = (outcome.report_dir / "report.md").stat().st_mtime_ns
+    again = tune(replace(request, study_name="t2", min_improvement=10.0, report_dir=None), runner=runner)
+    assert again.kept_existing_config and not again.config_written and again.report_dir is None
+    assert (tmp_path / "tuned.yaml").read_text() == before
+    assert (outcome.report_dir / "report.md").stat().st_mtime_ns == report
+
+
+def test_nothing_fits_is_an_infeasible_error_before_any_trial(setup, tmp_path):
+    request, runner = setup
+    with pytest.raises(InfeasibleError, match="--memory-limit"):
+        tune(replace(request, memory_limit_bytes=1024), runner=runner)
+    assert runner.calls == [] and not (tmp_path / "tuned.yaml").exists()
