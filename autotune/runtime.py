@@ -206,7 +206,8 @@ class RankPipeline:
         if not grads:
             return
         if self.dp_group is None:
-            torch._foreach_mul_(grads, scale)
+            for grad in grads:
+                grad.mul_(scale)
             return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.dp_group)
