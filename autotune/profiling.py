@@ -121,6 +121,7 @@ def profile_model(
         batch_size=batch_size,
         repeats=repeats,
         torch_version=torch.__version__,
+        shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
     )
 
 
