@@ -117,7 +117,8 @@ def _trace_failure(model: nn.Module, exc: BaseException, fix: str, blocks: str) 
             f"cannot trace {name}.forward to cut it into stages{where}: {reason} — autotune traces the code between "
             f"the blocks with torch.fx, where tensors and their sizes are symbolic: "
             f"{check if 'control flow' in reason else 'change that line, or move it'} into a block's forward (the "
-            f"blocks, {blocks}, may hold any code), or return an nn.Sequential from build_model()"
+            f"blocks, {blocks}, may hold any code; --split-at names other modules as blocks), or return an "
+            f"nn.Sequential from build_model()"
         )
     hint = fix or "name the blocks with --split-at"
     return f"cannot trace {name}.forward to cut it into stages{where}: {reason} — {hint}, or return an nn.Sequential"

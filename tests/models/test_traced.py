@@ -190,7 +190,8 @@ def test_a_forward_that_cannot_be_traced_names_the_reason_and_the_fix() -> None:
     assert "test_traced.py:" in message  # where the control flow is
     assert "control flow" in message  # torch's reason
     # The branch is in the model's own forward, between the blocks: no --split-at helps, the code must change.
-    assert "move branches on values into a block's forward (the blocks, 'layers.*', may hold any code)" in message
+    assert "move branches on values into a block's forward (the blocks, 'layers.*', may hold any code;" in message
+    assert "--split-at" in message
 
 
 class NanoGPT(nn.Module):
