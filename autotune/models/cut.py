@@ -37,7 +37,8 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
     if not isinstance(model, nn.Module):
         raise ModelFileError(
             f"build_model() returned {describe(model)}; return an nn.Module (a Hugging Face, timm or torchvision "
-            f"model as it is, your own module, or an nn.Sequential) — see recipes/"
+            f"model as it is, your own module, or an nn.Sequential) — see recipes/hf_llama.py, recipes/hf_gpt2.py, "
+            f"recipes/timm_vit.py, recipes/tv_resnet.py"
         )
     patterns = [p for p in (split_at or []) if p.strip()]
     if isinstance(model, nn.Sequential) and not patterns:
