@@ -18,6 +18,7 @@ from autotune.costs import LayerProfile, Profile
 from autotune.devices import keep_freed_cpu_memory
 from autotune.errors import ModelFileError, UsageError
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, make_batch, map_inputs
+from autotune.trial.memory import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ def profile_model(
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
     sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
+    if not micro_batch_sizes and spec.has_batchnorm and len(sizes) > 1:
+        sizes = [m for m in sizes if m > 1]  # BatchNorm cannot train on one sample
     if sizes[0] < 1:
         raise UsageError(f"micro-batch sizes must be at least 1, got {sizes[0]}; pass --micro-batch-size 1 or more")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -74,8 +77,19 @@ def profile_model(
         samples = []
         for done, m in enumerate(sizes):
             inputs, targets = make_batch(spec, m)
-            samples.append(_SizeSamples(spec, layers, map_inputs(inputs, lambda t: t.to(device)), targets.to(device),
-                                        clock))
+            try:
+                samples.append(_SizeSamples(spec, layers, map_inputs(inputs, lambda t: t.to(device)),
+                                            targets.to(device), clock))
+            except (ModelFileError, UsageError):
+                raise
+            except Exception as exc:  # the user's model can raise anything
+                if is_out_of_memory(exc):
+                    raise
+                text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                raise ModelFileError(
+                    f"{spec.path}: a training step at micro-batch size {m} failed ({text}); profile sizes the model "
+                    f"can run, e.g. --micro-batch-size {','.join(str(x) for x in sizes if x != m) or 'N'}"
+                ) from exc
             if progress is not None:
                 progress(done + 1, total, f"warm-up at micro-batch size {m}")
         # Round-robin over the sizes, so that a stretch of interference on a shared machine slows every size a
