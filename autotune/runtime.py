@@ -216,6 +216,15 @@ class RankPipeline:
             grad.copy_(reduced.view_as(grad))
 
 
+def _free_other_parameters(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Free the storage of the parameters this rank does not run. The model object itself stays (split_inputs
+    reads its forward's signature), so they are emptied rather than dropped."""
+    mine = {id(p) for m in modules for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in mine:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     """The parameters of the modules, each once, in order."""
     seen: dict[int, nn.Parameter] = {}
@@ -280,7 +289,8 @@ def build_pipeline(
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
-    del blocks  # drop the other ranks' blocks
+    _free_other_parameters(blocks.model, modules)
+    del blocks
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     return RankPipeline(
         spec=spec,
