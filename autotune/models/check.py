@@ -90,7 +90,16 @@ def check_cut(model: BlockModel, inputs: Any, *, rows: int = 2, rtol: float = 1e
             want = model.reference(small)
             args, side = model.split_inputs(small)
             stage = model.stage(0, model.n_blocks).eval()
-            got = stage(*args, **side)
+            try:
+                got = stage(*args, **side)
+            except ModelFileError:
+                raise
+            except Exception as exc:  # the adapter met a model of another shape than it expects
+                text = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+                raise ModelFileError(
+                    f"cut into blocks, {type(model.model).__name__} ({model.family}) fails where its own forward runs "
+                    f"({text}); name the modules to cut between with --split-at, or report this model"
+                ) from exc
     finally:
         model.model.train(was_training)
     try:

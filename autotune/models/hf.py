@@ -222,7 +222,7 @@ class Embedding(nn.Module):
         self.base = view(
             base,
             replace={
-                anatomy.layers_name: stand_in_layers(len(anatomy.layers), self.recorder),
+                anatomy.layers_name: stand_in_layers(anatomy.layers, self.recorder),
                 anatomy.norm_name: Absent(anatomy.norm_name, "the embedding stops at the first layer"),
             },
             keep_parameters=True,
@@ -246,7 +246,7 @@ class Context(nn.Module):
         super().__init__()
         self.recorder = Recorder()
         base = anatomy.base
-        replace: dict[str, nn.Module] = {anatomy.layers_name: stand_in_layers(len(anatomy.layers), self.recorder)}
+        replace: dict[str, nn.Module] = {anatomy.layers_name: stand_in_layers(anatomy.layers, self.recorder)}
         for name, child in base.named_children():
             if name in replace:
                 continue

@@ -77,8 +77,12 @@ class Recorder:
 class StandInLayer(nn.Module):
     """Stands for layer `index` of a ModuleList: records its call or stops the forward; returns the hidden state."""
 
-    def __init__(self, index: int, recorder: Recorder) -> None:
+    def __init__(self, index: int, recorder: Recorder, like: nn.Module | None = None) -> None:
         super().__init__()
+        if like is not None:  # plain attributes the base forward reads (transformers 4.x: layer.attention_type)
+            for name, value in vars(like).items():
+                if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
+                    setattr(self, name, value)
         self.index = index
         self.recorder = recorder
 
@@ -93,8 +97,8 @@ class StandInLayer(nn.Module):
         return hidden
 
 
-def stand_in_layers(n: int, recorder: Recorder) -> nn.ModuleList:
-    return nn.ModuleList(StandInLayer(i, recorder) for i in range(n))
+def stand_in_layers(layers: nn.ModuleList, recorder: Recorder) -> nn.ModuleList:
+    return nn.ModuleList(StandInLayer(i, recorder, layer) for i, layer in enumerate(layers))
 
 
 class Absent(nn.Module):
