@@ -14,7 +14,42 @@ from tests.dist.test_gradients import pipelined_grads
 
 pytestmark = pytest.mark.dist
 
-SKIP_MODEL = 'import torch\nfrom torch import nn\n\nclass Block(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(16, 16)\n    def forward(self, x):\n        return torch.tanh(self.lin(x))\n\nclass Skippy(nn.Module):\n    """A U-shaped skip: the stem\'s output is added back after the last block, so two tensors cross every cut."""\n    def __init__(self):\n        super().__init__()\n        self.stem = nn.Linear(8, 16)\n        self.blocks = nn.ModuleList(Block() for _ in range(4))\n        self.head = nn.Linear(16, 4)\n    def forward(self, x, scale):\n        h0 = self.stem(x)\n        h = h0\n        for block in self.blocks:\n            h = block(h) * scale[:, None]\n        return self.head(h + h0)\n\ndef build_model():\n    return Skippy()\n\ndef make_batch(batch_size):\n    g = torch.Generator().manual_seed(batch_size)\n    return (torch.randn(batch_size, 8, generator=g), torch.rand(batch_size, generator=g) + 0.5), torch.randn(batch_size, 4, generator=g)\n\ndef loss_fn(out, y):\n    return nn.functional.mse_loss(out, y)\n'
+SKIP_MODEL = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+class Skippy(nn.Module):
+    # A U-shaped skip: the stem's output is added back after the last block, so two tensors cross every cut.
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(16, 4)
+    def forward(self, x, scale):
+        h0 = self.stem(x)
+        h = h0
+        for block in self.blocks:
+            h = block(h) * scale[:, None]
+        return self.head(h + h0)
+
+def build_model():
+    return Skippy()
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(batch_size)
+    inputs = (torch.randn(batch_size, 8, generator=g), torch.rand(batch_size, generator=g) + 0.5)
+    return inputs, torch.randn(batch_size, 4, generator=g)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
 
 
 @pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV_ZERO_BUBBLE], ids=lambda s: s.value)
