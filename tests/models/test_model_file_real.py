@@ -10,6 +10,7 @@ from autotune import model_file
 from autotune.costs import shared_copy_bytes
 from autotune.errors import ModelFileError
 from autotune.tune import batchnorm_warning
+from tests.fakes import BATCHNORM_MODEL
 
 pytest.importorskip("transformers")
 
@@ -103,20 +104,8 @@ def test_a_forward_that_cannot_be_cut_names_the_reason_and_split_at(tmp_path):
     assert "model.py" in text and "cannot trace" in text and "--split-at" in text
 
 
-BATCHNORM = """
-import torch
-from torch import nn
-def build_model():
-    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-def make_batch(batch_size):
-    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
-def loss_fn(output, target):
-    return nn.functional.mse_loss(output, target)
-"""
-
-
 def test_the_batchnorm_warning_names_the_layer(tmp_path):
-    spec = model_file.load_model_file(write(tmp_path, BATCHNORM))
+    spec = model_file.load_model_file(write(tmp_path, BATCHNORM_MODEL))
     text = batchnorm_warning(spec)
     assert "1 (BatchNorm1d)" in text and "per micro-batch" in text
 

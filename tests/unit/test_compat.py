@@ -96,7 +96,7 @@ def _code(path):
     import tokenize
 
     tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    skipped = {tokenize.STRING, tokenize.COMMENT} | {getattr(tokenize, n) for n in ("FSTRING_MIDDLE",) if hasattr(tokenize, n)}
+    skipped = {tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
     return " ".join(t.string for t in tokens if t.type not in skipped)
 
 

@@ -163,22 +163,11 @@ def test_profile_checks_its_series():
         Profile(micro_batch_sizes=(2, 1), layers=(layer,), input_bytes=(1, 2))
 
 
-BATCHNORM_MODEL = """
-import torch
-from torch import nn
-def build_model():
-    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-def make_batch(batch_size):
-    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
-def loss_fn(output, target):
-    return nn.functional.mse_loss(output, target)
-"""
-
-
 def test_batchnorm_models_skip_micro_batch_one_and_a_failing_size_is_named(tmp_path):
     from autotune.errors import ModelFileError
     from autotune.model_file import load_model_file
     from autotune.profiling import profile_model
+    from tests.fakes import BATCHNORM_MODEL
 
     path = tmp_path / "bn.py"
     path.write_text(BATCHNORM_MODEL)
