@@ -65,6 +65,7 @@ def test_a_short_search_on_a_real_model_writes_a_config_at_block_granularity(rec
 
 @SLOW
 @pytest.mark.dist
+@pytest.mark.timeout(900)  # 1.5-3 min each on 2 shared cores; pyproject's default is 300 s
 @pytest.mark.parametrize("recipe", list(RECIPE_BLOCKS))
 def test_search_with_8_trials_on_each_recipe(recipe, tmp_path):
     """The issue's command as it is: autotune search FILE --gpus 2 --device cpu --batch-size 16 --trials 8."""
