@@ -58,7 +58,7 @@ def resolve_model(config: TunedConfig, config_path: Path, model: Path | None) ->
         written = Path(config.model)
         candidates = [written, config_path.parent / written] if not written.is_absolute() else [written]
         model = next((p for p in candidates if p.exists()), written)
-    spec = load_model_file(model)
+    spec = load_model_file(model, split_at=config.split_at)
     if spec.n_layers != config.model_layers:
         raise ConfigError(
             f"{config_path}: the config is for a model of {config.model_layers} layers but {model} has "

@@ -168,12 +168,13 @@ def runtime_schedule(
 ) -> Any:
     """A schedule torch does not ship, run by torch's own runtime (as torchtitan's CSV schedules are): `order` holds
     every rank's compute actions as (stage, kind F|B|I|W, micro-batch); torch validates them, infers the stage ->
-    rank placement from them and inserts the sends and receives."""
+    rank placement from them and inserts the sends and receives. Gradients are left unscaled (scale_grads=False),
+    as for torch's own schedules in autotune.runtime."""
     runtime = symbol(_PIPELINING_SCHEDULES, "_PipelineScheduleRuntime")
     action = symbol(_PIPELINING_SCHEDULES, "_Action")
     kinds = symbol(_PIPELINING_SCHEDULES, "_ComputationType")
     by_letter = {letter: getattr(kinds, name) for name, letter in _COMPUTE_KINDS.items()}
-    schedule = runtime(list(stages), n_microbatches=n_microbatches, loss_fn=loss_fn)
+    schedule = runtime(list(stages), n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule.pipeline_order = {
         rank: [action(stage, by_letter[kind], microbatch) for stage, kind, microbatch in actions]
         for rank, actions in enumerate(order)

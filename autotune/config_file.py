@@ -166,6 +166,7 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
             model_sha256=values["model_sha256"],
             model_layers=values["model_layers"],
             layer_roles=None if roles is None else tuple(roles),
+            split_at=None if values["split_at"] is None else tuple(values["split_at"]),
             candidate=Candidate(
                 **{
                     attribute: _tuple(values[key])

@@ -68,6 +68,15 @@ class LayerProfile:
     such group, and under activation checkpointing each pass recomputes the stage. None: 1 if it has parameters."""
 
 
+def shared_copy_bytes(shared: Sequence[tuple[Sequence[int], int]], start: int, stop: int) -> int:
+    """Bytes of the shared parameters (layers holding each, its bytes) that layers [start, stop) hold while the
+    parameter's first holder is elsewhere: that stage keeps a copy of its own."""
+    return sum(
+        nbytes for layers, nbytes in shared
+        if not start <= min(layers) < stop and any(start <= layer < stop for layer in layers)
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """Per-layer costs of a model on one device at several micro-batch sizes.
@@ -110,6 +119,10 @@ class Profile:
     """Timed repeats per size (medians are kept)."""
     torch_version: str = ""
     """torch.__version__ when measured."""
+    shared_parameters: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """Parameters held by several layers (tied embeddings): (the layers holding it, its bytes). A layer's
+    parameter_bytes count it in the first holder only; a stage holding a later holder but not the first keeps a
+    copy of its own (shared_copy_bytes)."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -130,6 +143,10 @@ class Profile:
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    def shared_copy_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the copies of shared parameters that layers [start, stop) hold without their first holder."""
+        return shared_copy_bytes(self.shared_parameters, start, stop)
 
     @property
     def parameter_bytes(self) -> int:
@@ -238,6 +255,9 @@ class Profile:
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "optimizer_peak_bytes": self.optimizer_peak_bytes,
             "parameter_bytes": self.parameter_bytes,
+            "shared_parameters": [
+                {"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.shared_parameters
+            ],
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
                  "parameter_groups": layer.parameter_groups,
@@ -271,6 +291,9 @@ class Profile:
                     for layer in data["layers"]
                 ),
                 input_bytes=tuple(int(x) for x in data["input_bytes"]),
+                shared_parameters=tuple(
+                    (tuple(int(i) for i in p["layers"]), int(p["bytes"])) for p in data.get("shared_parameters", ())
+                ),
                 loss_forward_ms=tuple(float(x) for x in data.get("loss_forward_ms", ())),
                 loss_backward_ms=tuple(float(x) for x in data.get("loss_backward_ms", ())),
                 loss_saved_bytes=tuple(int(x) for x in data.get("loss_saved_bytes", ())),

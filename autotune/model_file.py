@@ -6,7 +6,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +17,8 @@ from torch import nn
 
 from autotune.compat import is_batch_norm
 from autotune.errors import ModelFileError
+from autotune.models import BlockModel, Role, SharedParameter, check_blocks, check_cut, cut_model, split_points_from
+from autotune.models.check import head_rows
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
 SEED = 0
@@ -25,21 +27,33 @@ SEED = 0
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A loaded model file: its functions and what building the model (on the meta device) revealed."""
+    """A loaded model file: its functions and what building the model (on the meta device) and cutting it into
+    blocks (autotune.models) revealed. A "layer" is a block: what stages are cut between."""
 
     path: Path
     """Absolute path of the model file."""
     build_model: Callable[[], Any]
     make_batch: Callable[[int], Any]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
     """None: AdamW with torch's defaults."""
     layer_names: tuple[str, ...]
-    """Class name of each layer, in model order."""
+    """Class name of each block's module, in model order."""
     parameter_bytes: tuple[int, ...]
-    """Bytes of parameters of each layer."""
+    """Bytes of parameters of each block; a parameter shared by several blocks counts in the first only."""
     batchnorm_layers: tuple[int, ...] = ()
-    """Layers holding a BatchNorm module at any depth (statistics per micro-batch under pipelining)."""
+    """Blocks holding a BatchNorm module at any depth (statistics per micro-batch under pipelining)."""
+    split_at: tuple[str, ...] | None = None
+    """The module names / globs the model was cut at (--split-at, else the file's SPLIT_AT / split_points(model));
+    None: autotune's own choice."""
+    family: str = "sequential"
+    """How it was cut: sequential, hf-decoder, hf-gpt2, timm-vit, tv-resnet or traced (autotune.models)."""
+    block_names: tuple[str, ...] = ()
+    """Module name of each block in the model ("model.layers.3"; "+" joins several)."""
+    layer_roles: tuple[Role, ...] = ()
+    """embedding | block | head | other, per block."""
+    shared: tuple[SharedParameter, ...] = ()
+    """Parameters held by more than one block (tied embeddings): trained as one, counted once."""
 
     @property
     def n_layers(self) -> int:
@@ -49,10 +63,20 @@ class ModelSpec:
     def has_batchnorm(self) -> bool:
         return bool(self.batchnorm_layers)
 
+    def describe_layer(self, index: int) -> str:
+        """"3 (model.layers.2, LlamaDecoderLayer)", or "3 (Linear)" for an nn.Sequential."""
+        name = self.block_names[index] if index < len(self.block_names) else ""
+        kind = self.layer_names[index]
+        return f"{index} ({name}, {kind})" if name and name != str(index) else f"{index} ({kind})"
 
-def load_model_file(path: str | Path) -> ModelSpec:
-    """Import the file, check its functions, and build the model on the meta device to count its layers."""
-    module = _import(Path(path))
+
+def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) -> ModelSpec:
+    """Import the file, check its functions, build the model on the meta device and cut it into blocks.
+
+    split_at: module names / globs to cut between (the CLI's --split-at); None: the file's SPLIT_AT or
+    split_points(model), else autotune's own choice (autotune.models.cut_model)."""
+    path = Path(path)
+    module = _import(path)
     functions = {}
     for name in REQUIRED:
         fn = getattr(module, name, None)
@@ -67,62 +91,110 @@ def load_model_file(path: str | Path) -> ModelSpec:
         raise ModelFileError(f"{path}: build_optimizer is not a function; define build_optimizer(params) or remove it")
 
     with torch.device("meta"):
-        model = _call_user(Path(path), "build_model", functions["build_model"])
-    layers = as_sequential(model, path=Path(path))
+        model = _call_user(path, "build_model", functions["build_model"])
+    if split_at is None and isinstance(model, nn.Module):
+        try:
+            found = split_points_from(module, model)
+        except ModelFileError as exc:
+            raise ModelFileError(f"{path}: {exc}") from exc
+        split_at = tuple(found) if found else None
+    split_at = tuple(split_at) if split_at else None
+    blocks = _cut(path, model, split_at, functions["make_batch"])
+    shared_bytes = [0] * blocks.n_blocks
+    for p in blocks.shared_parameters():
+        for block in p.blocks[1:]:
+            shared_bytes[block] += p.nbytes
     return ModelSpec(
-        path=Path(path).resolve(),
+        path=path.resolve(),
         build_model=functions["build_model"],
         make_batch=functions["make_batch"],
         loss_fn=functions["loss_fn"],
         build_optimizer=build_optimizer,
-        layer_names=tuple(type(layer).__name__ for layer in layers),
-        parameter_bytes=tuple(
-            sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers
-        ),
+        layer_names=blocks.block_types,
+        parameter_bytes=tuple(b - s for b, s in zip(blocks.parameter_bytes(), shared_bytes)),
         batchnorm_layers=tuple(
-            i for i, layer in enumerate(layers)
-            if any(is_batch_norm(m) for m in layer.modules())
+            i for i, block in enumerate(blocks.blocks) if any(is_batch_norm(m) for m in block.modules())
         ),
+        split_at=split_at,
+        family=blocks.family,
+        block_names=blocks.names,
+        layer_roles=blocks.roles,
+        shared=blocks.shared_parameters(),
     )
 
 
-def build_layers(spec: ModelSpec, *, seed: int = SEED) -> nn.Sequential:
-    """Build the model for real, seeded, as an nn.Sequential."""
+def build_blocks(spec: ModelSpec, *, seed: int = SEED) -> BlockModel:
+    """Build the model for real, seeded, and cut it into the blocks the spec describes."""
     torch.manual_seed(seed)
-    return as_sequential(_call_user(spec.path, "build_model", spec.build_model), path=spec.path)
-
-
-def as_sequential(model: Any, *, path: Path) -> nn.Sequential:
-    if isinstance(model, nn.Sequential):
-        layers = model
-    elif isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
-        layers = nn.Sequential(*model)
-    else:
+    model = _call_user(spec.path, "build_model", spec.build_model)
+    blocks = _cut(spec.path, model, spec.split_at, spec.make_batch)
+    if blocks.n_blocks != spec.n_layers:
         raise ModelFileError(
-            f"{path}: build_model() returned {type(model).__name__}; return an nn.Sequential (or a list of modules) "
-            f"whose layers run in order, so stages can be cut between them"
+            f"{spec.path}: build_model() gave {blocks.n_blocks} blocks now and {spec.n_layers} on the meta device; "
+            f"build the same model every time"
         )
-    if len(layers) == 0:
+    return blocks
+
+
+def _cut(path: Path, model: Any, split_at: Sequence[str] | None, make_batch_fn: Callable[[int], Any]) -> BlockModel:
+    """cut_model with the batch's inputs (which arguments the forward gets), errors prefixed with the file."""
+    inputs = None
+    if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+        batch = _call_user(path, "make_batch", make_batch_fn, 2)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs = batch[0]
+    try:
+        blocks = cut_model(model, split_at=split_at, inputs=inputs)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
+    if blocks.n_blocks == 0:
         raise ModelFileError(f"{path}: build_model() returned an empty model; return at least one layer")
-    return layers
+    return blocks
 
 
-def make_batch(spec: ModelSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call the user's make_batch and check it returns (inputs, targets) with batch_size rows."""
+def make_batch(spec: ModelSpec, batch_size: int) -> tuple[Any, torch.Tensor]:
+    """Call the user's make_batch and check it returns (inputs, targets) with batch_size rows. inputs may be a tensor,
+    a tuple of tensors (the forward's positional arguments) or a dict (its keyword arguments)."""
     batch = _call_user(spec.path, "make_batch", spec.make_batch, batch_size)
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+    if not (
+        isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor)
+        and input_tensors(batch[0]) is not None
+    ):
         raise ModelFileError(
-            f"{spec.path}: make_batch({batch_size}) returned {_describe(batch)}; return a tuple (inputs, targets) "
-            f"of two tensors"
+            f"{spec.path}: make_batch({batch_size}) returned {_describe(batch)}; return a tuple (inputs, targets): "
+            f"inputs a tensor, a tuple or a dict of tensors, targets a tensor"
         )
-    for what, tensor in zip(("inputs", "targets"), batch):
+    inputs, targets = batch
+    for what, tensor in [*(input_tensors(inputs) or []), ("targets", targets)]:
         if tensor.dim() == 0 or tensor.shape[0] != batch_size:
             shape = tuple(tensor.shape)
             raise ModelFileError(
                 f"{spec.path}: make_batch({batch_size}) returned {what} of shape {shape}; the first dimension "
                 f"must be the batch size asked for ({batch_size})"
             )
-    return batch[0], batch[1]
+    return inputs, targets
+
+
+def input_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """(name, tensor) of each input, or None when inputs are not a tensor, tuple or dict of tensors."""
+    if isinstance(inputs, torch.Tensor):
+        return [("inputs", inputs)]
+    if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(t, torch.Tensor) for t in inputs):
+        return [(f"inputs[{i}]", t) for i, t in enumerate(inputs)]
+    if isinstance(inputs, Mapping) and inputs and all(isinstance(t, torch.Tensor) for t in inputs.values()):
+        return [(f"inputs[{k!r}]", t) for k, t in inputs.items()]
+    return None
+
+
+def map_inputs(inputs: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """inputs (a tensor, tuple or dict of tensors) with fn applied to every tensor."""
+    if isinstance(inputs, torch.Tensor):
+        return fn(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(fn(t) for t in inputs)
+    if isinstance(inputs, Mapping):
+        return {k: fn(t) for k, t in inputs.items()}
+    return inputs
 
 
 REAL_CHECK_MAX_BYTES = 256 * 2**20
@@ -132,24 +204,30 @@ REAL_CHECK_MAX_BYTES = 256 * 2**20
 def check_model(spec: ModelSpec, batch_size: int) -> None:
     """Run make_batch, one forward on two samples and the loss, and check the results.
 
-    Small models run for real on the CPU (milliseconds). Larger ones run on the meta device (no compute, no memory;
-    the first use costs ~2 s of torch imports), falling back to a real forward when a layer cannot run there."""
+    Small models run for real on the CPU (milliseconds): block by block, so that a block whose output cannot cross
+    a stage is named, and, for a model cut by autotune, against the model's own forward. Larger ones run on the
+    meta device (no compute, no memory), falling back to a real forward when a block cannot run there."""
     inputs, targets = make_batch(spec, batch_size)
     rows = min(batch_size, 2)
     output = target = None
     if sum(spec.parameter_bytes) > REAL_CHECK_MAX_BYTES:
         with torch.device("meta"):
-            layers = as_sequential(_call_user(spec.path, "build_model", spec.build_model), path=spec.path)
+            meta = _cut(spec.path, _call_user(spec.path, "build_model", spec.build_model), spec.split_at,
+                        spec.make_batch)
         try:
             with torch.no_grad():
-                output = layers(inputs[:rows].to("meta"))
+                output = meta.run(map_inputs(head_rows(inputs, rows), lambda t: t.to("meta")))
             target = targets[:rows].to("meta")
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError, ModelFileError):
             output = None
     if output is None:
-        layers = build_layers(spec)
-        with torch.no_grad():
-            output = _call_user(spec.path, "the model's forward", layers, inputs[:rows])
+        blocks = build_blocks(spec)
+        try:
+            output = check_blocks(blocks, inputs, rows=rows)
+            if blocks.family != "sequential":
+                check_cut(blocks, inputs, rows=rows)
+        except ModelFileError as exc:
+            raise ModelFileError(f"{spec.path}: {exc}") from exc
         target = targets[:rows]
     loss = _call_user(spec.path, "loss_fn", spec.loss_fn, output, target)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

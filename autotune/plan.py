@@ -9,7 +9,7 @@ from itertools import accumulate
 from typing import Any
 
 from autotune.candidate import Candidate, pipeline_layouts, uniform_split
-from autotune.costs import LayerCost, Profile
+from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
 from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
@@ -226,6 +226,7 @@ class _Costs:
         self.time_checkpointed = layer_times(self.layers, checkpointing=True)
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
         self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
+        self.shared = profile.shared_parameters
         self._balanced = splits if splits is not None else {}
         # A min-max split depends on the layer times only up to scale: sizes whose times are proportional (a profile
         # of one size, or layers without fixed costs) share their splits, the planner's costliest computation.
@@ -242,6 +243,7 @@ class _Costs:
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,
+            shared_parameters=self.shared,
         )
 
     def balanced(
@@ -271,7 +273,8 @@ class _Costs:
 
         def stage_memory(stage: int, start: int, stop: int) -> float:
             return stage_memory_bytes(
-                parameter_bytes=self.param_prefix[stop] - self.param_prefix[start],
+                parameter_bytes=self.param_prefix[stop] - self.param_prefix[start]
+                + shared_copy_bytes(self.shared, start, stop),
                 saved=self.saved_prefix[stop] - self.saved_prefix[start],
                 stage_in=self.input_bytes if start == 0 else self.layers[start - 1].output_bytes,
                 stage_out=self.layers[stop - 1].output_bytes,

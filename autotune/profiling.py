@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from autotune.costs import LayerProfile, Profile
 from autotune.devices import keep_freed_cpu_memory
 from autotune.errors import ModelFileError, UsageError
-from autotune.model_file import ModelSpec, build_layers, build_optimizer, make_batch
+from autotune.model_file import ModelSpec, build_blocks, build_optimizer, make_batch, map_inputs
+from autotune.trial.memory import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ def profile_model(
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
     sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
+    if not micro_batch_sizes and spec.has_batchnorm and len(sizes) > 1:
+        sizes = [m for m in sizes if m > 1]  # BatchNorm cannot train on one sample
     if sizes[0] < 1:
         raise UsageError(f"micro-batch sizes must be at least 1, got {sizes[0]}; pass --micro-batch-size 1 or more")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -68,14 +71,25 @@ def profile_model(
         torch.set_num_threads(1)
         keep_freed_cpu_memory()  # as the ranks do: without it, times swing with the allocator's history
     try:
-        layers = build_layers(spec).to(device)
-        layers.train()
+        layers = _Whole(spec, device)
         clock: _Clock = _CudaClock() if device.startswith("cuda") else _CpuClock()
         total = len(sizes) + repeats
         samples = []
         for done, m in enumerate(sizes):
             inputs, targets = make_batch(spec, m)
-            samples.append(_SizeSamples(spec, layers, inputs.to(device), targets.to(device), clock))
+            try:
+                samples.append(_SizeSamples(spec, layers, map_inputs(inputs, lambda t: t.to(device)),
+                                            targets.to(device), clock))
+            except (ModelFileError, UsageError):
+                raise
+            except Exception as exc:  # the user's model can raise anything
+                if is_out_of_memory(exc):
+                    raise
+                text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                raise ModelFileError(
+                    f"{spec.path}: a training step at micro-batch size {m} failed ({text}); profile sizes the model "
+                    f"can run, e.g. --micro-batch-size {','.join(str(x) for x in sizes if x != m) or 'N'}"
+                ) from exc
             if progress is not None:
                 progress(done + 1, total, f"warm-up at micro-batch size {m}")
         # Round-robin over the sizes, so that a stretch of interference on a shared machine slows every size a
@@ -95,8 +109,8 @@ def profile_model(
         micro_batch_sizes=tuple(sizes),
         layers=tuple(
             LayerProfile(
-                name=type(layer).__name__,
-                parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                name=spec.layer_names[i],
+                parameter_bytes=spec.parameter_bytes[i],
                 forward_ms=tuple(s.forward_ms[i] for s in measured),
                 backward_input_ms=tuple(s.backward_input_ms[i] for s in measured),
                 backward_weight_ms=tuple(s.backward_weight_ms[i] for s in measured),
@@ -105,7 +119,7 @@ def profile_model(
                 parameter_groups=sum(1 for module in layer.modules() if next(module.parameters(recurse=False), None)
                                      is not None),
             )
-            for i, layer in zip(range(n), layers)
+            for i, layer in zip(range(n), layers.blocks)
         ),
         input_bytes=tuple(s.input_bytes for s in measured),
         loss_forward_ms=tuple(s.loss_forward_ms for s in measured),
@@ -121,7 +135,31 @@ def profile_model(
         batch_size=batch_size,
         repeats=repeats,
         torch_version=torch.__version__,
+        shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
     )
+
+
+class _Whole:
+    """The model as one stage over all its blocks (autotune.models): what the hooks time, block by block."""
+
+    def __init__(self, spec: ModelSpec, device: str) -> None:
+        block_model = build_blocks(spec)
+        self.blocks = list(block_model.blocks)
+        self.split_inputs = block_model.split_inputs
+        self.module = block_model.stage(0, block_model.n_blocks).to(device)
+        self.module.train()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __call__(self, args: tuple[torch.Tensor, ...], side: dict[str, Any]) -> Any:
+        return self.module(*args, **side)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def zero_grad(self, *, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
 
 
 # --- measurement -------------------------------------------------------------------------------------------------
@@ -178,9 +216,11 @@ class _SizeSamples:
     """Everything timed at one micro-batch size, gathered over the rounds of profile_model."""
 
     def __init__(
-        self, spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor, clock: _Clock
+        self, spec: ModelSpec, layers: _Whole, inputs: Any, targets: torch.Tensor, clock: _Clock
     ) -> None:
-        self.spec, self.layers, self.inputs, self.targets, self.clock = spec, layers, inputs, targets, clock
+        self.spec, self.layers, self.targets, self.clock = spec, layers, targets, clock
+        self.inputs = layers.split_inputs(inputs)
+        inputs = self.inputs
         self.saved, self.loss_saved, self.output_bytes = _saved_bytes(spec, layers, inputs, targets)
         self.forward: list[list[float]] = []
         self.full: list[list[float]] = []
@@ -227,7 +267,7 @@ class _SizeSamples:
             backward_weight_ms=[f - i for f, i in zip(med_full, med_input)],
             saved_bytes=self.saved,
             output_bytes=self.output_bytes,
-            input_bytes=_nbytes(self.inputs),
+            input_bytes=_nbytes(self.inputs[0]),
             loss_forward_ms=statistics.median(self.loss_forward),
             loss_backward_ms=statistics.median(self.loss_backward),
             loss_saved_bytes=self.loss_saved,
@@ -238,8 +278,8 @@ class _SizeSamples:
 
 def _whole_pass(
     spec: ModelSpec,
-    layers: nn.Sequential,
-    inputs: torch.Tensor,
+    layers: _Whole,
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     targets: torch.Tensor,
     clock: _Clock,
     *,
@@ -248,7 +288,8 @@ def _whole_pass(
     """Forward and backward times of the whole model, plain or checkpointed as one unit (as the runtime
     checkpoints a stage); the loss stays outside, as on the last stage."""
     start = clock.mark()
-    output = checkpoint(layers, inputs, use_reentrant=False) if checkpointed else layers(inputs)
+    args, side = inputs
+    output = checkpoint(layers.module, *args, use_reentrant=False, **side) if checkpointed else layers(args, side)
     middle = clock.mark()
     spec.loss_fn(output, targets).backward()
     end = clock.mark()
@@ -277,8 +318,8 @@ def _checkpoint_ratios(
 
 def _timed_pass(
     spec: ModelSpec,
-    layers: nn.Sequential,
-    inputs: torch.Tensor,
+    layers: _Whole,
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     targets: torch.Tensor,
     clock: _Clock,
     *,
@@ -301,15 +342,16 @@ def _timed_pass(
     post: list[Any] = [None] * n
     grad: list[Any] = [None] * n
     outputs: list[torch.Tensor | None] = [None] * n
-    x = inputs
-    if not full and inputs.is_floating_point():
-        x = inputs.detach().requires_grad_(True)
+    args, side = inputs
+    x = args[0]
+    if not full and x.is_floating_point():
+        x = x.detach().requires_grad_(True)
     handles = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(layers.blocks):
         handles.append(layer.register_forward_pre_hook(_pre_hook(pre, i, clock)))
         handles.append(layer.register_forward_hook(_post_hook(post, grad, outputs, i, clock)))
     try:
-        output = layers(x)
+        output = layers((x, *args[1:]), side)
         loss_start = clock.mark()
         loss = spec.loss_fn(output, targets)
         loss_end = clock.mark()
@@ -360,15 +402,18 @@ def _post_hook(marks: list[Any], grads: list[Any], outputs: list[Any], i: int, c
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         marks[i] = clock.mark()
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(on_grad)
-            outputs[i] = output
+        # Several tensors may leave a block: the first one needing a gradient stands for them all.
+        tensors = [output] if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else []
+        first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(on_grad)
+            outputs[i] = first
 
     return hook
 
 
 def _saved_bytes(
-    spec: ModelSpec, layers: nn.Sequential, inputs: torch.Tensor, targets: torch.Tensor
+    spec: ModelSpec, layers: _Whole, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]], targets: torch.Tensor
 ) -> tuple[list[int], int, list[int]]:
     """Bytes autograd saves for backward, per layer (a storage counts once, for the first layer saving it;
     parameters and views of them are skipped), plus the loss's, plus each layer's output bytes."""
@@ -399,11 +444,11 @@ def _saved_bytes(
 
         return hook
 
-    handles = [h for i, layer in enumerate(layers)
+    handles = [h for i, layer in enumerate(layers.blocks)
                for h in (layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave(i)))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = layers(inputs)
+            output = layers(*inputs)
             current[0] = n
             loss = spec.loss_fn(output, targets)
         del loss, output
@@ -414,7 +459,7 @@ def _saved_bytes(
 
 
 def _profile_optimizer(
-    spec: ModelSpec, layers: nn.Sequential, clock: _Clock, repeats: int
+    spec: ModelSpec, layers: _Whole, clock: _Clock, repeats: int
 ) -> tuple[float, int, int]:
     """Median time of one optimizer step over the whole model, the state it keeps, and the most bytes a step
     allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes)."""

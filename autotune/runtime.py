@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune import compat
 from autotune.candidate import Candidate, stage_bounds
-from autotune.model_file import ModelSpec, build_layers, build_optimizer, load_model_file
+from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, map_inputs
+from autotune.models import shared_groups, shared_parameter_ranks
+from autotune.models.handoff import handoff
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
 
 if TYPE_CHECKING:
@@ -63,8 +65,8 @@ class CheckpointedStage(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, *args: torch.Tensor) -> Any:
-        return checkpoint(self.inner, *args, use_reentrant=False)
+    def forward(self, *args: torch.Tensor, **side: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False, **side)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -92,14 +94,21 @@ class StageBoundary(nn.Module):
         self.wire_dtype = wire_dtype
         self.last = last
 
-    def forward(self, *args: torch.Tensor) -> Any:
+    def forward(self, *args: torch.Tensor, **side: Any) -> Any:
         args = tuple(self._arrive(a) for a in args)
-        out = self.inner(*args)
-        if self.last or not isinstance(out, torch.Tensor):
+        out = self.inner(*args, **side)
+        if self.last:
             return out
-        if self.wire_dtype is not None and out.is_floating_point():
-            out = out.to(self.wire_dtype)
-        return out.contiguous()
+        if isinstance(out, tuple):
+            return handoff(tuple(self._leave(t) for t in out), args)
+        return handoff(self._leave(out), args) if isinstance(out, torch.Tensor) else out
+
+    def _leave(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if self.wire_dtype is not None and x.is_floating_point():
+            x = x.to(self.wire_dtype)
+        return x.contiguous()
 
     def _arrive(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
@@ -122,10 +131,19 @@ class RankPipeline:
     modules: list[nn.Module]
     """The module of each held stage (wrapped for checkpointing / wire casts)."""
     schedule: Any
-    """The torch schedule object (PipelineScheduleSingle or PipelineScheduleMulti)."""
+    """The torch schedule object (PipelineScheduleSingle or PipelineScheduleMulti), built with scale_grads=False:
+    step() divides each gradient once (torch's per-stage division would hit a parameter shared by two stages of
+    this rank twice)."""
     optimizer: torch.optim.Optimizer
     dp_group: dist.ProcessGroup | None
     device: torch.device
+    parameter_names: dict[int, str] = field(default_factory=dict)
+    """id(parameter) -> its name in the user's model (the first, for a tied one)."""
+    shared_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
+    """Parameters shared with other ranks of this pipeline (tied embeddings) and the group of the ranks holding
+    them: their gradients are summed over it before the data-parallel average."""
+    split_inputs: Callable[[Any], tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]] | None = None
+    """make_batch's inputs -> (first stage's arguments, side inputs every stage gets); None: one tensor."""
 
     @property
     def holds_first(self) -> bool:
@@ -136,57 +154,84 @@ class RankPipeline:
         return self.candidate.n_stages - 1 in self.stage_indices
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.modules for p in m.parameters()]
+        """This rank's parameters, each once (a tied parameter in two of its stages is one)."""
+        return _unique_parameters(self.modules)
 
     def named_layer_parameters(self) -> dict[str, nn.Parameter]:
-        """Parameters under their name in the whole model ("<layer index>.<name in layer>"), for comparisons."""
-        named: dict[str, nn.Parameter] = {}
-        for stage, module in zip(self.stage_indices, self.modules):
-            first = sum(self.candidate.layers_per_stage[:stage])
-            while not isinstance(module, nn.Sequential):  # unwrap StageBoundary / CheckpointedStage
-                module = module.inner  # type: ignore[assignment]
-            for local, layer in enumerate(module):
-                for name, param in layer.named_parameters():
-                    named[f"{first + local}.{name}"] = param
-        return named
+        """This rank's parameters under their name in the user's model (model.named_parameters(); for an
+        nn.Sequential "<layer index>.<name in layer>"), for comparisons with the unpipelined model."""
+        return {self.parameter_names.get(id(p), f"?{i}"): p for i, p in enumerate(self.parameters())}
 
     def replica_slice(self, tensor: torch.Tensor) -> torch.Tensor:
         """This replica's rows of a global batch."""
         rows = self.candidate.replica_batch_size
         return tensor[self.layout.dp_rank * rows : (self.layout.dp_rank + 1) * rows]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def step(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
         """One optimizer step on the global batch (inputs, targets); returns this rank's micro-batch losses
-        (empty unless it holds the last stage)."""
+        (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or dict of tensors)."""
         losses = self.forward_backward(inputs, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        """Run the schedule and average gradients over replicas, leaving them in .grad (no optimizer step)."""
+    def forward_backward(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Run the schedule and average gradients over micro-batches and replicas (tied ones summed over their
+        holders first), leaving them in .grad (no optimizer step)."""
         losses: list[torch.Tensor] = []
-        args = (self.replica_slice(inputs).to(self.device),) if self.holds_first else ()
-        target = self.replica_slice(targets).to(self.device) if self.holds_last else None
-        if self.holds_last:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        mine = map_inputs(inputs, lambda t: self.replica_slice(t).to(self.device))
+        if self.split_inputs is not None:
+            first, side = self.split_inputs(mine)
         else:
-            self.schedule.step(*args, return_outputs=False)
-        self.all_reduce_gradients()
+            first, side = (mine,), {}
+        args = first if self.holds_first else ()
+        if self.holds_last:
+            target = self.replica_slice(targets).to(self.device)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
+        else:
+            self.schedule.step(*args, return_outputs=False, **side)
+        self.reduce_gradients()
         return losses
 
-    def all_reduce_gradients(self) -> None:
-        """Average gradients over the replicas of this rank's stages (one flat all-reduce)."""
-        if self.dp_group is None:
-            return
+    def reduce_gradients(self) -> None:
+        """Sum tied gradients over the ranks holding them, then average every gradient over micro-batches and
+        replicas (one flat all-reduce over this rank's replicas)."""
+        for params, group in self.shared_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+        scale = 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
+        if self.dp_group is None:
+            for grad in grads:
+                grad.mul_(scale)
+            return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.candidate.data_parallel_degree
+        flat *= scale
         for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(reduced.view_as(grad))
+
+
+def _free_other_parameters(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Free the storage of the parameters this rank does not run. The model object itself stays (split_inputs
+    reads its forward's signature), so they are emptied rather than dropped."""
+    mine = {id(p) for m in modules for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in mine:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of the modules, each once, in order."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -215,27 +260,38 @@ def build_pipeline(
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
 ) -> RankPipeline:
-    """Build the whole model with the shared seed, keep this rank's stages, and wrap them in torch's schedule."""
+    """Build the whole model with the shared seed, cut it into blocks, keep this rank's stages, and wrap them in
+    torch's schedule. Every rank calls this (it creates the process groups of tied parameters, on every rank)."""
     layout = RankLayout(
         rank=rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
     )
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
-    layers = build_layers(spec)
+    blocks = build_blocks(spec)
+    if blocks.n_blocks != sum(candidate.layers_per_stage):
+        from autotune.errors import ConfigError
+
+        raise ConfigError(
+            f"the split has {sum(candidate.layers_per_stage)} layers but {spec.path.name} cuts into "
+            f"{blocks.n_blocks} blocks; the model changed since it was tuned: run autotune search again"
+        )
     bounds = stage_bounds(candidate.layers_per_stage)
     wire_dtype = torch.bfloat16 if candidate.wire_dtype == "bfloat16" else None
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
     for s in stage_indices:
-        module: nn.Module = nn.Sequential(*list(layers)[bounds[s] : bounds[s + 1]])
+        module: nn.Module = blocks.stage(bounds[s], bounds[s + 1])
         if candidate.activation_checkpointing:
             module = CheckpointedStage(module)
         module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
         stages.append(compat.prepare_stage(PipelineStage(module, s, candidate.n_stages, device, group=pp_group)))
-    del layers  # drop the other ranks' layers
+    names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
+    groups = _shared_groups(blocks, candidate, layout, modules)
+    split = None if blocks.family == "sequential" else blocks.split_inputs
+    _free_other_parameters(blocks.model, modules)
+    del blocks
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
-    params = [p for m in modules for p in m.parameters()]
     return RankPipeline(
         spec=spec,
         candidate=candidate,
@@ -243,10 +299,46 @@ def build_pipeline(
         stage_indices=stage_indices,
         modules=modules,
         schedule=schedule,
-        optimizer=build_optimizer(spec, params),
+        optimizer=build_optimizer(spec, _unique_parameters(modules)),
         dp_group=dp_group,
         device=device,
+        parameter_names=names,
+        shared_groups=groups,
+        split_inputs=split,
     )
+
+
+def _shared_groups(
+    blocks: Any, candidate: Candidate, layout: RankLayout, modules: list[nn.Module]
+) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+    """Process groups of the ranks holding a copy of a tied parameter, one per replica's pipeline; every rank
+    creates every group in the same order. Returns this rank's (parameters, group) pairs."""
+    shared = blocks.shared_parameters()
+    if not shared:
+        return []
+    n_stages = candidate.n_stages
+    stage_ranks = [
+        next(r for r in range(candidate.pipeline_degree)
+             if s in stages_of_rank(candidate.schedule, candidate.pipeline_degree, n_stages, r))
+        for s in range(n_stages)
+    ]
+    holders = shared_parameter_ranks(shared, candidate.layers_per_stage, stage_ranks)
+    by_id = {id(p): p for m in modules for p in m.parameters()}
+    params_of = {id(p): p for block in blocks.blocks for p in block.parameters()}
+    named = dict(blocks.model.named_parameters(remove_duplicate=False))
+    mine: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
+    for ranks in shared_groups(holders):
+        for d in range(candidate.data_parallel_degree):
+            group = dist.new_group([layout.pipeline_ranks(d)[r] for r in ranks])
+            if d != layout.dp_rank or layout.pp_rank not in ranks:
+                continue
+            params = []
+            for parameter, held in zip(shared, holders):
+                p = named.get(parameter.names[0])
+                if held == ranks and p is not None and id(p) in by_id and id(p) in params_of:
+                    params.append(p)
+            mine.append((params, group))
+    return mine
 
 
 def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
@@ -256,8 +348,8 @@ def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn:
         return _run_own_order(candidate, stages, loss_fn=loss_fn)
     cls = getattr(torch_schedules, torch_class)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
-        return cls(stages[0], n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=candidate.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def _run_own_order(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
@@ -277,7 +369,7 @@ def setup_pipeline(
     from autotune.tuned_config import TunedConfig
 
     tuned = config if isinstance(config, TunedConfig) else load_config(Path(config))
-    spec = load_model_file(Path(model) if model is not None else Path(tuned.model))
+    spec = load_model_file(Path(model) if model is not None else Path(tuned.model), split_at=tuned.split_at)
     candidate = tuned.candidate
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"

@@ -143,6 +143,7 @@ def run_search(
     study = _open_study(study_name, storage, options)
     setup = {
         "model": str(spec.path),
+        "split_at": list(spec.split_at) if spec.split_at else None,
         "gpus": options.gpus,
         "batch_size": options.batch_size,
         "memory_limit_bytes": options.memory_limit_bytes,

@@ -9,7 +9,7 @@ from typing import Any
 
 from autotune.action_graph import ActionGraph, compile_graph, compiled_graph
 from autotune.candidate import Candidate
-from autotune.costs import LayerCost, Profile
+from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import UsageError
 from autotune.memory_model import (
     held_per_microbatch,
@@ -166,6 +166,7 @@ def simulate(
         memory_limit_bytes=memory_limit_bytes,
         with_timeline=with_timeline,
         actions=actions,
+        shared_parameters=profile.shared_parameters,
     )
 
 
@@ -181,6 +182,7 @@ def simulate_costs(
     memory_limit_bytes: int | None = None,
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
+    shared_parameters: Sequence[tuple[Sequence[int], int]] = (),
 ) -> Estimate:
     """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path)."""
     if len(costs) != sum(candidate.layers_per_stage):
@@ -188,7 +190,7 @@ def simulate_costs(
             f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
             f"but the costs have {len(costs)}; profile the same model the candidate was made for"
         )
-    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
+    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, shared=shared_parameters)
     if actions is None:
         c = candidate
         plan = compiled_graph(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages)
@@ -309,7 +311,10 @@ class _StageCosts:
     parameter_bytes: list[int]
 
 
-def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel) -> _StageCosts:
+def _stage_costs(
+    costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel,
+    shared: Sequence[tuple[Sequence[int], int]] = (),
+) -> _StageCosts:
     bounds = list(accumulate(candidate.layers_per_stage, initial=0))
     overhead = link.per_action_overhead_ms
     wire = wire_factor(candidate)  # activations are assumed float32
@@ -354,7 +359,7 @@ def _stage_costs(costs: Sequence[LayerCost], candidate: Candidate, *, input_byte
         result["recompute_bytes"].append(recompute_bytes(saved, candidate=candidate))
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
-        result["parameter_bytes"].append(int(total("parameter_bytes", a, b)))
+        result["parameter_bytes"].append(int(total("parameter_bytes", a, b)) + shared_copy_bytes(shared, a, b))
     return _StageCosts(**result)
 
 

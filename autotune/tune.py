@@ -79,6 +79,9 @@ class TuneRequest:
     """Activation checkpointing choices to search."""
     wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
     """dtypes between stages to search."""
+    split_at: tuple[str, ...] | None = None
+    """Module names / globs to cut the model between (--split-at); None: the model file's SPLIT_AT /
+    split_points(model), else autotune's own cut."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,14 +148,18 @@ def load_and_profile(
     micro_batch_sizes: list[int] | None = None,
     repeats: int = 5,
     reporter: TuneReporter | None = None,
+    split_at: tuple[str, ...] | None = None,
 ) -> tuple[ModelSpec, Profile]:
-    """Load and check the model file, then profile it: (spec, profile)."""
+    """Load and check the model file, then profile it: (spec, profile). A BatchNorm in a block is told to the
+    reporter (its statistics are per micro-batch under pipelining)."""
     from autotune.model_file import check_model, load_model_file
     from autotune.profiling import profile_model
 
     reporter = reporter or SilentReporter()
-    spec = load_model_file(model)
+    spec = load_model_file(model, split_at=split_at)
     check_model(spec, batch_size)
+    if spec.has_batchnorm:
+        reporter.warning(batchnorm_warning(spec))
     with reporter.profiling(f"profiling {model.name} on {device}") as progress:
         profile = profile_model(
             spec,
@@ -163,6 +170,16 @@ def load_and_profile(
             progress=progress,
         )
     return spec, profile
+
+
+def batchnorm_warning(spec: ModelSpec) -> str:
+    """The terminal's line about BatchNorm blocks (the report says more)."""
+    layers = ", ".join(spec.describe_layer(i) for i in spec.batchnorm_layers[:4])
+    more = f" and {len(spec.batchnorm_layers) - 4} more" if len(spec.batchnorm_layers) > 4 else ""
+    return (
+        f"layer(s) {layers}{more} use BatchNorm: under pipelining its statistics are taken per micro-batch, so "
+        f"training differs from one big batch when there is more than one micro-batch (or use GroupNorm/LayerNorm)"
+    )
 
 
 def tune(
@@ -178,7 +195,8 @@ def tune(
     reporter = reporter or SilentReporter()
     device = resolve_device(request.device)
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else device_memory_bytes(device)
-    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
+    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter,
+                                     split_at=request.split_at)
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     url = request.storage or default_storage(name)
     incumbent = _incumbent(request, spec, reporter)
@@ -298,6 +316,8 @@ def _config_of(
         model=str(request.model),
         memory_limit_bytes=limit,
         model_layers=spec.n_layers,
+        layer_roles=spec.layer_roles if spec.family != "sequential" else None,
+        split_at=spec.split_at,
         predicted=PredictedResult(
             step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes)
         )

@@ -102,7 +102,7 @@ CANDIDATE_KEYS: dict[str, str] = {
 """The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
 derived from the others and checked against them on reading)."""
 
-OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles"})
+OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles", "split_at"})
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
 
 
@@ -121,6 +121,9 @@ class TunedConfig:
     layer_roles: tuple[LayerRole, ...] | None = None
     """Optional, one per layer: embedding | block | head | other, for exporters that name layers by role (torchtitan
     counts the embedding and the head as layers of their own). Written only when known; None: unknown."""
+    split_at: tuple[str, ...] | None = None
+    """Optional: the module names / globs the model was cut at (--split-at, SPLIT_AT or split_points(model) in the
+    model file); written only when given, so the config is rebuilt with the same layers. None: autotune's own cut."""
     candidate: Candidate
     """The configuration itself; written flat as CANDIDATE_KEYS (gpus, global_batch_size, micro_batch_size,
     num_microbatches, pipeline_degree, data_parallel_degree, schedule, layers_per_stage, activation_checkpointing,
@@ -202,6 +205,7 @@ class TunedConfig:
         model_sha256: str | None = None,
         model_layers: int | None = None,
         layer_roles: tuple[LayerRole, ...] | None = None,
+        split_at: tuple[str, ...] | None = None,
         predicted: PredictedResult | None = None,
         search: SearchSummary | None = None,
         environment: Environment | None = None,
@@ -232,6 +236,7 @@ class TunedConfig:
             model_sha256=model_sha256,
             model_layers=sum(c.layers_per_stage) if model_layers is None else model_layers,
             layer_roles=layer_roles,
+            split_at=split_at,
             candidate=c,
             memory_limit_bytes=memory_limit_bytes,
             measured=MeasuredResult(

@@ -57,3 +57,16 @@ class SimulatedRunner:
         return Measurement(candidate=candidate, status="ok", step_time_ms=step, step_times_ms=(step,),
                            throughput_samples_per_s=candidate.global_batch_size / step * 1000,
                            peak_memory_bytes=peaks)
+
+
+BATCHNORM_MODEL = """
+import torch
+from torch import nn
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+"""A model file whose middle layer is a BatchNorm (statistics per micro-batch; cannot train on one sample)."""

@@ -51,6 +51,15 @@ MicroBatchOpt = Annotated[
         "and B (at most 6).",
     ),
 ]
+SplitAtOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--split-at",
+        help="Cut the model between these modules: names or globs, comma-separated, e.g. 'model.layers.*'. "
+        "Default: SPLIT_AT or split_points(model) in the model file, else autotune's own cut (an nn.Sequential's "
+        "layers; the blocks of Hugging Face decoder LMs, timm ViT and torchvision ResNet; else repeated blocks).",
+    ),
+]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per micro-batch size (medians).")]
 
 
@@ -62,6 +71,16 @@ def parse_split(text: str | None) -> tuple[int, ...] | None:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise UsageError(f"cannot read --layers-per-stage {text!r}; write layer counts like 3,5") from None
+
+
+def parse_split_at(text: str | None) -> tuple[str, ...] | None:
+    """--split-at 'model.layers.*,lm_head' -> ("model.layers.*", "lm_head"); None when not given."""
+    if text is None:
+        return None
+    patterns = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not patterns:
+        raise UsageError("--split-at needs module names or globs, e.g. --split-at 'model.layers.*'")
+    return patterns
 
 
 def parse_sizes(values: list[str] | None) -> list[int] | None:

@@ -17,7 +17,9 @@ from autotune.cli.options import (
     MicroBatchOpt,
     ModelArg,
     RepeatsOpt,
+    SplitAtOpt,
     parse_sizes,
+    parse_split_at,
 )
 from autotune.cli.progress import TerminalReporter
 
@@ -29,6 +31,7 @@ def profile_command(
     micro_batch_size: MicroBatchOpt = None,
     repeats: RepeatsOpt = 5,
     device: DeviceOpt = DeviceChoice.auto,
+    split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Measure every layer in place at several micro-batch sizes: forward, input-grad and weight-grad backward time,
@@ -43,7 +46,7 @@ def profile_command(
         chosen = resolve_device(device.value)
         _, result = load_and_profile(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-            reporter=TerminalReporter(),
+            reporter=TerminalReporter(), split_at=parse_split_at(split_at),
         )
         if json_output:
             print_json(result.to_dict())
@@ -61,6 +64,7 @@ def plan_command(
     micro_batch_size: MicroBatchOpt = None,
     repeats: RepeatsOpt = 5,
     device: DeviceOpt = DeviceChoice.auto,
+    split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Profile the model, then simulate schedules x micro-batch counts (B/M) x balanced layer splits over N ranks
@@ -87,7 +91,7 @@ def plan_command(
         limit = limit if limit is not None else device_memory_bytes(chosen)
         _, profile = load_and_profile(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-            reporter=TerminalReporter(),
+            reporter=TerminalReporter(), split_at=parse_split_at(split_at),
         )
         with err_console.status(f"planning {gpus} ranks..."):
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)

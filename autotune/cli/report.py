@@ -50,7 +50,8 @@ def report_command(
         model = Path(str(result.setup.get("model") or profile.model or ""))
         if model.name and model.is_file():
             try:
-                spec = load_model_file(model)
+                split_at = result.setup.get("split_at")
+                spec = load_model_file(model, split_at=tuple(split_at) if split_at else None)
             except AutotuneError as exc:
                 err_console.print(f"[yellow]warning:[/yellow] no BatchNorm check: {exc}", highlight=False)
         with err_console.status(f"writing the report of study {source.study_name}..."):

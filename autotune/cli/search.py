@@ -9,7 +9,17 @@ from typing import Annotated, Any
 import typer
 
 from autotune.cli.app import EXIT_CODES_HELP, app, console, errors_to_exit_codes, print_json, start_fork_server
-from autotune.cli.options import BatchOpt, DeviceChoice, DeviceOpt, GpusOpt, JsonOpt, MemoryOpt, ModelArg
+from autotune.cli.options import (
+    BatchOpt,
+    DeviceChoice,
+    DeviceOpt,
+    GpusOpt,
+    JsonOpt,
+    MemoryOpt,
+    ModelArg,
+    SplitAtOpt,
+    parse_split_at,
+)
 from autotune.cli.progress import TerminalReporter
 from autotune.errors import EXIT_INTERRUPTED
 
@@ -47,6 +57,7 @@ def search(
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
     trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
     device: DeviceOpt = DeviceChoice.auto,
+    split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
@@ -85,6 +96,7 @@ def search(
             output=output,
             min_improvement=min_improvement,
             report_dir=report_dir,
+            split_at=parse_split_at(split_at),
             command="autotune " + " ".join(sys.argv[1:]),
         )
         outcome = tune(request, TerminalReporter())

@@ -24,8 +24,10 @@ from autotune.cli.options import (
     JsonOpt,
     MemoryOpt,
     ModelArg,
+    SplitAtOpt,
     WireDtypeChoice,
     parse_split,
+    parse_split_at,
 )
 from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
 
@@ -67,6 +69,7 @@ def trial(
     timeout: Annotated[float, typer.Option(min=1, help="Seconds before the trial counts as hung.")] = 300.0,
     memory_limit: MemoryOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
+    split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Run ONE configuration for real: N rank processes, torch's pipeline schedule, a few optimizer steps.
@@ -89,8 +92,12 @@ def trial(
         chosen = parse_schedule(schedule)
         if gpus % dp:
             raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
-        spec = load_model_file(model)
+        spec = load_model_file(model, split_at=parse_split_at(split_at))
         check_model(spec, batch_size)
+        if spec.has_batchnorm and microbatches > 1:
+            from autotune.tune import batchnorm_warning
+
+            err_console.print(f"[yellow]warning:[/yellow] {batchnorm_warning(spec)}", highlight=False)
         pp = gpus // dp
         split = parse_split(layers_per_stage) or uniform_split(spec.n_layers, pp * default_stages_per_rank(chosen))
         candidate = Candidate(

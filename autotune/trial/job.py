@@ -28,6 +28,8 @@ class RankJob:
     """time.time() when the launcher started the trial."""
     parent_pid: int | None
     """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
+    split_at: tuple[str, ...] | None = None
+    """ModelSpec.split_at: where the model file's model is cut into blocks."""
     measure_wire_error: bool = False
     """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
 

@@ -81,6 +81,7 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
                 rank=rank,
                 world_size=candidate.world_size,
                 model_path=str(spec.path),
+                split_at=spec.split_at,
                 candidate=candidate.to_dict(),
                 steps=options.steps,
                 warmup=options.warmup,

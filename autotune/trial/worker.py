@@ -29,7 +29,7 @@ from autotune.candidate import Candidate
 from autotune.compat import COMMS_ERROR_TEXTS, TORCH_PATH
 from autotune.devices import keep_freed_cpu_memory
 from autotune.files import atomic_write_json
-from autotune.model_file import ModelSpec, load_model_file, make_batch
+from autotune.model_file import ModelSpec, input_tensors, load_model_file, make_batch, map_inputs
 from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
 from autotune.trial import server
 from autotune.trial.job import RankJob
@@ -83,7 +83,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         device_id=device if device.type == "cuda" else None,
     )
     candidate = Candidate.from_dict(job.candidate)
-    spec = load_model_file(job.model_path)
+    spec = load_model_file(job.model_path, split_at=job.split_at)
     layout = RankLayout(
         rank=job.rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
     )
@@ -154,7 +154,7 @@ def _wire_grad_error(
     device: torch.device,
     pp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
-    inputs: torch.Tensor,
+    inputs: Any,
     targets: torch.Tensor,
 ) -> float | None:
     """||g_bf16 - g_fp32|| / ||g_fp32|| over this rank's parameters: one forward/backward of the bf16-wire pipeline
@@ -177,15 +177,16 @@ def _wire_grad_error(
 
 
 def _tracked_step(
-    pipe: Any, inputs: torch.Tensor, targets: torch.Tensor, job: RankJob, device: torch.device
+    pipe: Any, inputs: Any, targets: torch.Tensor, job: RankJob, device: torch.device
 ) -> tuple[int, int]:
     """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank."""
     if device.type == "cpu" or pipe.candidate.data_parallel_degree == 1:
         # The batch on the device first (a no-op on CPU; with one replica, the copy the step makes anyway), so the
         # micro-batches the first stage saves are views of an excluded storage: the batch is there whatever the
         # schedule. With dp > 1 on CUDA the step copies only its replica's rows, and rank 0 counts that copy.
-        inputs, targets = inputs.to(device), targets.to(device)
-    activations = SavedActivationBytes(exclude=[*pipe.parameters(), inputs, targets])
+        inputs, targets = map_inputs(inputs, lambda t: t.to(device)), targets.to(device)
+    batch = [t for _, t in input_tensors(inputs) or []]
+    activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch, targets])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

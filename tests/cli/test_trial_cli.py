@@ -66,7 +66,7 @@ def one_line_error(result, *fragments):
         (GOOD.replace("def loss_fn", "def other_fn"), ["no function loss_fn()", "add loss_fn"]),
         (
             GOOD.replace("return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))", "return 42"),
-            ["build_model() returned int", "nn.Sequential"],
+            ["build_model() returned an int", "return an nn.Module", "recipes/hf_llama.py"],
         ),
         (
             GOOD.replace(

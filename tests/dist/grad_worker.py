@@ -1,4 +1,8 @@
-"""Rank body for the gradient tests: one pipelined forward/backward, gradients saved under whole-model names."""
+"""Rank body for the gradient tests: one pipelined forward/backward, gradients saved under whole-model names.
+
+run_jobs runs several (model, candidate) jobs one after the other in one process group (every rank the same list),
+so a test module pays for the process start and the imports once; a job with steps > 0 also takes that many
+optimizer steps and saves the losses, the parameters after them and the optimizer's entries."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,21 +21,46 @@ from autotune.runtime import RankLayout, build_pipeline, init_groups
 
 
 def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -> None:
+    """One job: writes grads-{rank}.pt into out_dir."""
+    run_jobs(rank, world_size, [{"model": model, "candidate": candidate, "out": out_dir}], out_dir)
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: str) -> None:
+    """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int)."""
     try:
         torch.set_num_threads(1)
-        store = dist.FileStore(str(Path(out_dir) / "store"), world_size)
+        store = dist.FileStore(str(Path(store_dir) / "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        c = Candidate.from_dict(candidate)
-        spec = load_model_file(model)
-        layout = RankLayout(rank=rank, pipeline_degree=c.pipeline_degree, data_parallel_degree=c.data_parallel_degree)
-        pp_group, dp_group = init_groups(layout)
-        pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
-        inputs, targets = make_batch(spec, c.global_batch_size)
-        pipe.forward_backward(inputs, targets)
-        grads = {name: p.grad.detach().clone() for name, p in pipe.named_layer_parameters().items()}
-        torch.save(grads, Path(out_dir) / f"grads-{rank}.pt")
+        for job in jobs:
+            _job(rank, Candidate.from_dict(job["candidate"]), job["model"], Path(job["out"]), job.get("steps", 0))
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure: print it and leave at once (no hanging peers)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
+    spec = load_model_file(model)
+    layout = RankLayout(rank=rank, pipeline_degree=c.pipeline_degree, data_parallel_degree=c.data_parallel_degree)
+    pp_group, dp_group = init_groups(layout)
+    pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
+    inputs, targets = make_batch(spec, c.global_batch_size)
+    losses = [[float(loss) for loss in pipe.forward_backward(inputs, targets)]]
+    grads = {name: p.grad.detach().clone() for name, p in pipe.named_layer_parameters().items()}
+    torch.save(grads, out / f"grads-{rank}.pt")
+    if not steps:
+        return
+    pipe.optimizer.step()
+    pipe.optimizer.zero_grad(set_to_none=True)
+    for _ in range(steps - 1):
+        losses.append([float(loss) for loss in pipe.step(inputs, targets)])
+    names = {id(p): name for name, p in pipe.named_layer_parameters().items()}
+    torch.save(
+        {
+            "losses": losses,
+            "params": {name: p.detach().clone() for name, p in pipe.named_layer_parameters().items()},
+            "optimizer": [names.get(id(p), "?") for g in pipe.optimizer.param_groups for p in g["params"]],
+        },
+        out / f"steps-{rank}.pt",
+    )

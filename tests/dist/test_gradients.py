@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autotune.candidate import Candidate, uniform_split
-from autotune.model_file import build_layers, load_model_file, make_batch
+from autotune.model_file import build_blocks, load_model_file, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
 from tests.conftest import RECIPES
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.dist
 
 def reference_grads(spec, candidate):
     """Unpipelined: the mean over replicas and micro-batches of the micro-batch losses, backpropagated."""
-    model = build_layers(spec)
+    model = build_blocks(spec).model
     inputs, targets = make_batch(spec, candidate.global_batch_size)
     chunks = candidate.n_microbatches * candidate.data_parallel_degree
     loss = sum(spec.loss_fn(model(x), y) for x, y in zip(inputs.chunk(chunks), targets.chunk(chunks))) / chunks

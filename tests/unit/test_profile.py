@@ -161,3 +161,17 @@ def test_profile_checks_its_series():
         Profile(micro_batch_sizes=(1, 2), layers=(layer,), input_bytes=(1, 2))
     with pytest.raises(UsageError, match="increasing"):
         Profile(micro_batch_sizes=(2, 1), layers=(layer,), input_bytes=(1, 2))
+
+
+def test_batchnorm_models_skip_micro_batch_one_and_a_failing_size_is_named(tmp_path):
+    from autotune.errors import ModelFileError
+    from autotune.model_file import load_model_file
+    from autotune.profiling import profile_model
+    from tests.fakes import BATCHNORM_MODEL
+
+    path = tmp_path / "bn.py"
+    path.write_text(BATCHNORM_MODEL)
+    spec = load_model_file(path)
+    assert profile_model(spec, batch_size=8, repeats=1).micro_batch_sizes[0] == 2
+    with pytest.raises(ModelFileError, match=r"micro-batch size 1 failed \(ValueError: Expected more than 1 value"):
+        profile_model(spec, batch_size=8, micro_batch_sizes=[1, 2], repeats=1)

@@ -1,0 +1,218 @@
+"""cut_model: any nn.Module -> BlockModel. Known families first, then the user's split points, then the repeated
+blocks found in the model; the model file's SPLIT_AT / split_points(model) hooks."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import ModelFileError
+from autotune.models.blocks import BlockModel, StageInputs, bind_inputs, describe
+from autotune.models.hf import cut_hf, is_transformers_model
+from autotune.models.hf import recognise as recognise_hf
+from autotune.models.traced import cut_traced
+from autotune.models.vision import recognise_vision
+
+SPLIT_FIX = "name the modules to cut between: --split-at 'NAME.*' (module names, globs; comma-separated)"
+
+
+def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any = None) -> BlockModel:
+    """Cut a model into blocks.
+
+    - An nn.Sequential (or a list of modules) keeps today's behaviour: its children are the blocks.
+    - Hugging Face decoder LMs (Llama, Qwen2, Mistral, GPT-2, ...), timm VisionTransformer and torchvision ResNet
+      are cut at their repeated blocks, embedding and head as blocks of their own; no flag needed.
+    - `split_at`: glob patterns over module names ("model.layers.*"); each outermost matching module is a block.
+    - Otherwise the repeated blocks found in the model (modules of one class in nn.ModuleList / nn.Sequential).
+
+    `inputs`: make_batch's inputs (a tensor, tuple or dict), or None for "the forward's first argument"; only which
+    arguments they give matters (the generic path traces the others at their defaults)."""
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        model = nn.Sequential(*model)
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(
+            f"build_model() returned {describe(model)}; return an nn.Module (a Hugging Face, timm or torchvision "
+            f"model as it is, your own module, or an nn.Sequential) — see recipes/hf_llama.py, recipes/hf_gpt2.py, "
+            f"recipes/timm_vit.py, recipes/tv_resnet.py"
+        )
+    patterns = [p for p in (split_at or []) if p.strip()]
+    if isinstance(model, nn.Sequential) and not patterns:
+        return cut_sequential(model)
+    hf = recognise_hf(model)
+    if patterns:
+        leaves = match_split_at(model, patterns)
+        if hf is not None and [f"{hf.base_name}.{hf.layers_name}.{i}" for i in range(len(hf.layers))] == leaves:
+            return cut_hf(hf)
+        return _traced_or_why(model, leaves, inputs, hf_family=hf is not None)
+    if hf is not None:
+        return cut_hf(hf)
+    vision = recognise_vision(model)
+    if vision is not None:
+        family, leaves = vision
+        return cut_traced(model, leaves, input_names=_input_names(model, inputs), family=family, fix=_fix(model))
+    leaves = discover_blocks(model)
+    if not leaves:
+        raise ModelFileError(
+            f"cannot find repeated blocks in {type(model).__name__} (no nn.ModuleList or nn.Sequential of modules "
+            f"of one class); {_fix(model)}"
+        )
+    return _traced_or_why(model, leaves, inputs, hf_family=False)
+
+
+def _traced_or_why(model: nn.Module, leaves: list[str], inputs: Any, *, hf_family: bool) -> BlockModel:
+    try:
+        return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=_fix(model))
+    except ModelFileError as exc:
+        if not is_transformers_model(model):
+            raise
+        name = type(model).__name__
+        known = (
+            f"leave out --split-at: autotune cuts {name} at its decoder layers by itself"
+            if hf_family
+            else "autotune cuts Hugging Face decoder-only *ForCausalLM models (embeddings, a list of layers and a "
+            "final norm in the base model, then an LM head); for another kind, wrap its parts in modules of your own"
+        )
+        raise ModelFileError(f"{exc}. {name} is a Hugging Face model, whose forward torch.fx cannot trace: {known}") \
+            from exc
+
+
+def cut_sequential(model: nn.Sequential) -> BlockModel:
+    """Today's behaviour: the children are the blocks, a stage is an nn.Sequential of a slice."""
+    if len(model) == 0:
+        raise ModelFileError("build_model() returned an empty model; return at least one layer")
+    names = tuple(model._modules)  # named_children() would drop a module listed twice
+    return BlockModel(
+        family="sequential",
+        model=model,
+        blocks=tuple(model),
+        names=names,
+        roles=tuple("block" for _ in model),
+        cutter=_SequentialCutter(model),
+    )
+
+
+class _SequentialCutter:
+    def __init__(self, model: nn.Sequential) -> None:
+        self.model = model
+
+    def split_inputs(self, inputs: Any) -> StageInputs:
+        if isinstance(inputs, torch.Tensor):
+            return (inputs,), {}
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            return (inputs[0],), {}
+        raise ModelFileError(
+            f"make_batch returned inputs as {describe(inputs)}, but an nn.Sequential takes one tensor; return one "
+            f"tensor, or return a module whose forward takes those inputs"
+        )
+
+    def stage(self, start: int, stop: int) -> nn.Module:
+        return nn.Sequential(*list(self.model)[start:stop])
+
+    def reference(self, inputs: Any) -> Any:
+        (x,), _ = self.split_inputs(inputs)
+        return self.model(x)
+
+
+def match_split_at(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Module names matching any glob, outermost only (a match inside another match is dropped), in the order the
+    model registers them."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched = [name for name in names if any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns)]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p.strip()) for name in names)]
+    if unmatched:
+        raise ModelFileError(
+            f"--split-at {unmatched[0]!r} matches no module of {type(model).__name__}; its modules include "
+            f"{_examples(model)}"
+        )
+    return [name for name in matched if not any(name.startswith(other + ".") for other in matched)]
+
+
+def discover_blocks(model: nn.Module) -> list[str]:
+    """The model's repeated blocks: the children of every nn.ModuleList / nn.Sequential whose children share one
+    class, for the class with most such children (ResNet's layer1..layer4 together); failing that, the children of
+    the largest nn.Sequential. Empty when fewer than two are found."""
+    containers = [
+        (name, m) for name, m in model.named_modules()
+        if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+    ]
+    by_class: dict[type, list[str]] = {}
+    for name, container in containers:
+        classes = {type(child) for child in container}
+        if len(classes) == 1:
+            by_class.setdefault(classes.pop(), []).extend(f"{name}.{child}" for child, _ in container.named_children())
+    best: list[str] = []
+    for blocks in by_class.values():
+        outer = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks if o != b)]
+        if len(outer) > len(best):
+            best = outer
+    if len(best) < 2:
+        sequentials = [(name, m) for name, m in containers if isinstance(m, nn.Sequential)]
+        if sequentials:
+            name, seq = max(sequentials, key=lambda item: len(item[1]))
+            best = [f"{name}.{child}" for child, _ in seq.named_children()]
+    return best if len(best) >= 2 else []
+
+
+def split_points_from(module: ModuleType, model: nn.Module) -> list[str] | None:
+    """The model file's split points: `SPLIT_AT = ["model.layers.*"]` (or a comma-separated string), or
+    `def split_points(model) -> list[str]`; None when it has neither. The CLI's --split-at goes before both."""
+    constant = getattr(module, "SPLIT_AT", None)
+    function = getattr(module, "split_points", None)
+    if constant is not None and function is not None:
+        raise ModelFileError("the model file defines both SPLIT_AT and split_points(model); keep one")
+    if function is not None:
+        if not callable(function):
+            raise ModelFileError("split_points in the model file is not a function; define split_points(model)")
+        return _as_patterns(_call(function, model), "split_points(model)")
+    if constant is not None:
+        return _as_patterns(constant, "SPLIT_AT")
+    return None
+
+
+def parse_split_at(text: str) -> list[str]:
+    """The CLI value: comma-separated globs ("model.layers.*,lm_head")."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _as_patterns(value: Any, what: str) -> list[str]:
+    if isinstance(value, str):
+        return parse_split_at(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return [v.strip() for v in value if v.strip()]
+    raise ModelFileError(f"{what} is {describe(value)}; give a list of module names or globs, e.g. ['model.layers.*']")
+
+
+def _call(function: Callable[[nn.Module], Any], model: nn.Module) -> Any:
+    try:
+        return function(model)
+    except Exception as exc:  # the user's code can raise anything
+        raise ModelFileError(f"split_points(model) raised {type(exc).__name__}: {exc}") from exc
+
+
+def _input_names(model: nn.Module, inputs: Any) -> list[str] | None:
+    if inputs is None:
+        return None
+    return list(bind_inputs(model.forward, inputs, what=type(model).__name__))
+
+
+def _fix(model: nn.Module) -> str:
+    return f"{SPLIT_FIX}, e.g. {_examples(model)}, or SPLIT_AT = [...] / def split_points(model) in the model file"
+
+
+def _examples(model: nn.Module, limit: int = 4) -> str:
+    """Names a user could pass: containers as 'name.*', else the modules holding most parameters."""
+    containers = [f"'{name}.*'" for name, m in model.named_modules()
+                  if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2]
+    if containers:
+        return ", ".join(containers[:limit])
+    sized = sorted(
+        ((sum(p.numel() for p in m.parameters()), name)
+         for name, m in model.named_modules() if name and name.count(".") < 2),
+        reverse=True,
+    )
+    return ", ".join(f"'{name}'" for _, name in sized[:limit]) or "(the model has no submodules)"
