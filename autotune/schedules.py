@@ -114,7 +114,7 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
     if schedule is Schedule.ONE_F_ONE_B and n_microbatches < n_stages:
         raise InvalidCandidateError(
             f"1F1B needs at least as many micro-batches as stages ({n_stages}), got {n_microbatches}; "
-            f"pass --microbatches {n_stages} or more, or use GPipe"
+            f"use {n_stages} or more micro-batches (B/M), or GPipe"
         )
     if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE):
         rounds = max(1, n_microbatches // pipeline_degree)
@@ -127,7 +127,7 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
     if schedule is Schedule.DUAL_PIPE_V and n_microbatches < 2 * pipeline_degree:
         raise InvalidCandidateError(
             f"DualPipeV needs at least 2 x pp = {2 * pipeline_degree} micro-batches, got {n_microbatches}; "
-            f"pass --microbatches {2 * pipeline_degree} or more"
+            f"use {2 * pipeline_degree} or more micro-batches (B/M)"
         )
     # VHalf and VMin need exactly 2 stages per rank (checked above) and nothing of n_microbatches: autotune.vshape
     # builds a valid order for any count; with fewer micro-batches than the memory cap the cap just never binds.
