@@ -72,6 +72,14 @@ def resolve_model(config: TunedConfig, config_path: Path, model: Path | None) ->
     return spec
 
 
+def config_device(config: TunedConfig, choice: Any = None) -> str:
+    """The device to check on: the one asked for (auto, cpu, cuda), else the one the config was measured on, so that
+    `autotune check CONFIG` as the config's header prints it works on the machine that tuned it."""
+    if choice is not None:
+        return str(getattr(choice, "value", choice))
+    return "cpu" if config.environment.device.startswith("cpu") else "cuda"
+
+
 def check_config(
     config: TunedConfig,
     spec: ModelSpec,

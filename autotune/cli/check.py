@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from autotune.cli.app import app, console, err_console, errors_to_exit_codes, print_json, start_fork_server
-from autotune.cli.options import DeviceChoice, DeviceOpt, JsonOpt
+from autotune.cli.options import DeviceChoice, JsonOpt
 from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
 
 
@@ -26,17 +26,26 @@ def check(
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per run.")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per run.")] = 2,
-    device: DeviceOpt = DeviceChoice.auto,
+    device: Annotated[
+        DeviceChoice | None,
+        typer.Option(
+            "--device",
+            help="cuda: one GPU per rank (NCCL). cpu: one process per rank (gloo). Default: the device the config "
+            "was tuned on.",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Re-run a tuned config's trial, for CI: does it still match the model, fit the memory limit, and run within
     `--tolerance` of the recorded throughput? A slow run is repeated (up to `--repeats`) and the median decides.
 
-    Example: `autotune check autotune.yaml --device cpu --json`
+    Runs on the device the config was tuned on unless `--device` says otherwise.
+
+    Example: `autotune check autotune.yaml --json`
     """
     with errors_to_exit_codes(json_output):
         start_fork_server()
-        from autotune.check import check_config, resolve_model
+        from autotune.check import check_config, config_device, resolve_model
         from autotune.config_file import load_config
         from autotune.devices import resolve_device
         from autotune.trial import TrialOptions
@@ -46,7 +55,7 @@ def check(
         spec = resolve_model(tuned, config, model)
         limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
         options = TrialOptions(
-            steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(device.value)
+            steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(config_device(tuned, device))
         )
         with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
             result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)
