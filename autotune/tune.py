@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from autotune.candidate import Measurement, WireDtype
 from autotune.config_file import load_config, save_config
 from autotune.costs import Profile
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import AutotuneError, ConfigError, UsageError
+from autotune.files import ensure_writable
 from autotune.model_file import ModelSpec
 from autotune.profiling import ProgressFn
 from autotune.records import SearchResult, explain_infeasible
@@ -170,7 +171,7 @@ def tune(
 ) -> TuneOutcome:
     """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
     runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
-    from autotune.devices import device_memory_bytes, resolve_device
+    from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.trial import TrialOptions, run_trial
@@ -178,6 +179,10 @@ def tune(
     reporter = reporter or SilentReporter()
     device = resolve_device(request.device)
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else device_memory_bytes(device)
+    _check_outputs(request)
+    oversubscribed = cpu_oversubscription(request.gpus, device)
+    if oversubscribed:
+        reporter.warning(oversubscribed)
     spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     url = request.storage or default_storage(name)
@@ -255,6 +260,19 @@ def tune(
         kept_existing_config=kept,
         report_dir=report_dir,
     )
+
+
+def _check_outputs(request: TuneRequest) -> None:
+    """The config and the report are written after the whole search: find an unwritable path before the first
+    trial, not after the last."""
+    for path, flag, folder in ((request.output, "--output", False), (request.report_dir, "--report-dir", True)):
+        if path is None:
+            continue
+        try:
+            ensure_writable(path, folder=folder)
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise UsageError(f"{path}: cannot be written ({reason}); pass {flag} with a writable path") from None
 
 
 def _incumbent(request: TuneRequest, spec: ModelSpec, reporter: TuneReporter) -> TunedConfig | None:

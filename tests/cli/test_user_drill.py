@@ -6,6 +6,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from autotune.cli import app
+from tests.conftest import RECIPES
 
 runner = CliRunner()
 
@@ -37,3 +38,40 @@ def test_check_as_the_header_prints_it_runs_on_the_device_the_config_was_tuned_o
     result = runner.invoke(app, ["check", str(path)])
     assert result.exit_code == 0, result.output
     assert devices == ["cpu"]  # tuned with --device cpu: checked on the CPU, not "no CUDA device found" (exit 4)
+
+
+def _no_profiling(monkeypatch):
+    import autotune.tune
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profiled before the early checks")
+
+    monkeypatch.setattr(autotune.tune, "load_and_profile", refuse)
+
+
+def test_an_unwritable_output_is_refused_before_profiling(monkeypatch, tmp_path):
+    _no_profiling(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = runner.invoke(app, ["search", str(RECIPES / "mlp.py"), "--gpus", "2", "--device", "cpu", "--batch-size",
+                                 "16", "--output", str(blocker / "tuned.yaml"), "--report-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert "cannot be written" in result.stderr and "--output" in result.stderr
+
+
+def test_more_cpu_ranks_than_cores_is_warned(monkeypatch, tmp_path):
+    import os
+
+    _no_profiling(monkeypatch)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    result = runner.invoke(app, ["search", str(RECIPES / "mlp.py"), "--gpus", "8", "--device", "cpu", "--batch-size",
+                                 "16", "--output", str(tmp_path / "t.yaml"), "--report-dir", str(tmp_path / "r")],
+                           terminal_width=300)
+    assert "8 CPU ranks on 2 core(s)" in " ".join(result.stderr.split())
+
+
+def test_a_directory_as_the_model_says_so(tmp_path):
+    result = runner.invoke(app, ["trial", str(tmp_path), "--gpus", "2", "--device", "cpu", "--batch-size", "8",
+                                 "--microbatches", "2", "--schedule", "GPipe"], terminal_width=300)
+    assert result.exit_code == 2
+    assert "is a directory" in result.stderr and "no such file" not in result.stderr
