@@ -311,11 +311,14 @@ def _config_of(
 ) -> TunedConfig:
     """The tuned config of the search's best measurement."""
     estimate = result.best_estimate
+    runs = next((leader.step_times_ms for leader in result.leaders if leader.candidate == best.candidate), ())
     return TunedConfig.from_measurement(
         best,
         model=str(request.model),
         memory_limit_bytes=limit,
         model_layers=spec.n_layers,
+        layer_parameter_bytes=tuple(spec.parameter_bytes),
+        runs_step_time_ms=tuple(runs),
         predicted=PredictedResult(
             step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes)
         )

@@ -19,7 +19,15 @@ from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
 def check(
     config: Annotated[Path, typer.Argument(help="A tuned config written by autotune search.")],
     model: Annotated[Path | None, typer.Option(help="The model file. Default: the config's model path.")] = None,
-    tolerance: Annotated[float, typer.Option(min=0, max=1, help="Allowed slowdown vs the recorded throughput.")] = 0.05,
+    tolerance: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=1,
+            help="Allowed slowdown below the slowest run the search recorded of the config (its run-to-run noise), "
+            "else below its recorded throughput.",
+        ),
+    ] = 0.05,
     repeats: Annotated[int, typer.Option(min=1, help="Runs at most, before a slowdown counts as a regression.")] = 3,
     memory_limit: Annotated[
         str | None, typer.Option("--memory-limit", help="Override the config's memory limit, e.g. 40GiB.")

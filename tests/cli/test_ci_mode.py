@@ -50,6 +50,9 @@ def test_ci_mode_exit_codes(tmp_path):
 
     doctored = yaml.safe_load(config.read_text())
     doctored["measured"]["throughput_samples_per_s"] *= 2
+    doctored["measured"]["runs_throughput_samples_per_s"] = [
+        2 * t for t in doctored["measured"].get("runs_throughput_samples_per_s", [])
+    ]
     (tmp_path / "doctored.yaml").write_text(yaml.safe_dump(doctored))
     code, out, err = autotune(*check[:1], tmp_path / "doctored.yaml", *check[2:], cwd=tmp_path)
     assert code == 1, err
@@ -61,6 +64,12 @@ def test_ci_mode_exit_codes(tmp_path):
     code, out, err = autotune(*check, "--model", tmp_path / "bigger.py", cwd=tmp_path)
     assert code == 2
     assert one_json(out)["status"] == "error" and "8 layers" in err and "has 10" in err
+
+    wider = model.read_text().replace("CHANNELS = [16, 32, 64, 64]", "CHANNELS = [16, 32, 64, 96]")
+    (tmp_path / "wider.py").write_text(wider)  # same layer count, one layer wider: the config no longer applies
+    code, out, err = autotune(*check, "--model", tmp_path / "wider.py", cwd=tmp_path)
+    assert code == 2, err
+    assert "of parameters" in err and "when the config was tuned" in err
 
     peak = max(yaml.safe_load(config.read_text())["measured"]["peak_memory_bytes"])
     code, out, err = autotune(*check, "--memory-limit", str(peak // 2), cwd=tmp_path)

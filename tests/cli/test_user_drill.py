@@ -19,12 +19,16 @@ def test_search_help_shows_its_placeholders():
 
 
 def test_check_as_the_header_prints_it_runs_on_the_device_the_config_was_tuned_on(monkeypatch, tmp_path):
+    from dataclasses import replace
+
     import autotune.check
     from autotune.check import CheckResult
     from autotune.config_file import save_config
+    from autotune.model_file import fingerprint
     from tests.unit.test_check import config
 
-    path = save_config(config(100.0), tmp_path / "tuned.yaml", command="autotune search ... --device cpu")
+    tuned = replace(config(100.0), model_sha256=fingerprint(RECIPES / "mlp.py"))
+    path = save_config(tuned, tmp_path / "tuned.yaml", command="autotune search ... --device cpu")
     header = [line for line in path.read_text().splitlines() if line.startswith("# Check it still holds:")]
     assert header == [f"# Check it still holds: autotune check {path}"]
     devices = []
