@@ -14,10 +14,10 @@ from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
 from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
 from autotune.schedules import (
-    SCHEDULES,
     Schedule,
     default_stages_per_rank,
     parse_schedule,
+    schedules_for,
     stage_ranks,
     validate_schedule,
 )
@@ -98,9 +98,7 @@ def plan(
     for pp, dp in chosen_layouts:
         if pp * dp != gpus or batch_size % dp:
             raise UsageError(f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}")
-        for schedule in chosen:
-            if pp == 1 and SCHEDULES[schedule].placement != "single":
-                continue  # one rank, no pipeline: more stages per rank only add overhead
+        for schedule in schedules_for(pp, chosen):  # at pp = 1: single-stage ones, GPipe folded into 1F1B
             n_stages = pp * default_stages_per_rank(schedule)
             if n_stages > n_layers:
                 continue

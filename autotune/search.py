@@ -259,8 +259,11 @@ class _Engine:
         if self.options.incumbent is not None:
             seeds.append((self.options.incumbent, "incumbent"))
         n_seeds = max(2, self.options.n_trials // 3)
-        for p in planned:
-            if p.estimate.feasible and len(seeds) < n_seeds + 1:
+        fixed = len(seeds)
+        for p in planned:  # the planner's best that this search can ask (its layouts, schedules, choices)
+            if len(seeds) - fixed >= n_seeds:
+                break
+            if p.estimate.feasible and self.space.params_for(p.candidate) is not None:
                 seeds.append((p.candidate, "seed"))
         seen: set[str] = set()
         for candidate, phase in seeds:
@@ -272,37 +275,50 @@ class _Engine:
             self.study.enqueue_trial(params, user_attrs={"phase": phase}, skip_if_exists=True)
 
     def explore(self, deadline: float | None) -> None:
+        """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (repeats of
+        a measured candidate, candidates pruned by simulation) are cheap but not free: at most n_trials of them, and
+        the sampler is stopped once it proposes max(5, n_trials // 2) in a row, when it only repeats what it knows."""
         reserve = min(self.options.remeasure_top, max(0, self.options.n_trials // 4))
-        asks = 0
-        max_asks = 30 * self.options.n_trials + 100
+        idle = idle_in_a_row = 0
+        max_idle = self.options.n_trials
+        patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
-        while self._budget_left() > reserve and asks < max_asks:
+        while self._budget_left() > reserve:
             if deadline is not None and time.time() >= deadline:
                 self.reporter.phase("search timeout reached: no new trials")
                 break
-            asks += 1
-            self._one_trial()
+            if idle >= max_idle or idle_in_a_row >= patience:
+                self.reporter.phase(
+                    f"the sampler proposed {idle_in_a_row if idle_in_a_row >= patience else idle} candidates "
+                    f"{'in a row ' if idle_in_a_row >= patience else ''}that run nothing new: exploring stops, the "
+                    f"budget left goes to re-measuring the leaders"
+                )
+                break
+            if self._one_trial().launched:
+                idle_in_a_row = 0
+            else:
+                idle, idle_in_a_row = idle + 1, idle_in_a_row + 1
 
-    def _one_trial(self) -> None:
+    def _one_trial(self) -> TrialRecord:
+        """Ask one trial, prune or run it, tell the study; its record."""
         trial = self.study.ask()
         phase = trial.user_attrs.get("phase", "explore")
         try:
             candidate = self.space.suggest(trial)
         except InvalidCandidateError as exc:
-            self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
-            return
+            return self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
         trial.set_user_attr("candidate", candidate.to_dict())
         estimate = self.estimate(candidate)
         trial.set_user_attr("predicted", predicted_attrs(estimate))
         reason = self._prune_reason(candidate, estimate, phase)
         if reason is not None:
-            self._tell(trial, "pruned", reason, phase=phase)
-            return
+            return self._tell(trial, "pruned", reason, phase=phase)
         if candidate.key in self.runs and phase not in ("remeasure",):
             previous = self.runs[candidate.key][-1]
-            self._tell(trial, "duplicate", "measured before: not launched again", measurement=previous, phase=phase)
-            return
-        self._launch(trial, candidate, phase)
+            return self._tell(
+                trial, "duplicate", "measured before: not launched again", measurement=previous, phase=phase
+            )
+        return self._launch(trial, candidate, phase)
 
     def _prune_reason(self, candidate: Candidate, estimate: Estimate, phase: str) -> str | None:
         limit = self.options.memory_limit_bytes
@@ -322,7 +338,7 @@ class _Engine:
             )
         return None
 
-    def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> None:
+    def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> TrialRecord:
         trial.set_user_attr("launched", True)
         bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
         options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
@@ -335,7 +351,7 @@ class _Engine:
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
             reason = f"rank {measurement.error.rank}: {reason}"
-        self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
+        return self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(
         self,
@@ -345,7 +361,7 @@ class _Engine:
         *,
         measurement: Measurement | None = None,
         phase: str = "explore",
-    ) -> None:
+    ) -> TrialRecord:
         """Record the outcome on the trial (candidate, prediction and launch were recorded as they happened)."""
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
@@ -369,10 +385,12 @@ class _Engine:
             self.study.tell(trial, state=State.FAIL)
         self.records.append(record)
         self.reporter.trial(record, self.best_record(), self.launched, self.options.n_trials)
+        return record
 
     def remeasure_leaders(self) -> None:
         """Re-run the top candidates one after another (interleaved with each other), so the final choice compares
-        runs taken close together in time on the same noisy machine."""
+        runs taken close together in time on the same noisy machine, until the budget is spent (a last round that
+        the budget cuts short re-runs the best-ranked)."""
         ranked = self.leaders()
         top = [leader.candidate for leader in ranked[: self.options.remeasure_top]]
         incumbent = self.options.incumbent
@@ -382,6 +400,7 @@ class _Engine:
             return
         self.reporter.phase(f"re-measuring the {len(top)} leaders side by side")
         while self._budget_left() > 0:
+            launched = self.launched
             for candidate in top:
                 if self._budget_left() <= 0:
                     break
@@ -390,7 +409,7 @@ class _Engine:
                     continue
                 self.study.enqueue_trial(params, user_attrs={"phase": "remeasure"})
                 self._one_trial()
-            if self._budget_left() < len(top):
+            if self.launched == launched:  # none of them can be re-run here (outside the space, or pruned)
                 break
 
     def leaders(self) -> list[Leader]:
