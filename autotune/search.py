@@ -275,11 +275,12 @@ class _Engine:
             self.study.enqueue_trial(params, user_attrs={"phase": phase}, skip_if_exists=True)
 
     def explore(self, deadline: float | None) -> None:
-        """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (repeats of
-        a measured candidate, candidates pruned by simulation) are cheap but not free: at most n_trials of them, and
-        the sampler is stopped once it proposes max(5, n_trials // 2) in a row, when it only repeats what it knows."""
+        """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (candidates
+        pruned by simulation, repeats of a measured one) are cheap but not free: at most n_trials of them, and the
+        sampler is stopped once it proposes max(5, n_trials // 2) repeats with no new run between them: it only
+        repeats what it knows."""
         reserve = min(self.options.remeasure_top, max(0, self.options.n_trials // 4))
-        idle = idle_in_a_row = 0
+        idle = repeats = 0
         max_idle = self.options.n_trials
         patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
@@ -287,17 +288,21 @@ class _Engine:
             if deadline is not None and time.time() >= deadline:
                 self.reporter.phase("search timeout reached: no new trials")
                 break
-            if idle >= max_idle or idle_in_a_row >= patience:
-                self.reporter.phase(
-                    f"the sampler proposed {idle_in_a_row if idle_in_a_row >= patience else idle} candidates "
-                    f"{'in a row ' if idle_in_a_row >= patience else ''}that run nothing new: exploring stops, the "
-                    f"budget left goes to re-measuring the leaders"
+            if idle >= max_idle or repeats >= patience:
+                why = (
+                    f"{repeats} repeats of measured candidates since the last new run"
+                    if repeats >= patience
+                    else f"{idle} candidates that run nothing new (pruned or repeats)"
                 )
+                self.reporter.phase(f"the sampler proposed {why}: exploring stops, the rest of the budget re-runs the "
+                                    f"leaders")
                 break
-            if self._one_trial().launched:
-                idle_in_a_row = 0
+            record = self._one_trial()
+            if record.launched:
+                repeats = 0
             else:
-                idle, idle_in_a_row = idle + 1, idle_in_a_row + 1
+                idle += 1
+                repeats += record.outcome == "duplicate"
 
     def _one_trial(self) -> TrialRecord:
         """Ask one trial, prune or run it, tell the study; its record."""
