@@ -12,7 +12,7 @@ from autotune.candidate import Candidate, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
-from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
+from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.schedules import (
     Schedule,
     default_stages_per_rank,
@@ -141,11 +141,41 @@ def plan(
     for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
         planned.setdefault(entry.candidate.key, entry)
     logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
-    ranked = sorted(
-        planned.values(),
-        key=lambda p: (not p.estimate.feasible, -p.estimate.throughput_samples_per_s, p.candidate.key),
-    )
+    ranked = _even_first(planned.values())
     return ranked[:top] if top is not None else ranked
+
+
+def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
+    """Fastest first, candidates over the memory limit last; among splits of one configuration (same layout,
+    schedule, B/M, checkpointing, wire dtype) predicted within EVEN_WITHIN of that configuration's fastest, the more
+    even split first (fewer layers away from the uniform split): the profile's noise cannot tell them apart, a
+    person can."""
+    entries = list(planned)
+    best: dict[tuple[Any, ...], float] = {}
+    for p in entries:
+        group = (_configuration(p.candidate), p.estimate.feasible)
+        best[group] = max(best.get(group, 0.0), p.estimate.throughput_samples_per_s)
+
+    def rank(p: PlannedCandidate) -> tuple[Any, ...]:
+        throughput = p.estimate.throughput_samples_per_s
+        fastest = best[(_configuration(p.candidate), p.estimate.feasible)]
+        tied = throughput >= fastest / (1 + EVEN_WITHIN)
+        return (not p.estimate.feasible, -(fastest if tied else throughput), _unevenness(p.candidate),
+                -throughput, p.candidate.key)
+
+    return sorted(entries, key=rank)
+
+
+def _configuration(c: Candidate) -> tuple[Any, ...]:
+    """A candidate without its split."""
+    return (c.pipeline_degree, c.data_parallel_degree, c.schedule, c.n_microbatches, c.activation_checkpointing,
+            c.wire_dtype, c.n_stages)
+
+
+def _unevenness(c: Candidate) -> int:
+    """Layers the split's stage boundaries lie away from the uniform split's."""
+    uniform = accumulate(uniform_split(sum(c.layers_per_stage), c.n_stages), initial=0)
+    return sum(abs(a - b) for a, b in zip(accumulate(c.layers_per_stage, initial=0), uniform))
 
 
 def recommended_microbatch_range(planned: Sequence[PlannedCandidate], within: float = 0.05) -> tuple[int, int]:
@@ -292,7 +322,9 @@ class _Point:
         self.costs, self.schedule, self.pp, self.dp, self.m = costs, schedule, pp, dp, m
         self.n_stages, self.batch_size = n_stages, batch_size
         n_layers = len(costs.layers)
-        splits = [costs.balanced(schedule, pp, n_stages), uniform_split(n_layers, n_stages)]
+        balanced = costs.balanced(schedule, pp, n_stages)
+        # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
+        splits = [balanced, evened(costs.time, balanced, schedule, pp), uniform_split(n_layers, n_stages)]
         self.first = [self.make(split) for i, split in enumerate(splits) if split not in splits[:i]]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
 

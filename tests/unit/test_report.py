@@ -302,6 +302,7 @@ def test_the_trial_table_folds_repeats_into_one_row_per_configuration(study):
     markdown, _ = text(dataclasses.replace(study, records=study.records + tuple(repeats) + tuple(prunes)))
     plain, _ = text(study)
     table_rows = lambda page: [line for line in page.splitlines() if re.match(r"\| \**\d+", line)]  # noqa: E731
-    assert table_rows(plain) and len(table_rows(markdown)) == len(table_rows(plain)) + 1  # the pruned configuration's first row
+    # one row more: the pruned configuration's first
+    assert table_rows(plain) and len(table_rows(markdown)) == len(table_rows(plain)) + 1
     assert f"+40 asked again, not launched: #{start}, #{start + 1}," in markdown
     assert "+11 asked again" in markdown and "folded" in markdown
