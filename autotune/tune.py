@@ -30,6 +30,7 @@ from autotune.records import SearchResult, explain_infeasible
 from autotune.search import SearchReporter
 from autotune.trial import TrialRunner
 from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password
+from autotune.watchdog import MODEL_CHECK, time_limit
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +147,18 @@ def load_and_profile(
     micro_batch_sizes: list[int] | None = None,
     repeats: int = 5,
     reporter: TuneReporter | None = None,
+    check_timeout_s: float | None = None,
+    timeout_flag: str = "--timeout",
 ) -> tuple[ModelSpec, Profile]:
-    """Load and check the model file, then profile it: (spec, profile)."""
+    """Load and check the model file, then profile it: (spec, profile). check_timeout_s bounds the loading and the
+    check forward (HangError naming timeout_flag when they do not return in time); None: unbounded."""
     from autotune.model_file import check_model, load_model_file
     from autotune.profiling import profile_model
 
     reporter = reporter or SilentReporter()
-    spec = load_model_file(model)
-    check_model(spec, batch_size)
+    with time_limit(check_timeout_s, path=model, what=MODEL_CHECK, flag=timeout_flag):
+        spec = load_model_file(model)
+        check_model(spec, batch_size)
     with reporter.profiling(f"profiling {model.name} on {device}") as progress:
         profile = profile_model(
             spec,
@@ -183,7 +188,11 @@ def tune(
     oversubscribed = cpu_oversubscription(request.gpus, device)
     if oversubscribed:
         reporter.warning(oversubscribed)
-    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
+    bound = min(request.trial_timeout_s, request.timeout_s or request.trial_timeout_s)
+    spec, profile = load_and_profile(
+        request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
+        timeout_flag="--trial-timeout",
+    )
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     url = request.storage or default_storage(name)
     incumbent = _incumbent(request, spec, reporter)

@@ -34,6 +34,9 @@ def check(
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per run.")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per run.")] = 2,
+    timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds before a run, or the model check before it, counts as hung.")
+    ] = 300.0,
     device: Annotated[
         DeviceChoice | None,
         typer.Option(
@@ -58,12 +61,18 @@ def check(
         from autotune.devices import resolve_device
         from autotune.trial import TrialOptions
         from autotune.units import format_bytes, parse_size
+        from autotune.watchdog import MODEL_CHECK, time_limit
 
         tuned = load_config(config)
-        spec = resolve_model(tuned, config, model)
+        with time_limit(timeout, path=model or Path(tuned.model), what=MODEL_CHECK):
+            spec = resolve_model(tuned, config, model)
         limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
         options = TrialOptions(
-            steps=steps, warmup=warmup, memory_limit_bytes=limit, device=resolve_device(config_device(tuned, device))
+            steps=steps,
+            warmup=warmup,
+            timeout_s=timeout,
+            memory_limit_bytes=limit,
+            device=resolve_device(config_device(tuned, device)),
         )
         with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
             result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)

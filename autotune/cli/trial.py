@@ -85,12 +85,14 @@ def trial(
         from autotune.schedules import default_stages_per_rank, parse_schedule
         from autotune.trial import TrialOptions, run_trial
         from autotune.units import parse_size
+        from autotune.watchdog import MODEL_CHECK, time_limit
 
         chosen = parse_schedule(schedule)
         if gpus % dp:
             raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
-        spec = load_model_file(model)
-        check_model(spec, batch_size)
+        with time_limit(timeout, path=model, what=MODEL_CHECK):
+            spec = load_model_file(model)
+            check_model(spec, batch_size)
         pp = gpus // dp
         split = parse_split(layers_per_stage) or uniform_split(spec.n_layers, pp * default_stages_per_rank(chosen))
         candidate = Candidate(

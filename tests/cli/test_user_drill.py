@@ -79,3 +79,43 @@ def test_a_directory_as_the_model_says_so(tmp_path):
                                  "--microbatches", "2", "--schedule", "GPipe"], terminal_width=300)
     assert result.exit_code == 2
     assert "is a directory" in result.stderr and "no such file" not in result.stderr
+
+
+def test_a_forward_that_hangs_ends_the_command_at_its_timeout(model_file):
+    # Issue 13, item 1: the check forward runs in the tuner's own process; `trial --timeout 30` never returned.
+    import json
+    import time
+
+    model = model_file(last_forward="time.sleep(1000)")
+    started = time.monotonic()
+    result = runner.invoke(app, ["trial", str(model), "--gpus", "2", "--device", "cpu", "--batch-size", "8",
+                                 "--microbatches", "2", "--schedule", "GPipe", "--timeout", "2", "--json"],
+                           terminal_width=400)
+    assert time.monotonic() - started < 2 + 30
+    assert result.exit_code == 1
+    error = json.loads(result.stdout)["error"]
+    assert error.startswith(f"{model}: the model check") and "did not return within 2 s" in error
+    assert f"hung at {model}:" in error and "in forward() (time.sleep(1000))" in error and "--timeout" in error
+
+
+def test_search_and_check_bound_the_model_check_too(model_file, tmp_path):
+    model = model_file(last_forward="time.sleep(1000)")
+    result = runner.invoke(app, ["search", str(model), "--gpus", "2", "--device", "cpu", "--batch-size", "8",
+                                 "--trial-timeout", "2", "--output", str(tmp_path / "t.yaml"), "--report-dir",
+                                 str(tmp_path / "r")], terminal_width=400)
+    assert result.exit_code == 1
+    assert "did not return within 2 s" in result.stderr and "--trial-timeout" in result.stderr
+    from autotune.candidate import Candidate, Measurement
+    from autotune.config_file import save_config
+    from autotune.schedules import Schedule
+    from autotune.tuned_config import TunedConfig
+
+    candidate = Candidate(schedule=Schedule.GPIPE, pipeline_degree=2, global_batch_size=8, n_microbatches=2,
+                          layers_per_stage=(2, 2))
+    measured = Measurement(candidate=candidate, status="ok", step_time_ms=10.0, throughput_samples_per_s=800.0,
+                           peak_memory_bytes=(1, 1))
+    config = save_config(TunedConfig.from_measurement(measured, model=str(model), memory_limit_bytes=None),
+                         tmp_path / "tuned.yaml")
+    result = runner.invoke(app, ["check", str(config), "--timeout", "2"], terminal_width=400)
+    assert result.exit_code == 1
+    assert "did not return within 2 s" in result.stderr and "time.sleep(1000)" in result.stderr
