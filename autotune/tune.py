@@ -149,16 +149,21 @@ def load_and_profile(
     reporter: TuneReporter | None = None,
     check_timeout_s: float | None = None,
     timeout_flag: str = "--timeout",
+    gpus: int | None = None,
 ) -> tuple[ModelSpec, Profile]:
     """Load and check the model file, then profile it: (spec, profile). check_timeout_s bounds the loading and the
-    check forward (HangError naming timeout_flag when they do not return in time); None: unbounded."""
+    check forward (HangError naming timeout_flag when they do not return in time); None: unbounded. gpus: profile
+    (by default) only micro-batch sizes up to the largest a candidate over that many ranks can use."""
     from autotune.model_file import check_model, load_model_file
-    from autotune.profiling import profile_model
+    from autotune.plan import largest_micro_batch
+    from autotune.profiling import default_micro_batch_sizes, profile_model
 
     reporter = reporter or SilentReporter()
     with time_limit(check_timeout_s, path=model, what=MODEL_CHECK, flag=timeout_flag):
         spec = load_model_file(model)
         check_model(spec, batch_size)
+    if micro_batch_sizes is None and gpus is not None:
+        micro_batch_sizes = default_micro_batch_sizes(largest_micro_batch(gpus, batch_size, spec.n_layers))
     with reporter.profiling(f"profiling {model.name} on {device}") as progress:
         profile = profile_model(
             spec,
@@ -191,7 +196,7 @@ def tune(
     bound = min(request.trial_timeout_s, request.timeout_s or request.trial_timeout_s)
     spec, profile = load_and_profile(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
-        timeout_flag="--trial-timeout",
+        timeout_flag="--trial-timeout", gpus=request.gpus,
     )
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     url = request.storage or default_storage(name)
