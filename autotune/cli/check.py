@@ -58,7 +58,7 @@ def check(
         start_fork_server()
         from autotune.check import check_config, config_device, resolve_model
         from autotune.config_file import load_config
-        from autotune.devices import resolve_device
+        from autotune.devices import cpu_oversubscription, resolve_device
         from autotune.trial import TrialOptions
         from autotune.units import format_bytes, parse_size
         from autotune.watchdog import MODEL_CHECK, time_limit
@@ -74,6 +74,9 @@ def check(
             memory_limit_bytes=limit,
             device=resolve_device(config_device(tuned, device)),
         )
+        oversubscribed = cpu_oversubscription(tuned.gpus, options.device)
+        if oversubscribed:
+            err_console.print(f"[yellow]warning:[/yellow] {oversubscribed}", highlight=False, soft_wrap=True)
         with err_console.status(f"checking {tuned.candidate.key} (limit {format_bytes(limit)})..."):
             result = check_config(tuned, spec, tolerance=tolerance, repeats=repeats, options=options)
         if json_output:
