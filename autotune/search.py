@@ -12,10 +12,13 @@ search resumes after Ctrl-C or a crash with nothing lost, and the report rebuild
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -157,10 +160,11 @@ def run_search(
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
     try:
-        if not engine.records:  # a new study: seed it with the planner's best and the rule-of-thumb default
-            engine.seed(planned, default)
-        engine.explore(deadline=started + options.timeout_s if options.timeout_s else None)
-        engine.remeasure_leaders()
+        with _remember_ctrl_c(engine.ctrl_c):
+            if not engine.records:  # a new study: seed it with the planner's best and the rule-of-thumb default
+                engine.seed(planned, default)
+            engine.explore(deadline=started + options.timeout_s if options.timeout_s else None)
+            engine.remeasure_leaders()
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(engine.records, engine.runs)
@@ -175,6 +179,29 @@ def run_search(
         default=default,
         setup=setup,
     )
+
+
+@contextlib.contextmanager
+def _remember_ctrl_c(pressed: list[bool]) -> Iterator[None]:
+    """Note each Ctrl-C in `pressed` as well as raising KeyboardInterrupt: one that lands in a garbage-collector
+    callback is swallowed by Python ("Exception ignored in ..."), and the engine re-raises it before its next trial."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: object) -> None:
+        pressed[0] = True
+        raise KeyboardInterrupt
+
+    if previous is not signal.default_int_handler:  # someone else's handler (or ignored): leave it be
+        yield
+        return
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _open_study(study_name: str, storage: str, options: SearchOptions) -> optuna.Study:
@@ -214,6 +241,8 @@ class _Engine:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
         self.study, self.runner, self.reporter, self.link = study, runner, reporter, link
         self._estimates: dict[str, Estimate] = {}
+        self.ctrl_c = [False]
+        """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
         self.records: list[TrialRecord] = []
         self.runs: dict[str, list[Measurement]] = {}
         self._restore()
@@ -306,6 +335,8 @@ class _Engine:
 
     def _one_trial(self) -> TrialRecord:
         """Ask one trial, prune or run it, tell the study; its record."""
+        if self.ctrl_c[0]:
+            raise KeyboardInterrupt
         trial = self.study.ask()
         phase = trial.user_attrs.get("phase", "explore")
         try:

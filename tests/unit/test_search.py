@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 
 import optuna
@@ -247,3 +248,23 @@ def test_at_pp_1_gpipe_and_1f1b_are_one_candidate():
     planned = plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None, prune_within=None)
     at_pp1 = {p.candidate.schedule for p in planned if p.candidate.pipeline_degree == 1}
     assert at_pp1 == {Schedule.ONE_F_ONE_B}
+
+
+def test_a_ctrl_c_that_python_swallowed_still_stops_the_search(spec, tmp_path):
+    # A Ctrl-C that lands in a garbage-collector callback is "ignored" by Python; the search must stop all the same.
+    import os
+    import signal
+
+    inner = SimulatedRunner()
+
+    def swallowing(spec_, candidate, options):
+        if len(inner.calls) == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+            except KeyboardInterrupt:
+                pass  # as a weakref callback's "Exception ignored in ..."
+        return inner(spec_, candidate, options)
+
+    result = search(spec, tmp_path, swallowing)
+    assert result.interrupted and len(inner.calls) == 3
