@@ -23,6 +23,7 @@ from autotune.tuned_config import (
     CANDIDATE_KEYS,
     LAYER_ROLES,
     OPTIONAL_KEYS,
+    OPTIONAL_SECTION_KEYS,
     SCHEMA_VERSION,
     WIRE_DTYPES,
     TunedConfig,
@@ -33,13 +34,14 @@ from autotune.units import format_bytes
 
 # ---------------------------------------------------------------------------------------------- the schema
 
-_Kind = Literal["int", "number", "str", "bool", "ints", "strs", "section"]
+_Kind = Literal["int", "number", "str", "bool", "ints", "numbers", "strs", "section"]
 _KIND_NAMES = {
     "int": "an integer",
     "number": "a number",
     "str": "a string",
     "bool": "true or false",
     "ints": "a list of integers",
+    "numbers": "a list of numbers",
     "strs": "a list of strings",
     "section": "a mapping of keys",
 }
@@ -70,7 +72,8 @@ def _key_of(hint: Any) -> _Key:
     if hint is str or typing.get_origin(hint) is Literal or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return _Key("str", optional)
     if typing.get_origin(hint) is tuple:
-        return _Key("ints" if typing.get_args(hint)[0] is int else "strs", optional)
+        item = typing.get_args(hint)[0]
+        return _Key("ints" if item is int else "numbers" if item is float else "strs", optional)
     if dataclasses.is_dataclass(hint):
         return _Key("section", optional, section=hint)  # type: ignore[arg-type]
     raise TypeError(f"no file kind for the annotation {hint!r}")
@@ -127,7 +130,11 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
     missing = [key for key in _TOP if key not in data and key not in OPTIONAL_KEYS]
     for section, keys in _SECTIONS.items():
         if isinstance(data.get(section), dict):
-            missing += [f"{section}.{key}" for key in keys if key not in data[section]]
+            missing += [
+                f"{section}.{key}"
+                for key in keys
+                if key not in data[section] and f"{section}.{key}" not in OPTIONAL_SECTION_KEYS
+            ]
     if missing:
         raise ConfigError(
             f"{source}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}; add "
@@ -139,7 +146,11 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
     wrong = [_wrong_type(key, values[key], kind) for key, kind in _TOP.items() if key in data]
     for section, keys in _SECTIONS.items():
         if isinstance(data[section], dict):
-            wrong += [_wrong_type(f"{section}.{key}", data[section][key], kind) for key, kind in keys.items()]
+            wrong += [
+                _wrong_type(f"{section}.{key}", data[section][key], kind)
+                for key, kind in keys.items()
+                if key in data[section]
+            ]
     problems = [problem for problem in wrong if problem]
     if problems:
         raise ConfigError(f"{source}: {'; '.join(problems)}; fix the value{'s' if len(problems) > 1 else ''}")
@@ -167,6 +178,7 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
             model_layers=values["model_layers"],
             layer_roles=None if roles is None else tuple(roles),
             split_at=None if values["split_at"] is None else tuple(values["split_at"]),
+            layer_parameter_bytes=_tuple(values["layer_parameter_bytes"]),
             candidate=Candidate(
                 **{
                     attribute: _tuple(values[key])
@@ -196,8 +208,13 @@ def _section(keys: Mapping[str, _Key], values: Mapping[str, Any], name: str) -> 
     cls = _TOP[name].section
     assert cls is not None
     converted = {
-        key: float(values[key]) if k.kind == "number" and values[key] is not None else _tuple(values[key])
+        key: float(values[key])
+        if k.kind == "number" and values[key] is not None
+        else tuple(float(v) for v in values[key])
+        if k.kind == "numbers"
+        else _tuple(values[key])
         for key, k in keys.items()
+        if key in values  # an optional key left out keeps its field's default
     }
     return cls(**converted)
 
@@ -216,6 +233,8 @@ def _wrong_type(key: str, value: Any, kind: _Key) -> str | None:
         "str": isinstance(value, str),
         "bool": isinstance(value, bool),
         "ints": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+        "numbers": isinstance(value, list)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value),
         "strs": isinstance(value, list) and all(isinstance(v, str) for v in value),
         "section": isinstance(value, dict),
     }[kind.kind]

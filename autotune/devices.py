@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from autotune.errors import LaunchError
@@ -24,6 +25,23 @@ def resolve_device(choice: str) -> Device:
         )
     raise LaunchError(
         "no CUDA device found; pass --device cpu to run each rank as a CPU process (the stand-in for a GPU)"
+    )
+
+
+def cpu_oversubscription(ranks: int, device: str) -> str | None:
+    """A warning when CPU ranks outnumber the cores this process may use: ranks sharing a core time each other's
+    contention, not the candidate. None when they fit (or on CUDA)."""
+    if device != "cpu":
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    if ranks <= cores:
+        return None
+    return (
+        f"{ranks} CPU ranks on {cores} core(s): ranks will share cores, so the measurements compare contention, not "
+        f"configurations; pass --gpus {cores} or fewer for meaningful timings"
     )
 
 

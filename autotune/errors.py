@@ -33,6 +33,13 @@ class InfeasibleError(AutotuneError):
     exit_code = 3
 
 
+class HangError(AutotuneError):
+    """User code run in the tuner's own process (the model file's import, the check forward) did not return within
+    the command's timeout (exit 1)."""
+
+    exit_code = 1
+
+
 class LaunchError(AutotuneError):
     """Rank processes could not be started or the device is missing (exit 4)."""
 

@@ -42,6 +42,22 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> N
             os.close(dir_fd)
 
 
+def ensure_writable(path: Path, *, folder: bool = False) -> None:
+    """Raise OSError now when `path` (a file, or with folder=True a folder) could not be written later: a command
+    that runs for minutes checks its outputs first. Creates missing parent folders (the write would), leaves no
+    file behind."""
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise IsADirectoryError(21, "is a directory", str(path))
+    target = path if folder else path.parent
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(target))
+    target.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=target, prefix=".autotune-probe-", suffix=".tmp")
+    os.close(fd)
+    os.unlink(probe)
+
+
 def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
     """atomic_write_bytes of UTF-8 text with "\\n" line ends."""
     atomic_write_bytes(path, text.encode("utf-8"), mode=mode)

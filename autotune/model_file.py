@@ -249,6 +249,8 @@ def fingerprint(path: Path) -> str:
 
 
 def _import(path: Path) -> ModuleType:
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory; pass the path of a Python model file in it (see recipes/)")
     if not path.is_file():
         raise ModelFileError(f"{path}: no such file; pass the path of a Python model file (see recipes/)")
     name = "autotune_user_model_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]

@@ -23,6 +23,11 @@ _WORK_BUDGET = 4_000_000
 """Stage-cost evaluations one balance_for_schedule may spend (a round of moves over S stages costs S^2 (S+1)):
 16 stages use ~0.3-0.5M, 32 stages ~2.8M, so it binds from ~48 stages on, keeping one call under ~0.5 s."""
 
+EVEN_WITHIN = 0.03
+"""Splits whose busiest rank is within this fraction of the best split's count as equally fast, and the most even of
+them (in layers per stage) is taken: profiled layer times carry a few per cent of noise (repeated profiles spread by
+up to 8 %, bench/results/profile_stability.md), and a person trusts [6, 6, 6, 6] over [8, 5, 7, 4] for equal layers."""
+
 # Relative slack when comparing a segment sum with a bottleneck drawn from the same prefix sums: a + (b - a) can
 # round one ulp above b.
 _EPS = 1e-12
@@ -120,6 +125,49 @@ def balanced_split(
 ) -> tuple[int, ...]:
     """The time-balanced split the planner and the search start from: balance_for_schedule of layer_times."""
     return balance_for_schedule(layer_times(costs, checkpointing=checkpointing), schedule, pipeline_degree, n_stages)
+
+
+def evened(
+    costs: Sequence[float],
+    layers_per_stage: Sequence[int],
+    schedule: Schedule,
+    pipeline_degree: int,
+    *,
+    within: float = EVEN_WITHIN,
+) -> tuple[int, ...]:
+    """The split moved toward the uniform one as far as its busiest rank stays within `within` of the given split's:
+    the uniform split itself when it qualifies, else each stage boundary stepped toward its uniform place while
+    the two stages it moves keep their ranks under the bound (ties between equally fast splits go to balance)."""
+    n_stages = len(layers_per_stage)
+    ranks = stage_ranks(schedule, pipeline_degree, n_stages)
+    bound = max(rank_loads(costs, layers_per_stage, schedule, pipeline_degree)) * (1 + within) * (1 + _EPS)
+    target = uniform_split(len(costs), n_stages)
+    if max(rank_loads(costs, target, schedule, pipeline_degree)) <= bound:
+        return target
+    prefix = _prefix(costs)
+    cuts = list(accumulate(layers_per_stage, initial=0))
+    goal = list(accumulate(target, initial=0))
+    loads = [0.0] * pipeline_degree
+    for stage, rank in enumerate(ranks):
+        loads[rank] += prefix[cuts[stage + 1]] - prefix[cuts[stage]]
+    moved = True
+    while moved:  # each move brings one cut a layer nearer its goal, so this ends
+        moved = False
+        for j in range(1, n_stages):
+            if cuts[j] == goal[j]:
+                continue
+            new = cuts[j] + (1 if goal[j] > cuts[j] else -1)
+            if not cuts[j - 1] < new < cuts[j + 1]:
+                continue
+            before = {ranks[j - 1]: loads[ranks[j - 1]], ranks[j]: loads[ranks[j]]}
+            changed = dict(before)
+            changed[ranks[j - 1]] += (prefix[new] - prefix[cuts[j - 1]]) - (prefix[cuts[j]] - prefix[cuts[j - 1]])
+            changed[ranks[j]] += (prefix[cuts[j + 1]] - prefix[new]) - (prefix[cuts[j + 1]] - prefix[cuts[j]])
+            if all(load <= bound for load in changed.values()):
+                loads[ranks[j - 1]], loads[ranks[j]] = changed[ranks[j - 1]], changed[ranks[j]]
+                cuts[j] = new
+                moved = True
+    return tuple(b - a for a, b in pairwise(cuts))
 
 
 def balance_for_schedule(

@@ -12,12 +12,12 @@ from autotune.candidate import Candidate, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
-from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
+from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.schedules import (
-    SCHEDULES,
     Schedule,
     default_stages_per_rank,
     parse_schedule,
+    schedules_for,
     stage_ranks,
     validate_schedule,
 )
@@ -98,9 +98,7 @@ def plan(
     for pp, dp in chosen_layouts:
         if pp * dp != gpus or batch_size % dp:
             raise UsageError(f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}")
-        for schedule in chosen:
-            if pp == 1 and SCHEDULES[schedule].placement != "single":
-                continue  # one rank, no pipeline: more stages per rank only add overhead
+        for schedule in schedules_for(pp, chosen):  # at pp = 1: single-stage ones, GPipe folded into 1F1B
             n_stages = pp * default_stages_per_rank(schedule)
             if n_stages > n_layers:
                 continue
@@ -143,11 +141,65 @@ def plan(
     for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
         planned.setdefault(entry.candidate.key, entry)
     logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
-    ranked = sorted(
-        planned.values(),
-        key=lambda p: (not p.estimate.feasible, -p.estimate.throughput_samples_per_s, p.candidate.key),
-    )
+    ranked = _even_first(planned.values())
     return ranked[:top] if top is not None else ranked
+
+
+def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
+    """Fastest first, candidates over the memory limit last; among splits of one configuration (same layout,
+    schedule, B/M, checkpointing, wire dtype) predicted within EVEN_WITHIN of that configuration's fastest, the more
+    even split first (fewer layers away from the uniform split): the profile's noise cannot tell them apart, a
+    person can."""
+    entries = list(planned)
+    best: dict[tuple[Any, ...], float] = {}
+    for p in entries:
+        group = (_configuration(p.candidate), p.estimate.feasible)
+        best[group] = max(best.get(group, 0.0), p.estimate.throughput_samples_per_s)
+
+    def rank(p: PlannedCandidate) -> tuple[Any, ...]:
+        throughput = p.estimate.throughput_samples_per_s
+        fastest = best[(_configuration(p.candidate), p.estimate.feasible)]
+        tied = throughput >= fastest / (1 + EVEN_WITHIN)
+        return (not p.estimate.feasible, -(fastest if tied else throughput), _unevenness(p.candidate),
+                -throughput, p.candidate.key)
+
+    return sorted(entries, key=rank)
+
+
+def _configuration(c: Candidate) -> tuple[Any, ...]:
+    """A candidate without its split."""
+    return (c.pipeline_degree, c.data_parallel_degree, c.schedule, c.n_microbatches, c.activation_checkpointing,
+            c.wire_dtype, c.n_stages)
+
+
+def _unevenness(c: Candidate) -> int:
+    """Layers the split's stage boundaries lie away from the uniform split's."""
+    uniform = accumulate(uniform_split(sum(c.layers_per_stage), c.n_stages), initial=0)
+    return sum(abs(a - b) for a, b in zip(accumulate(c.layers_per_stage, initial=0), uniform))
+
+
+def largest_micro_batch(
+    gpus: int, batch_size: int, n_layers: int, schedules: Iterable[Schedule | str] | None = None
+) -> int:
+    """The largest micro-batch size any candidate of plan() (or the search) can have: over every layout, B/dp cut
+    into the fewest micro-batches a schedule accepts there. Profiling beyond it measures sizes nothing uses (at
+    B 4096 over 1024 GPUs a 96-layer model has dp >= 16, so micro-batches of 256 at most)."""
+    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
+    largest = 0
+    for pp, dp in pipeline_layouts(gpus, batch_size, n_layers):
+        per_replica = batch_size // dp
+        for schedule in schedules_for(pp, chosen):
+            n_stages = pp * default_stages_per_rank(schedule)
+            if n_stages > n_layers:
+                continue
+            for m in _divisors(per_replica):  # fewest micro-batches first
+                try:
+                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
+                except InvalidCandidateError:
+                    continue
+                largest = max(largest, per_replica // m)
+                break
+    return largest or batch_size
 
 
 def recommended_microbatch_range(planned: Sequence[PlannedCandidate], within: float = 0.05) -> tuple[int, int]:
@@ -297,7 +349,9 @@ class _Point:
         self.costs, self.schedule, self.pp, self.dp, self.m = costs, schedule, pp, dp, m
         self.n_stages, self.batch_size = n_stages, batch_size
         n_layers = len(costs.layers)
-        splits = [costs.balanced(schedule, pp, n_stages), uniform_split(n_layers, n_stages)]
+        balanced = costs.balanced(schedule, pp, n_stages)
+        # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
+        splits = [balanced, evened(costs.time, balanced, schedule, pp), uniform_split(n_layers, n_stages)]
         self.first = [self.make(split) for i, split in enumerate(splits) if split not in splits[:i]]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
 

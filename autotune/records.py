@@ -53,6 +53,9 @@ class TrialRecord:
     """A real run was started for it."""
     wall_time_s: float = 0.0
     """The real run's wall time, launch to teardown (0 when not launched)."""
+    oom_bytes: int | None = None
+    """An oom run: what the failing rank reported when it ran out (live bytes on CPU, the refused allocation on
+    CUDA); None otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +240,9 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
         phase=attrs.get("phase", "explore"),
         launched=bool(attrs.get("launched", False)),
         wall_time_s=float(measurement.get("wall_time_s", 0.0)) if attrs.get("launched") else 0.0,
+        oom_bytes=(measurement.get("error") or {}).get("bytes_requested")
+        if measurement.get("status") == "oom"
+        else None,
     )
 
 
@@ -252,16 +258,28 @@ def predicted_attrs(estimate: Estimate) -> dict[str, Any]:
 
 
 def explain_infeasible(result: SearchResult, limit: int | None) -> InfeasibleError:
-    """Nothing ran within the memory limit: say what would fit."""
+    """Nothing ran within the memory limit: say what would fit, from what the runs measured when there are any (a
+    prediction can be far off the real peak), else from the simulator."""
+    if limit is None:
+        return InfeasibleError("no trial ran successfully; see the trial table (autotune report) for each reason")
+    # An oom run ran out at its reported bytes: live bytes past the limit (CPU), or one allocation more (CUDA).
+    measured = [b if b > limit else limit + b for r in result.records if r.oom_bytes for b in [r.oom_bytes]]
+    measured += [max(r.peak_memory_bytes) for r in result.records if r.peak_memory_bytes]
+    if measured:
+        return InfeasibleError(
+            f"no configuration fits the memory limit of {format_bytes(limit)} per rank; the leanest run tried needed "
+            f"more than {format_bytes(min(measured))} (measured when it ran out): raise --memory-limit above that, "
+            f"or use more GPUs"
+        )
     peaks = [
-        max(r.peak_memory_bytes or r.predicted_peak_memory_bytes or (math.inf,))
+        max(r.predicted_peak_memory_bytes or (math.inf,))
         for r in result.records
         if r.candidate is not None
     ]
-    if not peaks or limit is None:
+    if not peaks or math.isinf(min(peaks)):
         return InfeasibleError("no trial ran successfully; see the trial table (autotune report) for each reason")
     leanest = min(peaks)
     return InfeasibleError(
         f"no configuration fits the memory limit of {format_bytes(limit)} per rank; the leanest tried needs "
-        f"{format_bytes(leanest)}: raise --memory-limit to at least that, or use more GPUs"
+        f"{format_bytes(leanest)} (predicted): raise --memory-limit to at least that, or use more GPUs"
     )

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -234,6 +234,11 @@ def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def _new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """dist.new_group, typed as what every rank keeps of it (a non-member's handle is never used)."""
+    return cast(dist.ProcessGroup, dist.new_group(ranks))
+
+
 def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """This rank's pipeline group and data-parallel group (every rank must create every group, in order)."""
     pp, dp = layout.pipeline_degree, layout.data_parallel_degree
@@ -241,11 +246,11 @@ def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.Proc
         return None, None
     pp_group = dp_group = None
     for d in range(dp):
-        group = dist.new_group(layout.pipeline_ranks(d))
+        group = _new_group(layout.pipeline_ranks(d))
         if d == layout.dp_rank:
             pp_group = group
     for p in range(pp):
-        group = dist.new_group(layout.replica_ranks(p))
+        group = _new_group(layout.replica_ranks(p))
         if p == layout.pp_rank:
             dp_group = group
     return pp_group, dp_group
@@ -329,10 +334,10 @@ def _shared_groups(
     mine: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
     for ranks in shared_groups(holders):
         for d in range(candidate.data_parallel_degree):
-            group = dist.new_group([layout.pipeline_ranks(d)[r] for r in ranks])
+            group = _new_group([layout.pipeline_ranks(d)[r] for r in ranks])
             if d != layout.dp_rank or layout.pp_rank not in ranks:
                 continue
-            params = []
+            params: list[nn.Parameter] = []
             for parameter, held in zip(shared, holders):
                 p = named.get(parameter.names[0])
                 if held == ranks and p is not None and id(p) in by_id and id(p) in params_of:

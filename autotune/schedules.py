@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,7 +115,7 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
     if schedule is Schedule.ONE_F_ONE_B and n_microbatches < n_stages:
         raise InvalidCandidateError(
             f"1F1B needs at least as many micro-batches as stages ({n_stages}), got {n_microbatches}; "
-            f"pass --microbatches {n_stages} or more, or use GPipe"
+            f"use {n_stages} or more micro-batches (B/M), or GPipe"
         )
     if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE):
         rounds = max(1, n_microbatches // pipeline_degree)
@@ -127,10 +128,24 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
     if schedule is Schedule.DUAL_PIPE_V and n_microbatches < 2 * pipeline_degree:
         raise InvalidCandidateError(
             f"DualPipeV needs at least 2 x pp = {2 * pipeline_degree} micro-batches, got {n_microbatches}; "
-            f"pass --microbatches {2 * pipeline_degree} or more"
+            f"use {2 * pipeline_degree} or more micro-batches (B/M)"
         )
     # VHalf and VMin need exactly 2 stages per rank (checked above) and nothing of n_microbatches: autotune.vshape
     # builds a valid order for any count; with fewer micro-batches than the memory cap the cap just never binds.
+
+
+def schedules_for(pipeline_degree: int, schedules: Iterable[Schedule]) -> list[Schedule]:
+    """The schedules worth running at this pipeline degree, one per distinct run. At pp = 1 only single-stage ones
+    (more stages on one rank only add overhead), and of GPipe and 1F1B only 1F1B: with one stage both run the same
+    forwards and backwards, 1F1B freeing each micro-batch's activations sooner (GPipe is kept when 1F1B is not
+    among `schedules`)."""
+    chosen = list(dict.fromkeys(schedules))
+    if pipeline_degree != 1:
+        return chosen
+    single = [s for s in chosen if SCHEDULES[s].placement == "single"]
+    if Schedule.ONE_F_ONE_B in single:
+        return [s for s in single if s is not Schedule.GPIPE]
+    return single
 
 
 @dataclass(frozen=True)

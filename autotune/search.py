@@ -12,10 +12,13 @@ search resumes after Ctrl-C or a crash with nothing lost, and the report rebuild
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -158,10 +161,11 @@ def run_search(
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
     try:
-        if not engine.records:  # a new study: seed it with the planner's best and the rule-of-thumb default
-            engine.seed(planned, default)
-        engine.explore(deadline=started + options.timeout_s if options.timeout_s else None)
-        engine.remeasure_leaders()
+        with _remember_ctrl_c(engine.ctrl_c):
+            if not engine.records:  # a new study: seed it with the planner's best and the rule-of-thumb default
+                engine.seed(planned, default)
+            engine.explore(deadline=started + options.timeout_s if options.timeout_s else None)
+            engine.remeasure_leaders()
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(engine.records, engine.runs)
@@ -176,6 +180,29 @@ def run_search(
         default=default,
         setup=setup,
     )
+
+
+@contextlib.contextmanager
+def _remember_ctrl_c(pressed: list[bool]) -> Iterator[None]:
+    """Note each Ctrl-C in `pressed` as well as raising KeyboardInterrupt: one that lands in a garbage-collector
+    callback is swallowed by Python ("Exception ignored in ..."), and the engine re-raises it before its next trial."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: object) -> None:
+        pressed[0] = True
+        raise KeyboardInterrupt
+
+    if previous is not signal.default_int_handler:  # someone else's handler (or ignored): leave it be
+        yield
+        return
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _open_study(study_name: str, storage: str, options: SearchOptions) -> optuna.Study:
@@ -215,6 +242,8 @@ class _Engine:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
         self.study, self.runner, self.reporter, self.link = study, runner, reporter, link
         self._estimates: dict[str, Estimate] = {}
+        self.ctrl_c = [False]
+        """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
         self.records: list[TrialRecord] = []
         self.runs: dict[str, list[Measurement]] = {}
         self._restore()
@@ -260,8 +289,11 @@ class _Engine:
         if self.options.incumbent is not None:
             seeds.append((self.options.incumbent, "incumbent"))
         n_seeds = max(2, self.options.n_trials // 3)
-        for p in planned:
-            if p.estimate.feasible and len(seeds) < n_seeds + 1:
+        fixed = len(seeds)
+        for p in planned:  # the planner's best that this search can ask (its layouts, schedules, choices)
+            if len(seeds) - fixed >= n_seeds:
+                break
+            if p.estimate.feasible and self.space.params_for(p.candidate) is not None:
                 seeds.append((p.candidate, "seed"))
         seen: set[str] = set()
         for candidate, phase in seeds:
@@ -273,37 +305,57 @@ class _Engine:
             self.study.enqueue_trial(params, user_attrs={"phase": phase}, skip_if_exists=True)
 
     def explore(self, deadline: float | None) -> None:
+        """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (candidates
+        pruned by simulation, repeats of a measured one) are cheap but not free: at most n_trials of them, and the
+        sampler is stopped once it proposes max(5, n_trials // 2) repeats with no new run between them: it only
+        repeats what it knows."""
         reserve = min(self.options.remeasure_top, max(0, self.options.n_trials // 4))
-        asks = 0
-        max_asks = 30 * self.options.n_trials + 100
+        idle = repeats = 0
+        max_idle = self.options.n_trials
+        patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
-        while self._budget_left() > reserve and asks < max_asks:
+        while self._budget_left() > reserve:
             if deadline is not None and time.time() >= deadline:
                 self.reporter.phase("search timeout reached: no new trials")
                 break
-            asks += 1
-            self._one_trial()
+            if idle >= max_idle or repeats >= patience:
+                why = (
+                    f"{repeats} repeats of measured candidates since the last new run"
+                    if repeats >= patience
+                    else f"{idle} candidates that run nothing new (pruned or repeats)"
+                )
+                self.reporter.phase(f"the sampler proposed {why}: exploring stops, the rest of the budget re-runs the "
+                                    f"leaders")
+                break
+            record = self._one_trial()
+            if record.launched:
+                repeats = 0
+            else:
+                idle += 1
+                repeats += record.outcome == "duplicate"
 
-    def _one_trial(self) -> None:
+    def _one_trial(self) -> TrialRecord:
+        """Ask one trial, prune or run it, tell the study; its record."""
+        if self.ctrl_c[0]:
+            raise KeyboardInterrupt
         trial = self.study.ask()
         phase = trial.user_attrs.get("phase", "explore")
         try:
             candidate = self.space.suggest(trial)
         except InvalidCandidateError as exc:
-            self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
-            return
+            return self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
         trial.set_user_attr("candidate", candidate.to_dict())
         estimate = self.estimate(candidate)
         trial.set_user_attr("predicted", predicted_attrs(estimate))
         reason = self._prune_reason(candidate, estimate, phase)
         if reason is not None:
-            self._tell(trial, "pruned", reason, phase=phase)
-            return
+            return self._tell(trial, "pruned", reason, phase=phase)
         if candidate.key in self.runs and phase not in ("remeasure",):
             previous = self.runs[candidate.key][-1]
-            self._tell(trial, "duplicate", "measured before: not launched again", measurement=previous, phase=phase)
-            return
-        self._launch(trial, candidate, phase)
+            return self._tell(
+                trial, "duplicate", "measured before: not launched again", measurement=previous, phase=phase
+            )
+        return self._launch(trial, candidate, phase)
 
     def _prune_reason(self, candidate: Candidate, estimate: Estimate, phase: str) -> str | None:
         limit = self.options.memory_limit_bytes
@@ -323,7 +375,7 @@ class _Engine:
             )
         return None
 
-    def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> None:
+    def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> TrialRecord:
         trial.set_user_attr("launched", True)
         bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
         options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
@@ -336,7 +388,7 @@ class _Engine:
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
             reason = f"rank {measurement.error.rank}: {reason}"
-        self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
+        return self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(
         self,
@@ -346,7 +398,7 @@ class _Engine:
         *,
         measurement: Measurement | None = None,
         phase: str = "explore",
-    ) -> None:
+    ) -> TrialRecord:
         """Record the outcome on the trial (candidate, prediction and launch were recorded as they happened)."""
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
@@ -370,10 +422,12 @@ class _Engine:
             self.study.tell(trial, state=State.FAIL)
         self.records.append(record)
         self.reporter.trial(record, self.best_record(), self.launched, self.options.n_trials)
+        return record
 
     def remeasure_leaders(self) -> None:
         """Re-run the top candidates one after another (interleaved with each other), so the final choice compares
-        runs taken close together in time on the same noisy machine."""
+        runs taken close together in time on the same noisy machine, until the budget is spent (a last round that
+        the budget cuts short re-runs the best-ranked)."""
         ranked = self.leaders()
         top = [leader.candidate for leader in ranked[: self.options.remeasure_top]]
         incumbent = self.options.incumbent
@@ -383,6 +437,7 @@ class _Engine:
             return
         self.reporter.phase(f"re-measuring the {len(top)} leaders side by side")
         while self._budget_left() > 0:
+            launched = self.launched
             for candidate in top:
                 if self._budget_left() <= 0:
                     break
@@ -391,7 +446,7 @@ class _Engine:
                     continue
                 self.study.enqueue_trial(params, user_attrs={"phase": "remeasure"})
                 self._one_trial()
-            if self._budget_left() < len(top):
+            if self.launched == launched:  # none of them can be re-run here (outside the space, or pruned)
                 break
 
     def leaders(self) -> list[Leader]:

@@ -1,5 +1,10 @@
 """The search space: Optuna parameters <-> candidates. The split is a base (the planner's balanced split, or the
-uniform one) with each stage boundary shifted by a few layers."""
+uniform one) with each stage boundary shifted by a few layers.
+
+Only combinations that can run are asked: the schedules a layout offers, and the micro-batch counts a schedule
+accepts at that layout, are each a parameter of their own (Optuna's categorical choices cannot change between
+trials), so the sampler never spends a trial on an invalid one. Equivalent runs are asked once: at pp = 1 only 1F1B
+(not GPipe, the same run), no wire dtype (nothing crosses a rank) and no split."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from autotune.candidate import Candidate, WireDtype, pipeline_layouts, stage_bou
 from autotune.costs import Profile
 from autotune.errors import InvalidCandidateError
 from autotune.partition import balanced_split
-from autotune.schedules import Schedule, default_stages_per_rank
+from autotune.schedules import Schedule, default_stages_per_rank, schedules_for, validate_schedule
 
 if TYPE_CHECKING:
     from autotune.search import SearchOptions
@@ -24,14 +29,18 @@ SPLIT_BASES = ("balanced", "uniform")
 class SearchSpace:
     """Maps Optuna parameters to candidates and back.
 
-    Parameters: layout ("pp2xdp1"), schedule, n_microbatches (per dp), split base (balanced | uniform), one shift per
-    stage boundary in [-max_shift, max_shift] layers, activation checkpointing, wire dtype."""
+    Parameters: layout ("pp2xdp1"); schedule_<layout> (the schedules that run there); n_microbatches_<layout>_<schedule>
+    (the counts that schedule accepts there); with more than one stage, split base (balanced | uniform) and one shift
+    per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1, wire dtype."""
 
     def __init__(self, profile: Profile, options: SearchOptions) -> None:
         self.profile = profile
         self.options = options
         self.n_layers = profile.n_layers
-        self.layouts = list(options.layouts or pipeline_layouts(options.gpus, options.batch_size, self.n_layers))
+        layouts = list(options.layouts or pipeline_layouts(options.gpus, options.batch_size, self.n_layers))
+        self.choices = {(pp, dp): self._valid(pp, dp) for pp, dp in layouts}
+        """Per layout: the schedules that can run there, each with the micro-batch counts it accepts there."""
+        self.layouts = [layout for layout in layouts if self.choices[layout]]
         if not self.layouts:
             raise InvalidCandidateError(
                 f"no pipeline x data-parallel layout of {options.gpus} GPUs fits a {self.n_layers}-layer model with "
@@ -39,13 +48,28 @@ class SearchSpace:
             )
         self._balanced: dict[tuple[Schedule, int, int, int, bool], tuple[int, ...]] = {}
 
+    def _valid(self, pp: int, dp: int) -> dict[Schedule, list[int]]:
+        per_replica = self.options.batch_size // dp
+        counts = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+        valid: dict[Schedule, list[int]] = {}
+        for schedule in schedules_for(pp, self.options.schedules):
+            n_stages = pp * default_stages_per_rank(schedule)
+            if n_stages > self.n_layers:
+                continue
+            ok = []
+            for m in counts:
+                try:
+                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
+                except InvalidCandidateError:
+                    continue
+                ok.append(m)
+            if ok:
+                valid[schedule] = ok
+        return valid
+
     @staticmethod
     def _layout_name(pp: int, dp: int) -> str:
         return f"pp{pp}xdp{dp}"
-
-    def _microbatch_choices(self, dp: int) -> list[int]:
-        per_replica = self.options.batch_size // dp
-        return [m for m in range(1, per_replica + 1) if per_replica % m == 0]
 
     def balanced(self, schedule: Schedule, pp: int, dp: int, m: int, checkpointing: bool = False) -> tuple[int, ...]:
         """The planner's balanced split (partition.balanced_split) at this micro-batch size, checkpointing included."""
@@ -59,27 +83,28 @@ class SearchSpace:
         return self._balanced[key]
 
     def suggest(self, trial: optuna.Trial) -> Candidate:
-        """The trial's candidate; raises InvalidCandidateError for a combination that cannot run."""
+        """The trial's candidate; raises InvalidCandidateError for a combination that cannot run (parameters from
+        outside this space, e.g. a resumed study's)."""
         names = [self._layout_name(pp, dp) for pp, dp in self.layouts]
-        pp, dp = self.layouts[names.index(trial.suggest_categorical("layout", names))]
-        schedule = Schedule(trial.suggest_categorical("schedule", [s.value for s in self.options.schedules]))
-        m = trial.suggest_categorical(f"n_microbatches_dp{dp}", self._microbatch_choices(dp))
+        layout = trial.suggest_categorical("layout", names)
+        pp, dp = self.layouts[names.index(layout)]
+        choices = self.choices[(pp, dp)]
+        schedule = Schedule(trial.suggest_categorical(f"schedule_{layout}", [s.value for s in choices]))
+        m = trial.suggest_categorical(f"n_microbatches_{layout}_{schedule.value}", choices[schedule])
         n_stages = pp * default_stages_per_rank(schedule)
-        if n_stages > self.n_layers:
-            raise InvalidCandidateError(
-                f"{schedule.value} needs {n_stages} stages, the model has {self.n_layers} layers"
-            )
-        if pp == 1 and n_stages > 1:
-            raise InvalidCandidateError(f"{schedule.value} splits one rank into {n_stages} stages: pointless at pp = 1")
-        base_name = trial.suggest_categorical("split", list(SPLIT_BASES))
-        shifts = [
-            trial.suggest_int(f"shift{j}_of_{n_stages}", -self.options.max_shift, self.options.max_shift)
-            for j in range(1, n_stages)
-        ]
+        base_name, shifts = "uniform", []
+        if n_stages > 1:
+            base_name = trial.suggest_categorical("split", list(SPLIT_BASES))
+            shifts = [
+                trial.suggest_int(f"shift{j}_of_{n_stages}", -self.options.max_shift, self.options.max_shift)
+                for j in range(1, n_stages)
+            ]
         checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
-        wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
-        if pp == 1 and wire != "float32":
-            raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: the wire dtype is moot")
+        wire: WireDtype = "float32"
+        if pp > 1:
+            wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
+        elif "float32" not in self.options.wire_dtypes:
+            raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: only float32 applies")
         candidate = Candidate(
             schedule=schedule,
             pipeline_degree=pp,
@@ -104,14 +129,27 @@ class SearchSpace:
     def params_for(self, candidate: Candidate) -> dict[str, Any] | None:
         """Parameters that make suggest() return this candidate, or None when it lies outside the space."""
         pp, dp = candidate.pipeline_degree, candidate.data_parallel_degree
+        valid = self.choices.get((pp, dp), {})
         if (
             (pp, dp) not in self.layouts
-            or candidate.schedule not in self.options.schedules
+            or candidate.n_microbatches not in valid.get(candidate.schedule, [])
             or candidate.activation_checkpointing not in self.options.checkpointing
-            or candidate.wire_dtype not in self.options.wire_dtypes
+            or (pp > 1 and candidate.wire_dtype not in self.options.wire_dtypes)
+            or (pp == 1 and candidate.wire_dtype != "float32")
         ):
             return None
+        layout = self._layout_name(pp, dp)
+        params: dict[str, Any] = {
+            "layout": layout,
+            f"schedule_{layout}": candidate.schedule.value,
+            f"n_microbatches_{layout}_{candidate.schedule.value}": candidate.n_microbatches,
+            "activation_checkpointing": candidate.activation_checkpointing,
+        }
+        if pp > 1:
+            params["wire_dtype"] = candidate.wire_dtype
         n_stages = candidate.n_stages
+        if n_stages == 1:
+            return params
         for base_name in SPLIT_BASES:
             base = self._split_base(
                 base_name,
@@ -124,14 +162,7 @@ class SearchSpace:
             )
             shifts = [b - a for a, b in zip(stage_bounds(base)[1:-1], stage_bounds(candidate.layers_per_stage)[1:-1])]
             if all(abs(s) <= self.options.max_shift for s in shifts):
-                params: dict[str, Any] = {
-                    "layout": self._layout_name(pp, dp),
-                    "schedule": candidate.schedule.value,
-                    f"n_microbatches_dp{dp}": candidate.n_microbatches,
-                    "split": base_name,
-                    "activation_checkpointing": candidate.activation_checkpointing,
-                    "wire_dtype": candidate.wire_dtype,
-                }
+                params["split"] = base_name
                 params.update({f"shift{j}_of_{n_stages}": s for j, s in enumerate(shifts, start=1)})
                 return params
         return None
@@ -147,5 +178,3 @@ def _shifted(split: tuple[int, ...], shifts: Sequence[int]) -> tuple[int, ...]:
         moved.append(min(max(bounds[j] + shifts[j - 1], lo), hi))
     moved.append(total)
     return tuple(b - a for a, b in zip(moved, moved[1:]))
-
-

@@ -22,13 +22,15 @@ from typing import Any, Protocol
 from autotune.candidate import Measurement, WireDtype
 from autotune.config_file import load_config, save_config
 from autotune.costs import Profile
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import AutotuneError, ConfigError, UsageError
+from autotune.files import ensure_writable
 from autotune.model_file import ModelSpec
 from autotune.profiling import ProgressFn
 from autotune.records import SearchResult, explain_infeasible
 from autotune.search import SearchReporter
 from autotune.trial import TrialRunner
 from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password
+from autotune.watchdog import MODEL_CHECK, time_limit
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +151,26 @@ def load_and_profile(
     repeats: int = 5,
     reporter: TuneReporter | None = None,
     split_at: tuple[str, ...] | None = None,
+    check_timeout_s: float | None = None,
+    timeout_flag: str = "--timeout",
+    gpus: int | None = None,
 ) -> tuple[ModelSpec, Profile]:
     """Load and check the model file, then profile it: (spec, profile). A BatchNorm in a block is told to the
-    reporter (its statistics are per micro-batch under pipelining)."""
+    reporter (its statistics are per micro-batch under pipelining). check_timeout_s bounds the loading and the check
+    forward (HangError naming timeout_flag when they do not return in time); None: unbounded. gpus: profile (by
+    default) only micro-batch sizes up to the largest a candidate over that many ranks can use."""
     from autotune.model_file import check_model, load_model_file
-    from autotune.profiling import profile_model
+    from autotune.plan import largest_micro_batch
+    from autotune.profiling import default_micro_batch_sizes, profile_model
 
     reporter = reporter or SilentReporter()
-    spec = load_model_file(model, split_at=split_at)
-    check_model(spec, batch_size)
+    with time_limit(check_timeout_s, path=model, what=MODEL_CHECK, flag=timeout_flag):
+        spec = load_model_file(model, split_at=split_at)
+        check_model(spec, batch_size)
     if spec.has_batchnorm:
         reporter.warning(batchnorm_warning(spec))
+    if micro_batch_sizes is None and gpus is not None:
+        micro_batch_sizes = default_micro_batch_sizes(largest_micro_batch(gpus, batch_size, spec.n_layers))
     with reporter.profiling(f"profiling {model.name} on {device}") as progress:
         profile = profile_model(
             spec,
@@ -187,7 +198,7 @@ def tune(
 ) -> TuneOutcome:
     """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
     runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
-    from autotune.devices import device_memory_bytes, resolve_device
+    from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.trial import TrialOptions, run_trial
@@ -195,8 +206,15 @@ def tune(
     reporter = reporter or SilentReporter()
     device = resolve_device(request.device)
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else device_memory_bytes(device)
-    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter,
-                                     split_at=request.split_at)
+    _check_outputs(request)
+    oversubscribed = cpu_oversubscription(request.gpus, device)
+    if oversubscribed:
+        reporter.warning(oversubscribed)
+    bound = min(request.trial_timeout_s, request.timeout_s or request.trial_timeout_s)
+    spec, profile = load_and_profile(
+        request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
+        timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
+    )
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     url = request.storage or default_storage(name)
     incumbent = _incumbent(request, spec, reporter)
@@ -275,6 +293,19 @@ def tune(
     )
 
 
+def _check_outputs(request: TuneRequest) -> None:
+    """The config and the report are written after the whole search: find an unwritable path before the first
+    trial, not after the last."""
+    for path, flag, folder in ((request.output, "--output", False), (request.report_dir, "--report-dir", True)):
+        if path is None:
+            continue
+        try:
+            ensure_writable(path, folder=folder)
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise UsageError(f"{path}: cannot be written ({reason}); pass {flag} with a writable path") from None
+
+
 def _incumbent(request: TuneRequest, spec: ModelSpec, reporter: TuneReporter) -> TunedConfig | None:
     """The config already at request.output, when it is for this model, GPU count and batch size."""
     output = request.output
@@ -311,6 +342,7 @@ def _config_of(
 ) -> TunedConfig:
     """The tuned config of the search's best measurement."""
     estimate = result.best_estimate
+    runs = next((leader.step_times_ms for leader in result.leaders if leader.candidate == best.candidate), ())
     return TunedConfig.from_measurement(
         best,
         model=str(request.model),
@@ -318,6 +350,8 @@ def _config_of(
         model_layers=spec.n_layers,
         layer_roles=spec.layer_roles if spec.family != "sequential" else None,
         split_at=spec.split_at,
+        layer_parameter_bytes=tuple(spec.parameter_bytes),
+        runs_step_time_ms=tuple(runs),
         predicted=PredictedResult(
             step_time_ms=estimate.step_time_ms, peak_memory_bytes=tuple(estimate.peak_memory_bytes)
         )

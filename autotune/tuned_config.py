@@ -37,6 +37,9 @@ class MeasuredResult:
     """global_batch_size / step time."""
     peak_memory_bytes: tuple[int, ...]
     """Peak memory per global rank."""
+    runs_throughput_samples_per_s: tuple[float, ...] = ()
+    """Throughput of each run of this candidate the search took (its leaders are re-run side by side), in run order:
+    their spread is the run-to-run noise `autotune check` judges a slowdown against. Empty: not recorded."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +105,10 @@ CANDIDATE_KEYS: dict[str, str] = {
 """The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
 derived from the others and checked against them on reading)."""
 
-OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles", "split_at"})
+OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes"})
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
+OPTIONAL_SECTION_KEYS = frozenset({"measured.runs_throughput_samples_per_s"})
+"""Keys of sections added after schema version 1 first shipped (section.key): a file without them still loads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +129,9 @@ class TunedConfig:
     split_at: tuple[str, ...] | None = None
     """Optional: the module names / globs the model was cut at (--split-at, SPLIT_AT or split_points(model) in the
     model file); written only when given, so the config is rebuilt with the same layers. None: autotune's own cut."""
+    layer_parameter_bytes: tuple[int, ...] | None = None
+    """Optional, one per layer: its parameter bytes when tuned. `check` compares them with the model file's when its
+    model_sha256 changed: a layer that grew or shrank means the config no longer applies. None: not recorded."""
     candidate: Candidate
     """The configuration itself; written flat as CANDIDATE_KEYS (gpus, global_batch_size, micro_batch_size,
     num_microbatches, pipeline_degree, data_parallel_degree, schedule, layers_per_stage, activation_checkpointing,
@@ -206,12 +214,15 @@ class TunedConfig:
         model_layers: int | None = None,
         layer_roles: tuple[LayerRole, ...] | None = None,
         split_at: tuple[str, ...] | None = None,
+        layer_parameter_bytes: tuple[int, ...] | None = None,
+        runs_step_time_ms: tuple[float, ...] = (),
         predicted: PredictedResult | None = None,
         search: SearchSummary | None = None,
         environment: Environment | None = None,
     ) -> TunedConfig:
         """The config of a successful trial. model_sha256 defaults to the model file's fingerprint, model_layers to
-        sum(layers_per_stage), environment to this process's; a password in search.storage is masked."""
+        sum(layers_per_stage), environment to this process's; a password in search.storage is masked.
+        runs_step_time_ms: the median step time of each run of this candidate (recorded as their throughputs)."""
         if measurement.status != "ok" or measurement.step_time_ms is None:
             raise ConfigError(
                 f"cannot write a tuned config from a trial that ended with status {measurement.status!r}; "
@@ -237,12 +248,14 @@ class TunedConfig:
             model_layers=sum(c.layers_per_stage) if model_layers is None else model_layers,
             layer_roles=layer_roles,
             split_at=split_at,
+            layer_parameter_bytes=layer_parameter_bytes,
             candidate=c,
             memory_limit_bytes=memory_limit_bytes,
             measured=MeasuredResult(
                 step_time_ms=float(measurement.step_time_ms),
                 throughput_samples_per_s=float(throughput),
                 peak_memory_bytes=tuple(measurement.peak_memory_bytes),
+                runs_throughput_samples_per_s=tuple(c.global_batch_size / (t / 1000.0) for t in runs_step_time_ms),
             ),
             predicted=predicted or PredictedResult(),
             search=search,
@@ -258,6 +271,10 @@ class TunedConfig:
                 data.update((key, plain(getattr(value, attribute))) for key, attribute in CANDIDATE_KEYS.items())
             elif f.name != "extra" and not (f.name in OPTIONAL_KEYS and value is None):
                 data[f.name] = plain(value)
+        for dotted in OPTIONAL_SECTION_KEYS:  # written only when recorded, as the optional top-level keys
+            section, key = dotted.split(".")
+            if data[section].get(key) in ((), [], None):
+                del data[section][key]
         data.update((key, value) for key, value in self.extra.items() if key not in data)
         return data
 
@@ -315,6 +332,12 @@ def check_values(c: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"layers_per_stage {split} covers {sum(split)} layers but model_layers is {layers}; "
             f"make the entries add up to {layers}"
+        )
+    layer_bytes = c.get("layer_parameter_bytes")
+    if layer_bytes is not None and len(layer_bytes) != layers:
+        raise ConfigError(
+            f"layer_parameter_bytes has {len(layer_bytes)} entries but model_layers is {layers}; give one per layer "
+            f"or drop layer_parameter_bytes"
         )
     roles = c.get("layer_roles")
     if roles is not None and len(roles) != layers:

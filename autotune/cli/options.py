@@ -48,7 +48,7 @@ MicroBatchOpt = Annotated[
         "--micro-batch-size",
         "-M",
         help="Micro-batch sizes to profile, repeatable or comma-separated (8,32). Default: powers of two dividing B, "
-        "and B (at most 6).",
+        "and B (at most 6); `plan` stops at the largest micro-batch a candidate over --gpus can use.",
     ),
 ]
 SplitAtOpt = Annotated[

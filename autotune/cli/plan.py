@@ -91,7 +91,7 @@ def plan_command(
         limit = limit if limit is not None else device_memory_bytes(chosen)
         _, profile = load_and_profile(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-            reporter=TerminalReporter(), split_at=parse_split_at(split_at),
+            reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus,
         )
         with err_console.status(f"planning {gpus} ranks..."):
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)

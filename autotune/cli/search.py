@@ -36,9 +36,9 @@ def search(
     memory_limit: MemoryOpt = None,
     storage: Annotated[
         str | None,
-        typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: .autotune/<study>.db"),
+        typer.Option(help="Optuna storage URL (sqlite:///x.db, postgresql://...). Default: `.autotune/<study>.db`"),
     ] = None,
-    study_name: Annotated[str | None, typer.Option(help="Default: <model>-<device>-g<gpus>-b<batch>.")] = None,
+    study_name: Annotated[str | None, typer.Option(help="Default: `<model>-<device>-g<gpus>-b<batch>`.")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted study; finished trials are kept.")
     ] = False,

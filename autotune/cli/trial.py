@@ -82,18 +82,20 @@ def trial(
     with errors_to_exit_codes(json_output):
         start_fork_server()
         from autotune.candidate import Candidate, uniform_split
-        from autotune.devices import resolve_device
+        from autotune.devices import cpu_oversubscription, resolve_device
         from autotune.errors import UsageError
         from autotune.model_file import check_model, load_model_file
         from autotune.schedules import default_stages_per_rank, parse_schedule
         from autotune.trial import TrialOptions, run_trial
         from autotune.units import parse_size
+        from autotune.watchdog import MODEL_CHECK, time_limit
 
         chosen = parse_schedule(schedule)
         if gpus % dp:
             raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
-        spec = load_model_file(model, split_at=parse_split_at(split_at))
-        check_model(spec, batch_size)
+        with time_limit(timeout, path=model, what=MODEL_CHECK):
+            spec = load_model_file(model, split_at=parse_split_at(split_at))
+            check_model(spec, batch_size)
         if spec.has_batchnorm and microbatches > 1:
             from autotune.tune import batchnorm_warning
 
@@ -120,6 +122,9 @@ def trial(
             keep_run_dir=debugging(),
             measure_wire_error=wire_dtype is WireDtypeChoice.bfloat16,
         )
+        oversubscribed = cpu_oversubscription(gpus, options.device)
+        if oversubscribed:
+            err_console.print(f"[yellow]warning:[/yellow] {oversubscribed}", highlight=False, soft_wrap=True)
         with err_console.status(f"running {candidate.key} on {gpus} {options.device} rank(s)..."):
             measurement = run_trial(spec, candidate, options)
         if json_output:

@@ -169,22 +169,44 @@ _STATUS = {"ok": "ok", "oom": "**oom**", "error": "**error**", "timeout": "**tim
 def _trials(facts: ReportFacts) -> list[Block]:
     result = facts.result
     chosen = facts.chosen.candidate if facts.chosen else None
-    rows, highlight = [], []
-    for i, r in enumerate(result.records):
-        rows.append(_trial_row(r))
+    # A person reads one row per configuration and outcome: trials that asked again for a configuration already in
+    # the table without running it (a repeat, or the same pruning) are folded into that first row.
+    rows: list[list[str]] = []
+    highlight: list[int] = []
+    first: dict[tuple[str, str], int] = {}
+    folded: dict[int, list[int]] = {}
+    for r in result.records:
+        kind = "repeat" if is_repeat(r) else r.outcome
+        key = (r.candidate.key if r.candidate else f"invalid: {r.reason}", kind)
+        if kind in ("repeat", "pruned") and key in first:
+            folded.setdefault(first[key], []).append(r.number)
+            continue
+        if kind == "repeat":  # a repeat of a configuration measured in a row of its own
+            measured = (key[0], "ok")
+            if measured in first:
+                folded.setdefault(first[measured], []).append(r.number)
+                continue
+        first.setdefault(key, len(rows))
         if chosen is not None and r.candidate == chosen:
-            highlight.append(i)
+            highlight.append(len(rows))
+        rows.append(list(_trial_row(r)))
+    for row, numbers in folded.items():
+        shown = ", ".join(f"#{n}" for n in numbers[:8]) + (", ..." if len(numbers) > 8 else "")
+        rows[row][3] += f" (+{len(numbers)} asked again, not launched: {shown})"
+    n_folded = sum(len(numbers) for numbers in folded.values())
     launched = sum(1 for r in result.records if r.launched)
     intro = (
         f"{len(result.records)} trials: {launched} launched as real runs, the rest pruned by the simulator or "
         f"repeats of a configuration already measured. *phase*: default (the rule of thumb), seed (the planner's "
         f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config)."
+        + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
+           f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
     )
     header = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory", "predicted samples/s",
               "reason")
     align: tuple[Align, ...] = ("right", "left", "left", "left", "right", "right", "right", "right", "left")
-    return [Paragraph(intro), Table(header, tuple(rows), align, tuple(highlight))]
+    return [Paragraph(intro), Table(header, tuple(tuple(row) for row in rows), align, tuple(highlight))]
 
 
 def _trial_row(r: TrialRecord) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""What the CI workflow does, on CPU: search, then check passes (0), a doctored recorded throughput twice as high
+"""What the CI workflow does, on CPU: search, then check passes (0), a doctored recorded throughput ten times as high
 regresses (1), a model whose layer count changed mismatches (2), a memory limit below the config's peak does not
 fit (3); every --json output is exactly one JSON object."""
 
@@ -49,7 +49,11 @@ def test_ci_mode_exit_codes(tmp_path):
     assert one_json(out)["status"] == "ok"
 
     doctored = yaml.safe_load(config.read_text())
-    doctored["measured"]["throughput_samples_per_s"] *= 2
+    # Ten times as fast as measured, every recorded run too: past any noise the search's own runs showed.
+    doctored["measured"]["throughput_samples_per_s"] *= 10
+    doctored["measured"]["runs_throughput_samples_per_s"] = [
+        10 * t for t in doctored["measured"].get("runs_throughput_samples_per_s", [])
+    ]
     (tmp_path / "doctored.yaml").write_text(yaml.safe_dump(doctored))
     code, out, err = autotune(*check[:1], tmp_path / "doctored.yaml", *check[2:], cwd=tmp_path)
     assert code == 1, err
@@ -61,6 +65,12 @@ def test_ci_mode_exit_codes(tmp_path):
     code, out, err = autotune(*check, "--model", tmp_path / "bigger.py", cwd=tmp_path)
     assert code == 2
     assert one_json(out)["status"] == "error" and "8 layers" in err and "has 10" in err
+
+    wider = model.read_text().replace("CHANNELS = [16, 32, 64, 64]", "CHANNELS = [16, 32, 64, 96]")
+    (tmp_path / "wider.py").write_text(wider)  # same layer count, one layer wider: the config no longer applies
+    code, out, err = autotune(*check, "--model", tmp_path / "wider.py", cwd=tmp_path)
+    assert code == 2, err
+    assert "of parameters" in err and "when the config was tuned" in err
 
     peak = max(yaml.safe_load(config.read_text())["measured"]["peak_memory_bytes"])
     code, out, err = autotune(*check, "--memory-limit", str(peak // 2), cwd=tmp_path)

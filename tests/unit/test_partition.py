@@ -172,3 +172,29 @@ def test_placement_aware_split_keeps_each_rank_under_the_cap():
         balance_for_schedule(costs, Schedule.ZBV_ZERO_BUBBLE, 2, 4, stage_memory=memory, memory_cap=8)
     with pytest.raises(UsageError, match="together"):
         balance_for_schedule(costs, Schedule.ZBV_ZERO_BUBBLE, 2, 4, stage_memory=memory)
+
+
+def test_equal_layers_within_noise_get_the_most_even_split():
+    # Issue 13: 96 identical layers were planned as [16, 4, 2, 1, 2, 1, 2, 1, 1, 2, 2, 3, 16, 19, 19, 5].
+    from autotune.costs import LayerCost, Profile
+    from autotune.partition import evened
+    from autotune.plan import plan
+
+    rng = random.Random(0)
+    noisy = [1.0 + rng.uniform(-0.03, 0.03) for _ in range(96)]
+    raw = balance_for_schedule(noisy, Schedule.INTERLEAVED_1F1B, 8, 16)
+    assert raw != (6,) * 16  # the min-max search alone chases the noise
+    assert evened(noisy, raw, Schedule.INTERLEAVED_1F1B, 8) == (6,) * 16
+    skewed = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]  # a real imbalance is kept
+    assert evened(skewed, (2, 6), Schedule.ONE_F_ONE_B, 2) == (2, 6)
+    # Layers so cheap that per-action overheads set the step: every split simulates within noise of the others,
+    # and the planner ranked the one whose key sorted first.
+    tiny = [0.001 * (1 + rng.uniform(-0.5, 0.5)) for _ in range(96)]
+    layers = [LayerCost(forward_ms=t, backward_input_ms=t, backward_weight_ms=t, saved_bytes=100, output_bytes=10,
+                        parameter_bytes=100) for t in tiny]
+    profile = Profile.from_layer_costs(layers, micro_batch_size=8, input_bytes=10)
+    for schedule in ("ZBVZeroBubble", "Interleaved1F1B", "1F1B"):
+        planned = plan(profile, gpus=8, batch_size=64, memory_limit_bytes=None, schedules=[schedule],
+                       layouts=[(8, 1)])
+        n_stages = planned[0].candidate.n_stages
+        assert planned[0].candidate.layers_per_stage == (96 // n_stages,) * n_stages

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from autotune.candidate import Candidate, Measurement
+from autotune.candidate import Candidate, Measurement, TrialError
 from autotune.records import TrialRecord, record_from_attrs, summarize
 from autotune.schedules import Schedule
 
@@ -67,3 +67,21 @@ def test_the_data_layer_imports_neither_torch_nor_optuna():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_nothing_fits_quotes_what_the_runs_measured_not_a_prediction():
+    from dataclasses import replace
+
+    from autotune.records import SearchResult, explain_infeasible
+
+    MiB = 2**20
+    oom = Measurement(candidate=A, status="oom",
+                      error=TrialError(rank=1, kind="oom", message="over the limit", bytes_requested=268 * MiB))
+    attrs = {"candidate": A.to_dict(), "outcome": "oom", "launched": True, "measurement": oom.to_dict(),
+             "predicted": {"peak_memory_bytes": [312 * 1024, 300 * 1024]}}
+    records = [record_from_attrs(0, attrs),
+               replace(record(1, B, None, "pruned", launched=False), predicted_peak_memory_bytes=(312 * 1024,))]
+    result = SearchResult.of(summarize(records, {}), study_name="s", storage="sqlite://", records=records,
+                             best_estimate=None, wall_time_s=0.0)
+    message = str(explain_infeasible(result, 100 * MiB))
+    assert "needed more than 268.0 MiB (measured" in message and "312" not in message

@@ -288,3 +288,21 @@ def test_bm_curves_follow_each_schedules_rules_and_add_the_chosen_layout():
     assert len(with_layout) == len(curves) + 1
     assert (with_layout[-1].pipeline_degree, with_layout[-1].data_parallel_degree) == (1, 2)
     assert [m for m, _ in with_layout[-1].points] == [1, 2, 4, 8, 16]  # divisors of the replica batch
+
+
+def test_the_trial_table_folds_repeats_into_one_row_per_configuration(study):
+    # Issue 13: 343 trials for 8 runs made a 343-row table; a person reads one row per configuration and outcome.
+    best = next(r for r in study.records if r.launched and r.candidate == study.best.candidate)
+    pruned = dataclasses.replace(best, outcome="pruned", launched=False, reason="predicted 1 samples/s, too slow",
+                                 throughput_samples_per_s=None, step_time_ms=None, phase="explore")
+    start = max(r.number for r in study.records) + 1
+    repeats = [dataclasses.replace(best, number=start + i, outcome="duplicate", launched=False, phase="explore")
+               for i in range(40)]
+    prunes = [dataclasses.replace(pruned, number=start + 40 + i) for i in range(12)]
+    markdown, _ = text(dataclasses.replace(study, records=study.records + tuple(repeats) + tuple(prunes)))
+    plain, _ = text(study)
+    table_rows = lambda page: [line for line in page.splitlines() if re.match(r"\| \**\d+", line)]  # noqa: E731
+    # one row more: the pruned configuration's first
+    assert table_rows(plain) and len(table_rows(markdown)) == len(table_rows(plain)) + 1
+    assert f"+40 asked again, not launched: #{start}, #{start + 1}," in markdown
+    assert "+11 asked again" in markdown and "folded" in markdown

@@ -69,3 +69,12 @@ def test_every_action_list_runs_each_forward_and_backward_once(schedule, pp, m):
 def test_invalid_schedules_are_refused_with_the_fix(schedule, pp, m, stages, match):
     with pytest.raises(InvalidCandidateError, match=match):
         validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=stages)
+
+
+def test_micro_batch_advice_names_no_flag_the_search_lacks():
+    # `autotune search` has no --microbatches; its logs and report show these messages too (issue 13, item 9)
+    for schedule, pp in ((Schedule.ONE_F_ONE_B, 4), (Schedule.DUAL_PIPE_V, 4)):
+        with pytest.raises(InvalidCandidateError, match="or more micro-batches") as info:
+            n_stages = pp * default_stages_per_rank(schedule)
+            validate_schedule(schedule, pipeline_degree=pp, n_microbatches=2, n_stages=n_stages)
+        assert "--microbatches" not in str(info.value)

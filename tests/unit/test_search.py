@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 
 import optuna
@@ -182,16 +183,27 @@ def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
 
 
 def test_one_stage_pipelines_only_take_single_stage_schedules_and_float32():
-    from autotune.errors import InvalidCandidateError
-
+    # At pp = 1 GPipe and 1F1B are the same run: only 1F1B is offered; no split, no wire dtype is asked.
     space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
-    base = {"layout": "pp1xdp2", "n_microbatches_dp2": 4, "split": "balanced", "activation_checkpointing": False}
-    assert space.suggest(optuna.trial.FixedTrial({**base, "schedule": "1F1B", "wire_dtype": "float32"})).n_stages == 1
-    with pytest.raises(InvalidCandidateError, match="pointless at pp = 1"):
-        space.suggest(optuna.trial.FixedTrial({**base, "schedule": "VHalf", "wire_dtype": "float32",
-                                               "shift1_of_2": 0}))
-    with pytest.raises(InvalidCandidateError, match="moot"):
-        space.suggest(optuna.trial.FixedTrial({**base, "schedule": "GPipe", "wire_dtype": "bfloat16"}))
+    assert list(space.choices[(1, 2)]) == [Schedule.ONE_F_ONE_B]
+    params = {"layout": "pp1xdp2", "schedule_pp1xdp2": "1F1B", "n_microbatches_pp1xdp2_1F1B": 4,
+              "activation_checkpointing": False}
+    candidate = space.suggest(optuna.trial.FixedTrial(params))
+    assert (candidate.n_stages, candidate.wire_dtype) == (1, "float32")
+    assert space.params_for(candidate) == params
+    assert space.params_for(replace(candidate, schedule=Schedule.GPIPE)) is None
+
+
+def test_only_runnable_combinations_are_asked():
+    # Each layout offers the schedules that run there, each schedule the micro-batch counts it accepts there.
+    space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
+    at_pp2 = space.choices[(2, 1)]
+    assert at_pp2[Schedule.ONE_F_ONE_B] == [2, 4, 8, 16, 32]  # 1F1B needs a micro-batch per stage at least
+    assert at_pp2[Schedule.GPIPE] == [1, 2, 4, 8, 16, 32]
+    assert at_pp2[Schedule.DUAL_PIPE_V] == [4, 8, 16, 32]  # at least 2 x pp
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(200):
+        space.suggest(study.ask())  # never raises InvalidCandidateError
 
 
 def test_the_balanced_base_is_the_planners_split_checkpointing_included():
@@ -203,7 +215,7 @@ def test_the_balanced_base_is_the_planners_split_checkpointing_included():
                         output_bytes=10, parameter_bytes=10) for f, b in [(4, 1)] * 4 + [(0.5, 4.5)] * 4]
     p = Profile.from_layer_costs(layers, micro_batch_size=4)
     space = SearchSpace(p, SearchOptions(gpus=2, batch_size=32, layouts=((2, 1),)))
-    params = {"layout": "pp2xdp1", "schedule": "1F1B", "n_microbatches_dp1": 4, "split": "balanced",
+    params = {"layout": "pp2xdp1", "schedule_pp2xdp1": "1F1B", "n_microbatches_pp2xdp1_1F1B": 4, "split": "balanced",
               "shift1_of_2": 0, "wire_dtype": "float32"}
     plain = space.suggest(optuna.trial.FixedTrial({**params, "activation_checkpointing": False}))
     ckpt = space.suggest(optuna.trial.FixedTrial({**params, "activation_checkpointing": True}))
@@ -212,3 +224,47 @@ def test_the_balanced_base_is_the_planners_split_checkpointing_included():
     assert ckpt.layers_per_stage == balanced_split(costs, Schedule.ONE_F_ONE_B, 2, 2, checkpointing=True)
     assert ckpt.layers_per_stage != plain.layers_per_stage
     assert space.params_for(ckpt) == {**params, "activation_checkpointing": True}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_sampler_is_not_asked_three_times_per_run(spec, tmp_path, seed):
+    # Issue 13: a search logged 343 Optuna trials for 8 real runs (repeats and invalid combinations).
+    runner = SimulatedRunner()
+    p = profile()
+    opts = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=seed)
+    result = run_search(spec, p, plan(p, gpus=2, batch_size=32, memory_limit_bytes=None), opts, study_name="s",
+                        storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner)
+    assert result.launched == len(runner.calls) == 8
+    assert len(result.records) < 3 * result.launched
+    assert not [r for r in result.records if r.reason.startswith("invalid")]
+
+
+def test_at_pp_1_gpipe_and_1f1b_are_one_candidate():
+    from autotune.schedules import schedules_for
+
+    assert schedules_for(1, list(Schedule)) == [Schedule.ONE_F_ONE_B]
+    assert schedules_for(1, [Schedule.GPIPE, Schedule.V_HALF]) == [Schedule.GPIPE]
+    assert schedules_for(2, [Schedule.GPIPE, Schedule.ONE_F_ONE_B]) == [Schedule.GPIPE, Schedule.ONE_F_ONE_B]
+    planned = plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None, prune_within=None)
+    at_pp1 = {p.candidate.schedule for p in planned if p.candidate.pipeline_degree == 1}
+    assert at_pp1 == {Schedule.ONE_F_ONE_B}
+
+
+def test_a_ctrl_c_that_python_swallowed_still_stops_the_search(spec, tmp_path):
+    # A Ctrl-C that lands in a garbage-collector callback is "ignored" by Python; the search must stop all the same.
+    import os
+    import signal
+
+    inner = SimulatedRunner()
+
+    def swallowing(spec_, candidate, options):
+        if len(inner.calls) == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+            except KeyboardInterrupt:
+                pass  # as a weakref callback's "Exception ignored in ..."
+        return inner(spec_, candidate, options)
+
+    result = search(spec, tmp_path, swallowing)
+    assert result.interrupted and len(inner.calls) == 3

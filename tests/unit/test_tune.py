@@ -72,3 +72,23 @@ def test_nothing_fits_is_an_infeasible_error_before_any_trial(setup, tmp_path):
     with pytest.raises(InfeasibleError, match="--memory-limit"):
         tune(replace(request, memory_limit_bytes=1024), runner=runner)
     assert runner.calls == [] and not (tmp_path / "tuned.yaml").exists()
+
+
+def test_only_micro_batch_sizes_a_candidate_can_use_are_profiled(monkeypatch):
+    # Issue 13, item 12: `plan` at B 4096 over 1024 GPUs profiled sizes up to 4096; no layout can use over 256.
+    import autotune.profiling
+    from autotune.plan import largest_micro_batch
+    from tests.conftest import RECIPES
+
+    assert largest_micro_batch(1024, 4096, 96) == 256
+    assert largest_micro_batch(2, 16, 10) == 16  # GPipe on 2 ranks takes the whole batch as one micro-batch
+    asked = []
+
+    def fake_profile(spec, *, micro_batch_sizes, **kwargs):
+        asked.append(micro_batch_sizes)
+        raise KeyboardInterrupt  # enough: the sizes were chosen
+
+    monkeypatch.setattr(autotune.profiling, "profile_model", fake_profile)
+    with pytest.raises(KeyboardInterrupt):
+        load_and_profile(RECIPES / "mlp.py", 4096, "cpu", gpus=64)  # 10 layers: pp <= 8, so dp >= 8
+    assert max(asked[0]) == 512 == largest_micro_batch(64, 4096, 10)
