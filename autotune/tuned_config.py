@@ -9,7 +9,6 @@ import enum
 import importlib.metadata
 import platform
 import typing
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Literal
 import autotune
 from autotune.candidate import Candidate, Measurement, WireDtype
 from autotune.errors import ConfigError, InvalidCandidateError
+from autotune.masking import mask_url as mask_password
 from autotune.schedules import Schedule, parse_schedule, validate_schedule
 
 SCHEMA_VERSION = 1
@@ -321,14 +321,3 @@ def check_values(c: Mapping[str, Any]) -> None:
         validate_schedule(parse_schedule(c["schedule"]), pipeline_degree=pp, n_microbatches=m, n_stages=len(split))
     except InvalidCandidateError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def mask_password(url: str) -> str:
-    """'postgresql://u:secret@host/db' -> 'postgresql://u:***@host/db': configs get committed, passwords must not."""
-    parts = urllib.parse.urlsplit(url)
-    if not parts.password:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
