@@ -53,6 +53,8 @@ class TrialRecord:
     """A real run was started for it."""
     wall_time_s: float = 0.0
     """The real run's wall time, launch to teardown (0 when not launched)."""
+    worker: str | None = None
+    """The search that asked it (--worker; several can share a study); None in studies written before."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +216,7 @@ def too_noisy(leaders: Sequence[Leader]) -> bool:
 def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:
     """A trial's record from the user attributes the search stores on it (state: the stored trial's, None for a live
     one). A trial still running, or without an outcome, never finished: "interrupted"; one a later search failed for
-    that (state "fail", no outcome) died with its tuner."""
+    that (state "fail", no outcome) died with its tuner, or its search stopped answering (its heartbeat lapsed)."""
     candidate = Candidate.from_dict(attrs["candidate"]) if "candidate" in attrs else None
     measurement = attrs.get("measurement") or {}
     predicted = attrs.get("predicted") or {}
@@ -223,7 +225,9 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
     if state != "running" and "outcome" in attrs:
         outcome = attrs["outcome"]
     elif state == "fail":
-        reason = "the tuner died during this trial"
+        worker = _worker_of(attrs)
+        reason = f"its search (worker {worker}) died or stopped answering during this trial" if worker else (
+            "the tuner died during this trial")
     return TrialRecord(
         number=number,
         candidate=candidate,
@@ -237,7 +241,13 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
         phase=attrs.get("phase", "explore"),
         launched=bool(attrs.get("launched", False)),
         wall_time_s=float(measurement.get("wall_time_s", 0.0)) if attrs.get("launched") else 0.0,
+        worker=_worker_of(attrs),
     )
+
+
+def _worker_of(attrs: Mapping[str, Any]) -> str | None:
+    owner = attrs.get("owner")
+    return str(owner["worker"]) if isinstance(owner, Mapping) and owner.get("worker") else None
 
 
 def predicted_attrs(estimate: Estimate) -> dict[str, Any]:

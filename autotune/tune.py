@@ -79,6 +79,8 @@ class TuneRequest:
     """Activation checkpointing choices to search."""
     wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
     """dtypes between stages to search."""
+    worker: str | None = None
+    """This search's name among searches sharing the study (its budget counts its own launches); None: the host."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +105,13 @@ class TuneOutcome:
     """The config already at output still holds: the new best did not beat it by min_improvement."""
     report_dir: Path | None
     """Where report.md and report.html were written; None when request.report_dir was None."""
+    worker: str = ""
+    """This search's name among the searches of its study."""
+
+    @property
+    def launched_by_worker(self) -> int:
+        """Real runs this search launched (result.launched counts every search's of the study)."""
+        return sum(1 for r in self.result.records if r.launched and r.worker in (None, self.worker))
 
     @property
     def interrupted(self) -> bool:
@@ -173,14 +182,18 @@ def tune(
     from autotune.devices import device_memory_bytes, resolve_device
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
+    from autotune.shared_study import check_study_name
+    from autotune.study_storage import default_worker, open_storage
     from autotune.trial import TrialOptions, run_trial
 
     reporter = reporter or SilentReporter()
     device = resolve_device(request.device)
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else device_memory_bytes(device)
-    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
-    url = request.storage or default_storage(name)
+    # The storage first: a bad URL or a study name in use fails in a second, not after profiling.
+    storage = open_storage(request.storage or default_storage(name))
+    check_study_name(storage, name, resume=request.resume)
+    spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
     incumbent = _incumbent(request, spec, reporter)
     with reporter.planning(f"planning {request.gpus} ranks..."):
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit)
@@ -192,13 +205,14 @@ def tune(
         timeout_s=request.timeout_s,
         memory_limit_bytes=limit,
         study_name=name,
-        storage=url,
+        storage=storage.masked,
         resume=request.resume,
         seed=request.seed,
         layouts=request.layouts,
         checkpointing=request.checkpointing,
         wire_dtypes=request.wire_dtypes,
         incumbent=incumbent.candidate if incumbent else None,
+        worker=request.worker or default_worker(),
         trial=TrialOptions(
             steps=request.steps,
             warmup=request.warmup,
@@ -214,7 +228,7 @@ def tune(
             planned,
             options,
             study_name=name,
-            storage=url,
+            storage=storage,
             runner=runner or run_trial,
             reporter=progress,
         )
@@ -254,6 +268,7 @@ def tune(
         config_written=written,
         kept_existing_config=kept,
         report_dir=report_dir,
+        worker=options.worker or "",
     )
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from autotune.cli.app import EXIT_CODES_HELP, app, console, errors_to_exit_codes, print_json, start_fork_server
+from autotune.cli.app import (
+    EXIT_CODES_HELP,
+    app,
+    command_line,
+    console,
+    errors_to_exit_codes,
+    print_json,
+    start_fork_server,
+)
 from autotune.cli.options import BatchOpt, DeviceChoice, DeviceOpt, GpusOpt, JsonOpt, MemoryOpt, ModelArg
 from autotune.cli.progress import TerminalReporter
 from autotune.errors import EXIT_INTERRUPTED
@@ -46,6 +53,13 @@ def search(
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
     trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
+    worker: Annotated[
+        str | None,
+        typer.Option(
+            help="This search's name when several share one study (--storage, --study-name, --resume); its "
+            "--trials counts its own launches. Default: the host name (and CUDA_VISIBLE_DEVICES)."
+        ),
+    ] = None,
     device: DeviceOpt = DeviceChoice.auto,
     json_output: JsonOpt = False,
 ) -> None:
@@ -85,7 +99,8 @@ def search(
             output=output,
             min_improvement=min_improvement,
             report_dir=report_dir,
-            command="autotune " + " ".join(sys.argv[1:]),
+            command=command_line(),
+            worker=worker,
         )
         outcome = tune(request, TerminalReporter())
         summary = search_summary(outcome)
@@ -113,6 +128,8 @@ def search_summary(outcome: Any) -> dict[str, Any]:
         "best_trial": result.best_trial,
         "trials": len(result.records),
         "launched": result.launched,
+        "worker": outcome.worker,
+        "launched_by_worker": outcome.launched_by_worker,
         "feasible": result.feasible,
         "pruned": sum(1 for r in result.records if r.outcome == "pruned"),
         "wall_time_s": result.wall_time_s,
