@@ -13,6 +13,7 @@ from autotune.costs import LayerCost, Profile
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
 from autotune.partition import StageMemory, balance_for_schedule, balanced_split, layer_times
+from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
     SCHEDULES,
     Schedule,
@@ -72,6 +73,7 @@ def plan(
     link: LinkModel | None = None,
     prune_within: float | None = 0.25,
     layouts: Iterable[tuple[int, int]] | None = None,
+    gpus_per_node: int | None = None,
 ) -> list[PlannedCandidate]:
     """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
     fastest first, candidates over the memory limit last.
@@ -85,13 +87,20 @@ def plan(
     ranks checkpointing against the other ways of saving memory. Points are simulated cheapest lower bound
     first, and a point whose lower bound is more than prune_within (25 %) slower than the best feasible step so
     far is skipped: it cannot rank near the top, and building torch's action lists for large micro-batch counts
-    is the expensive part. prune_within=None simulates everything."""
+    is the expensive part. prune_within=None simulates everything.
+
+    gpus_per_node: the ranks span nodes of this many (gpus / gpus_per_node of them). Sends between stages on
+    different nodes and all-reduces over nodes then take the inter-node link (link.across_nodes()), and each point
+    with a pipeline and replicas over several nodes is planned in both rank orders (placement.RankOrder): pipelines
+    inside nodes, or each stage's replicas inside nodes. None: one machine."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
         raise UsageError(f"top must be at least 1, got {top}")
     if prune_within is not None and prune_within < 0:
         raise UsageError(f"prune_within must be at least 0, got {prune_within}")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
     chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
     link = link or LinkModel.for_device(profile.device)
     n_layers = profile.n_layers
@@ -114,7 +123,9 @@ def plan(
                 except InvalidCandidateError:
                     continue
                 micro = batch_size // (m * dp)
-                costs = costs_at.get(micro) or costs_at.setdefault(micro, _Costs(profile, micro, link, splits))
+                costs = costs_at.get(micro) or costs_at.setdefault(
+                    micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
+                )
                 point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
                                batch_size=batch_size)
                 if point.first:
@@ -218,9 +229,10 @@ class _Costs:
 
     def __init__(
         self, profile: Profile, micro_batch_size: int, link: LinkModel,
-        splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None,
+        splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None, *, gpus_per_node: int | None = None,
     ) -> None:
         self.layers: list[LayerCost] = profile.layer_costs(micro_batch_size)
+        self.gpus_per_node = gpus_per_node
         self.input_bytes = profile.input_bytes_at(micro_batch_size)
         self.link = link
         self.state_ratio = profile.optimizer_state_ratio
@@ -246,6 +258,7 @@ class _Costs:
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,
+            gpus_per_node=self.gpus_per_node,
         )
 
     def balanced(
@@ -299,14 +312,17 @@ class _Point:
         self.n_stages, self.batch_size = n_stages, batch_size
         n_layers = len(costs.layers)
         splits = [costs.balanced(schedule, pp, n_stages), uniform_split(n_layers, n_stages)]
-        self.first = [self.make(split) for i, split in enumerate(splits) if split not in splits[:i]]
+        self.orders: tuple[RankOrder, ...] = RANK_ORDERS if order_matters(pp, dp, costs.gpus_per_node) else (
+            "pp-inner",)
+        self.first = [self.make(split, order=order) for i, split in enumerate(splits) if split not in splits[:i]
+                      for order in self.orders]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
 
-    def make(self, split: tuple[int, ...], checkpointing: bool = False) -> Candidate:
+    def make(self, split: tuple[int, ...], checkpointing: bool = False, order: RankOrder = "pp-inner") -> Candidate:
         return Candidate(
             schedule=self.schedule, pipeline_degree=self.pp, data_parallel_degree=self.dp,
             global_batch_size=self.batch_size, n_microbatches=self.m, layers_per_stage=split,
-            activation_checkpointing=checkpointing,
+            activation_checkpointing=checkpointing, rank_order=order,
         )
 
     def evaluate(self, memory_limit_bytes: int | None, limit_ms: float) -> list[PlannedCandidate]:
@@ -330,11 +346,12 @@ class _Point:
             except InfeasibleError:
                 pass
             for split in splits:
-                candidate = self.make(split, checkpointing)
-                if any(r.candidate == candidate for r in results) or costs.lower_bound(candidate) > limit_ms:
-                    continue
-                results.append(PlannedCandidate(candidate=candidate,
-                                                estimate=costs.simulate(candidate, memory_limit_bytes)))
+                for order in self.orders:
+                    candidate = self.make(split, checkpointing, order)
+                    if any(r.candidate == candidate for r in results) or costs.lower_bound(candidate) > limit_ms:
+                        continue
+                    results.append(PlannedCandidate(candidate=candidate,
+                                                    estimate=costs.simulate(candidate, memory_limit_bytes)))
             if any(r.estimate.feasible for r in results):
                 break
         return results

@@ -84,10 +84,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     )
     candidate = Candidate.from_dict(job.candidate)
     spec = load_model_file(job.model_path)
-    layout = RankLayout(
-        rank=job.rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
-    )
-    pp_group, dp_group = init_groups(layout)
+    pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     inputs, targets = make_batch(spec, candidate.global_batch_size)
     phases["setup"] = time.perf_counter() - t0

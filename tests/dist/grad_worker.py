@@ -22,7 +22,7 @@ def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         c = Candidate.from_dict(candidate)
         spec = load_model_file(model)
-        layout = RankLayout(rank=rank, pipeline_degree=c.pipeline_degree, data_parallel_degree=c.data_parallel_degree)
+        layout = RankLayout.of(c, rank)
         pp_group, dp_group = init_groups(layout)
         pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
         inputs, targets = make_batch(spec, c.global_batch_size)
