@@ -162,6 +162,8 @@ class TrialError:
     """The failing rank's own message, one line."""
     bytes_requested: int | None = None
     """For oom: the allocation (or tracked peak) that did not fit."""
+    node: int | None = None
+    """The node of that rank in a multi-node trial (autotune.cluster); None on one machine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,8 @@ class Measurement:
     wire_grad_rel_error: float | None = None
     """bf16 between stages: ||g_bf16 - g_fp32|| / ||g_fp32|| of one step's gradients against a float32-wire twin,
     the worst rank's; None when not measured (float32 wire, or TrialOptions.measure_wire_error off)."""
+    rank_nodes: tuple[int, ...] = ()
+    """Per global rank: the node it ran on (multi-node trials, autotune.cluster); () on one machine."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -206,6 +210,7 @@ class Measurement:
             "device": self.device,
             "wire_grad_rel_error": self.wire_grad_rel_error,
             "error": dataclasses.asdict(self.error) if self.error else None,
+            **({"rank_nodes": list(self.rank_nodes)} if self.rank_nodes else {}),
         }
         return {**self.candidate.to_dict(), **data}
 
@@ -226,4 +231,5 @@ class Measurement:
             phases_s=dict(data.get("phases_s", {})),
             device=data.get("device", "cpu"),
             wire_grad_rel_error=data.get("wire_grad_rel_error"),
+            rank_nodes=tuple(data.get("rank_nodes", ())),
         )

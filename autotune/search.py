@@ -25,7 +25,7 @@ import optuna
 
 from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
-from autotune.errors import InvalidCandidateError, UsageError
+from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
 from autotune.plan import PlannedCandidate
 from autotune.records import (
@@ -365,9 +365,13 @@ class _Engine:
         except KeyboardInterrupt:
             self._tell(trial, "interrupted", "stopped by Ctrl-C", phase=phase)
             raise
+        except ClusterError as exc:  # a node of a multi-node trial is gone: the trial failed, the search stops
+            self._tell(trial, "error", str(exc), phase=phase)
+            raise
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
-            reason = f"rank {measurement.error.rank}: {reason}"
+            node = "" if measurement.error.node is None else f"node {measurement.error.node} "
+            reason = f"{node}rank {measurement.error.rank}: {reason}"
         self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(

@@ -81,6 +81,9 @@ class TuneRequest:
     """dtypes between stages to search."""
     worker: str | None = None
     """This search's name among searches sharing the study (its budget counts its own launches); None: the host."""
+    gpus_per_node: int | None = None
+    """Ranks per node when the trials span nodes (autotune.cluster); None: one machine. The plan then knows which
+    ranks share a node, and the config records nodes and gpus_per_node."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +199,8 @@ def tune(
     spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
     incumbent = _incumbent(request, spec, reporter)
     with reporter.planning(f"planning {request.gpus} ranks..."):
-        planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit)
+        planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
+                       gpus_per_node=request.gpus_per_node)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -326,4 +330,6 @@ def _config_of(
             best_trial=result.best_trial,
         ),
         environment=Environment.current(device),
+        nodes=request.gpus // request.gpus_per_node if request.gpus_per_node else None,
+        gpus_per_node=request.gpus_per_node,
     )

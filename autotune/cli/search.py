@@ -12,6 +12,7 @@ from autotune.cli.app import (
     app,
     command_line,
     console,
+    err_console,
     errors_to_exit_codes,
     print_json,
     start_fork_server,
@@ -62,6 +63,11 @@ def search(
     ] = None,
     device: DeviceOpt = DeviceChoice.auto,
     json_output: JsonOpt = False,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(min=1, help="Under torchrun/srun over several nodes: ranks per node (--gpus is the total). "
+                     "Default: the CUDA device count; required with --device cpu."),
+    ] = None,
 ) -> None:
     """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
     checkpointing and the dtype between stages, under the memory limit. Writes the tuned config and a report.
@@ -74,9 +80,22 @@ def search(
 
     Ctrl-C stops the running trial, writes the best config so far and exits 130; `--resume` continues the study.
 
+    Several nodes: start the same command on every node with `torchrun --nnodes N --nproc-per-node 1 ...
+    -m autotune search ...` or `srun --ntasks-per-node 1 autotune search ...`. Node 0 runs the study and writes
+    the config and report; the others run their ranks of each trial.
+
     Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
     """
     with errors_to_exit_codes(json_output):
+        from autotune.cluster.env import detect
+
+        env = detect()
+        cluster = None
+        if env.n_nodes > 1:
+            per_node = _gpus_per_node(gpus, gpus_per_node, env.n_nodes, device.value)
+            cluster = _join_cluster(env, per_node)
+            if cluster is None:
+                return
         start_fork_server()
         from autotune.tune import TuneRequest, tune
         from autotune.units import parse_duration, parse_size
@@ -101,8 +120,20 @@ def search(
             report_dir=report_dir,
             command=command_line(),
             worker=worker,
+            gpus_per_node=cluster.gpus_per_node if cluster is not None else None,
         )
-        outcome = tune(request, TerminalReporter())
+        if cluster is None:
+            outcome = tune(request, TerminalReporter())
+        else:
+            code, reason = 1, "node 0 failed"
+            try:
+                outcome = tune(request, TerminalReporter(), runner=cluster)
+                code, reason = 0, "done"
+            except KeyboardInterrupt:
+                code, reason = EXIT_INTERRUPTED, "interrupted"
+                raise
+            finally:
+                cluster.shutdown(code, reason)
         summary = search_summary(outcome)
         if json_output:
             print_json(summary)
@@ -110,6 +141,45 @@ def search(
             render_search(outcome.result, summary)
         if outcome.interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _gpus_per_node(gpus: int, gpus_per_node: int | None, n_nodes: int, device: str) -> int:
+    """Ranks per node of a multi-node search: --gpus-per-node, else (cuda) this node's device count."""
+    from autotune.errors import UsageError
+
+    if gpus_per_node is None:
+        if device == "cpu":
+            raise UsageError("with --device cpu over several nodes, pass --gpus-per-node (ranks per node)")
+        import torch
+
+        gpus_per_node = torch.cuda.device_count()
+        if gpus_per_node < 1:
+            raise UsageError("no CUDA device on this node: pass --device cpu and --gpus-per-node")
+    if gpus != n_nodes * gpus_per_node:
+        raise UsageError(f"--gpus {gpus} is not {n_nodes} nodes x {gpus_per_node} ranks per node; pass --gpus "
+                         f"{n_nodes * gpus_per_node} (the total)")
+    return gpus_per_node
+
+
+def _join_cluster(env: Any, gpus_per_node: int) -> Any:
+    """Node 0: the trial runner over every node, once all joined. Other nodes: serve node 0's trials until it is
+    done, then exit with its code (None returned only for a clean end)."""
+    from autotune.cluster.env import die_with_launcher
+    from autotune.cluster.node import Cluster, serve, stop_on_sigterm
+
+    if env.launcher == "torchrun":
+        die_with_launcher()
+    stop_on_sigterm()
+    if env.node == 0:
+        cluster = Cluster(env, gpus_per_node)
+        with err_console.status(f"waiting for {env.n_nodes - 1} more node(s) to join..."):
+            cluster.join()
+        return cluster
+    start_fork_server()
+    code = serve(env, gpus_per_node, say=lambda text: err_console.print(text, highlight=False))
+    if code:
+        raise typer.Exit(code)
+    return None
 
 
 def search_summary(outcome: Any) -> dict[str, Any]:

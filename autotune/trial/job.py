@@ -30,6 +30,10 @@ class RankJob:
     """The fork server's pid: if it is gone, so is the tuner, and this rank must not run on."""
     measure_wire_error: bool = False
     """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
+    local_rank: int | None = None
+    """This rank's index on its machine (its GPU); None: the global rank (one machine)."""
+    store: str | None = None
+    """The trial's rendezvous: "host:port/prefix" on the launcher's TCPStore (multi-node); None: a file in run_dir."""
 
 
 def start_rank(job: RankJob) -> None:

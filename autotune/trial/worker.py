@@ -41,7 +41,8 @@ def run_rank(job: RankJob) -> None:
     run_dir = Path(job.run_dir)
     _die_with_parent(job.parent_pid)
     # As torchrun does, so the user's code can tell which rank it runs on.
-    os.environ.update(RANK=str(job.rank), LOCAL_RANK=str(job.rank), WORLD_SIZE=str(job.world_size))
+    local_rank = job.rank if job.local_rank is None else job.local_rank
+    os.environ.update(RANK=str(job.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(job.world_size))
     log = open(run_dir / f"log-{job.rank}.txt", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -59,6 +60,16 @@ def run_rank(job: RankJob) -> None:
     os._exit(0)
 
 
+def _store(job: RankJob) -> dist.Store:
+    """The trial's rendezvous: a file in the run dir, or (multi-node) a prefix of the launcher's TCPStore."""
+    if job.store is None:
+        return dist.FileStore(str(Path(job.run_dir) / "store"), job.world_size)
+    address, _, prefix = job.store.partition("/")
+    host, _, port = address.rpartition(":")
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+    return dist.PrefixStore(prefix, client)
+
+
 def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if job.device == "cpu":
@@ -67,13 +78,13 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         device = torch.device("cpu")
         backend = "gloo"
     else:
-        device = torch.device("cuda", job.rank)
+        device = torch.device("cuda", job.rank if job.local_rank is None else job.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
         if job.memory_limit_bytes is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, job.memory_limit_bytes / total), device)
-    store = dist.FileStore(str(Path(job.run_dir) / "store"), job.world_size)
+    store = _store(job)
     dist.init_process_group(
         backend,
         store=store,
