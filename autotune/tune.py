@@ -84,6 +84,8 @@ class TuneRequest:
     gpus_per_node: int | None = None
     """Ranks per node when the trials span nodes (autotune.cluster); None: one machine. The plan then knows which
     ranks share a node, and the config records nodes and gpus_per_node."""
+    inter_node_link: tuple[float, float] | None = None
+    """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,9 +200,16 @@ def tune(
     check_study_name(storage, name, resume=request.resume)
     spec, profile = load_and_profile(request.model, request.batch_size, device, reporter=reporter)
     incumbent = _incumbent(request, spec, reporter)
+    link = None
+    if request.inter_node_link is not None:
+        from autotune.simulate import LinkModel
+
+        latency, bandwidth = request.inter_node_link
+        link = LinkModel.for_device(profile.device).with_probe(inter_latency_s=latency,
+                                                               inter_bandwidth_bytes_per_s=bandwidth)
     with reporter.planning(f"planning {request.gpus} ranks..."):
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
-                       gpus_per_node=request.gpus_per_node)
+                       gpus_per_node=request.gpus_per_node, link=link)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -235,6 +244,7 @@ def tune(
             storage=storage,
             runner=runner or run_trial,
             reporter=progress,
+            link=link,
         )
     if result.best is None:
         if result.interrupted:

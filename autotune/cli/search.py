@@ -121,6 +121,7 @@ def search(
             command=command_line(),
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,
+            inter_node_link=_probe(cluster, device.value) if cluster is not None else None,
         )
         if cluster is None:
             outcome = tune(request, TerminalReporter())
@@ -180,6 +181,21 @@ def _join_cluster(env: Any, gpus_per_node: int) -> Any:
     if code:
         raise typer.Exit(code)
     return None
+
+
+def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
+    """The inter-node link, measured once before profiling (node 0 <-> node 1), and said on stderr."""
+    from autotune.devices import resolve_device
+
+    with err_console.status("probing the link between node 0 and node 1..."):
+        measured = cluster.probe(resolve_device(device))
+    if measured is None:
+        err_console.print("[yellow]the inter-node link probe failed: planning as if inside one node[/yellow]")
+    else:
+        latency, bandwidth = measured
+        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
+                          f"{bandwidth / 1e9:.2f} GB/s", highlight=False)
+    return measured
 
 
 def search_summary(outcome: Any) -> dict[str, Any]:

@@ -202,6 +202,31 @@ class Cluster:
                                f"s; the study is kept, --resume continues it")
         return measure(candidate, options, [outcomes[n] for n in sorted(outcomes)], time.time() - started)
 
+    def probe(self, device: str, timeout_s: float = 60.0) -> tuple[float, float] | None:
+        """(latency s, bandwidth bytes/s) of one send from node 0 to node 1, measured by two ranks (trial.probe);
+        None when the probe failed (the planner then keeps the one-node link)."""
+        assert self.watch is not None, "join() first"
+        watch = self.watch
+        self.jobs += 1
+        prefix = f"{self.root}/trial/{self.jobs}"
+        options = TrialOptions(timeout_s=timeout_s, device=device)
+        self.store.set(f"{prefix}/job", json.dumps({"kind": "probe", "nodes": [0, 1],
+                                                    "options": dataclasses.asdict(options)}))
+
+        def abort() -> str | None:
+            return "node gone" if watch.gone() else None
+
+        mine = run_ranks("", None, options, ranks=range(0, 1), node=0, kind="probe", world_size=2,
+                         store=f"{self.env.master_addr}:{self.env.master_port}/{prefix}/pg",
+                         watch=_trial_watch(self.store, prefix, abort))
+        key, deadline = f"{prefix}/node/1/outcome", time.time() + OUTCOME_MARGIN_S
+        while not self.store.check([key]) and time.time() < deadline and not watch.gone():
+            time.sleep(0.05)
+        result = mine.results.get(0)
+        if result is None:
+            return None
+        return float(result["latency_s"]), float(result["bandwidth_bytes_per_s"])
+
     def shutdown(self, code: int, reason: str) -> None:
         """Tell the agents to exit (code 0: done) and wait a little for their byes: under Slurm this process hosts
         the store, and leaving first would look like a crash to them."""
@@ -247,8 +272,8 @@ def serve(env: ClusterEnv, gpus_per_node: int, say: Any = print) -> int:
 
 
 def _run_job(env: ClusterEnv, store: dist.Store, prefix: str, job: dict[str, Any], watch: Watch) -> None:
-    g = int(job["gpus_per_node"])
-    candidate = Candidate.from_dict(job["candidate"])
+    if env.node not in job.get("nodes", [env.node]):
+        return  # the probe: node 0 and node 1 only
     options = TrialOptions(**job["options"])
     abort_key = f"{prefix}/abort"
 
@@ -257,7 +282,12 @@ def _run_job(env: ClusterEnv, store: dist.Store, prefix: str, job: dict[str, Any
             return "node 0 is gone"
         return store.get(abort_key).decode() if store.check([abort_key]) else None
 
-    outcome = run_ranks(job["model_path"], candidate, options, ranks=range(env.node * g, (env.node + 1) * g),
-                        node=env.node, store=f"{env.master_addr}:{env.master_port}/{prefix}/pg",
-                        watch=_trial_watch(store, prefix, abort))
+    where = {"node": env.node, "store": f"{env.master_addr}:{env.master_port}/{prefix}/pg",
+             "watch": _trial_watch(store, prefix, abort)}
+    if job.get("kind") == "probe":
+        outcome = run_ranks("", None, options, ranks=range(1, 2), kind="probe", world_size=2, **where)
+    else:
+        g = int(job["gpus_per_node"])
+        outcome = run_ranks(job["model_path"], Candidate.from_dict(job["candidate"]), options,
+                            ranks=range(env.node * g, (env.node + 1) * g), **where)
     store.set(f"{prefix}/node/{env.node}/outcome", json.dumps(outcome.to_dict()))

@@ -34,6 +34,8 @@ class RankJob:
     """This rank's index on its machine (its GPU); None: the global rank (one machine)."""
     store: str | None = None
     """The trial's rendezvous: "host:port/prefix" on the launcher's TCPStore (multi-node); None: a file in run_dir."""
+    kind: str = "run"
+    """run: train the candidate; probe: measure the link between two ranks (autotune.trial.probe)."""
 
 
 def start_rank(job: RankJob) -> None:

@@ -111,18 +111,21 @@ class RanksOutcome:
 
 def run_ranks(
     model_path: str,
-    candidate: Candidate,
+    candidate: Candidate | None,
     options: TrialOptions,
     *,
     ranks: range,
     node: int | None = None,
     store: str | None = None,
     watch: Callable[[bool], tuple[bool, str | None]] | None = None,
+    kind: str = "run",
+    world_size: int | None = None,
 ) -> RanksOutcome:
     """Start the given global ranks of a trial on this machine (local rank = position in `ranks`), wait for them
     (deadline, failure grace), dump the stacks of ranks still alive, kill, and collect what they left.
     store: the trial's rendezvous on the launcher's store (autotune.cluster); None: a file in the run dir.
-    watch(failed_here) -> (a rank elsewhere failed, abort reason): polled while waiting, for multi-node trials."""
+    watch(failed_here) -> (a rank elsewhere failed, abort reason): polled while waiting, for multi-node trials.
+    kind probe: the link probe's two ranks (candidate None, world_size 2)."""
     ctx = server.context()
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
     started = time.time()
@@ -132,9 +135,9 @@ def run_ranks(
         for local_rank, rank in enumerate(ranks):
             job = RankJob(
                 rank=rank,
-                world_size=candidate.world_size,
+                world_size=candidate.world_size if candidate is not None else int(world_size or 0),
                 model_path=model_path,
-                candidate=candidate.to_dict(),
+                candidate=candidate.to_dict() if candidate is not None else {},
                 steps=options.steps,
                 warmup=options.warmup,
                 device=options.device,
@@ -146,6 +149,7 @@ def run_ranks(
                 measure_wire_error=options.measure_wire_error,
                 local_rank=local_rank,
                 store=store,
+                kind=kind,
             )
             process = ctx.Process(target=start_rank, args=(job,), name=f"autotune-rank-{rank}")
             with server.main_module_hidden():

@@ -50,7 +50,7 @@ def run_rank(job: RankJob) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     phases: dict[str, float] = {"start": time.time() - job.launched_at}
     try:
-        result = _train(job, phases)
+        result = _probe(job) if job.kind == "probe" else _train(job, phases)
     except BaseException as exc:  # noqa: BLE001 - everything a rank can raise becomes data
         traceback.print_exc()
         atomic_write_json(run_dir / f"error-{job.rank}.json", _classify(job.rank, exc))
@@ -68,6 +68,17 @@ def _store(job: RankJob) -> dist.Store:
     host, _, port = address.rpartition(":")
     client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
     return dist.PrefixStore(prefix, client)
+
+
+def _probe(job: RankJob) -> dict[str, Any]:
+    from autotune.trial.probe import probe
+
+    torch.set_num_threads(1)
+    local = job.rank if job.local_rank is None else job.local_rank
+    device = torch.device("cuda", local) if job.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return probe(job.rank, _store(job), device, job.timeout_s)
 
 
 def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
