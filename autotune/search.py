@@ -100,6 +100,8 @@ class SearchOptions:
     """A trial whose beat is this old is failed by whichever search looks first."""
     setup: dict[str, object] = field(default_factory=dict)
     """More of what every search of the study must agree on (multi-node: nodes, gpus_per_node), stored with it."""
+    gpus_per_node: int | None = None
+    """Ranks per node when trials span nodes: estimates send crossing nodes over the link's inter-node entry."""
 
 
 class SearchReporter(Protocol):
@@ -259,6 +261,7 @@ class _Engine:
                 link=self.link,
                 memory_limit_bytes=self.options.memory_limit_bytes,
                 with_timeline=False,
+                gpus_per_node=self.options.gpus_per_node,
             )
         return self._estimates[candidate.key]
 

@@ -226,6 +226,9 @@ def tune(
         wire_dtypes=request.wire_dtypes,
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
+        gpus_per_node=request.gpus_per_node,
+        setup={"nodes": request.gpus // request.gpus_per_node, "gpus_per_node": request.gpus_per_node}
+        if request.gpus_per_node else {},
         trial=TrialOptions(
             steps=request.steps,
             warmup=request.warmup,
