@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autotune.errors import InvalidCandidateError
+from autotune.placement import RANK_ORDERS, RankOrder
 from autotune.schedules import Schedule, parse_schedule, validate_schedule
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
@@ -36,6 +37,9 @@ class Candidate:
     """Recompute each stage's forward in its backward instead of keeping activations."""
     wire_dtype: WireDtype = "float32"
     """dtype of activations and gradients sent between stages."""
+    rank_order: RankOrder = "pp-inner"
+    """How the pp x dp grid fills the global ranks (autotune.placement): pp-inner keeps each pipeline on consecutive
+    ranks (inside a node), dp-inner each stage's replicas. Matters only across nodes."""
 
     @property
     def world_size(self) -> int:
@@ -62,6 +66,7 @@ class Candidate:
         """A short stable name, used to de-duplicate trials and label plots."""
         split = "-".join(map(str, self.layers_per_stage))
         extra = ("+ckpt" if self.activation_checkpointing else "") + ("+bf16" if self.wire_dtype == "bfloat16" else "")
+        extra += "+dp-inner" if self.rank_order == "dp-inner" else ""
         dp = f"dp{self.data_parallel_degree}/" if self.data_parallel_degree > 1 else ""
         return f"{dp}{self.schedule.value}/m{self.n_microbatches}/[{split}]{extra}"
 
@@ -70,6 +75,8 @@ class Candidate:
         b, m, dp = self.global_batch_size, self.n_microbatches, self.data_parallel_degree
         if b < 1 or m < 1 or dp < 1 or self.pipeline_degree < 1:
             raise InvalidCandidateError("batch size, micro-batch count, pp and dp must all be at least 1")
+        if self.rank_order not in RANK_ORDERS:
+            raise InvalidCandidateError(f"rank order {self.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
         if b % (m * dp):
             raise InvalidCandidateError(
                 f"global batch {b} cannot be cut into {dp} replica(s) x {m} equal micro-batches; "
@@ -104,6 +111,7 @@ class Candidate:
             "layers_per_stage": list(self.layers_per_stage),
             "activation_checkpointing": self.activation_checkpointing,
             "wire_dtype": self.wire_dtype,
+            **({"rank_order": self.rank_order} if self.rank_order != "pp-inner" else {}),
         }
 
     @classmethod
@@ -117,6 +125,7 @@ class Candidate:
             layers_per_stage=tuple(int(n) for n in data["layers_per_stage"]),
             activation_checkpointing=bool(data.get("activation_checkpointing", False)),
             wire_dtype=data.get("wire_dtype", "float32"),
+            rank_order=data.get("rank_order", "pp-inner"),
         )
 
 
@@ -153,6 +162,8 @@ class TrialError:
     """The failing rank's own message, one line."""
     bytes_requested: int | None = None
     """For oom: the allocation (or tracked peak) that did not fit."""
+    node: int | None = None
+    """The node of that rank in a multi-node trial (autotune.cluster); None on one machine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +193,8 @@ class Measurement:
     wire_grad_rel_error: float | None = None
     """bf16 between stages: ||g_bf16 - g_fp32|| / ||g_fp32|| of one step's gradients against a float32-wire twin,
     the worst rank's; None when not measured (float32 wire, or TrialOptions.measure_wire_error off)."""
+    rank_nodes: tuple[int, ...] = ()
+    """Per global rank: the node it ran on (multi-node trials, autotune.cluster); () on one machine."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -197,6 +210,7 @@ class Measurement:
             "device": self.device,
             "wire_grad_rel_error": self.wire_grad_rel_error,
             "error": dataclasses.asdict(self.error) if self.error else None,
+            **({"rank_nodes": list(self.rank_nodes)} if self.rank_nodes else {}),
         }
         return {**self.candidate.to_dict(), **data}
 
@@ -217,4 +231,5 @@ class Measurement:
             phases_s=dict(data.get("phases_s", {})),
             device=data.get("device", "cpu"),
             wire_grad_rel_error=data.get("wire_grad_rel_error"),
+            rank_nodes=tuple(data.get("rank_nodes", ())),
         )

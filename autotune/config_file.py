@@ -187,6 +187,8 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
                 }
             ),
             memory_limit_bytes=values["memory_limit_bytes"],
+            nodes=values["nodes"],
+            gpus_per_node=values["gpus_per_node"],
             **sections,
             extra={key: value for key, value in data.items() if key not in _TOP},
         )

@@ -4,9 +4,11 @@ planner, the simulator and the report read; autotune.profiling measures it."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
@@ -314,6 +316,20 @@ class Profile:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"cannot read profile: {type(exc).__name__}: {exc}; profile the model again") from exc
+
+
+def load_profile(path: Path) -> Profile:
+    """A profile saved by `autotune profile --output` (JSON); any problem is one UsageError naming the fix."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"no profile at {path}; write one with `autotune profile MODEL --output {path}`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read profile {path}: {exc}; write it again with `autotune profile --output`") \
+            from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} is not a profile (a JSON object); write one with `autotune profile --output`")
+    return Profile.from_dict(data)
 
 
 _SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")

@@ -27,6 +27,10 @@ class InvalidCandidateError(UsageError):
     """A candidate refused before launch: indivisible batch, too few micro-batches, bad split (exit 2)."""
 
 
+class StorageError(UsageError):
+    """A --storage that cannot be opened: not a database URL, no driver, unreachable, no such folder (exit 2)."""
+
+
 class InfeasibleError(AutotuneError):
     """Nothing fits the memory limit (exit 3)."""
 
@@ -44,6 +48,10 @@ class LaunchError(AutotuneError):
     """Rank processes could not be started or the device is missing (exit 4)."""
 
     exit_code = 4
+
+
+class ClusterError(LaunchError):
+    """A multi-node run that cannot start or go on: a node did not join, disagrees, or stopped answering (exit 4)."""
 
 
 class RegressionError(AutotuneError):

@@ -179,6 +179,7 @@ def balance_for_schedule(
     stage_memory: StageMemory | None = None,
     memory_cap: float | None = None,
     kicks: int | None = None,
+    explain: bool = True,
 ) -> tuple[int, ...]:
     """A split whose busiest rank (sum of the stages it holds) is as cheap as local search finds.
 
@@ -189,7 +190,9 @@ def balance_for_schedule(
     descend again, keeping what improves (seeded by the costs: same input, same split). Not exact: on random
     small cases it finds the optimum about 9 times in 10 and stays within ~10 % of it. With stage_memory and
     memory_cap the cap bounds each RANK's summed stage memory: the start is the time-balanced split under the
-    smallest per-stage cap (from memory_cap / stages-per-rank up) whose ranks fit, and moves keep them fitting."""
+    smallest per-stage cap (from memory_cap / stages-per-rank up) whose ranks fit, and moves keep them fitting.
+    explain=False: when nothing fits, an InfeasibleError without the leanest split's need in its message (finding it
+    costs more than the split itself; a caller that only tries, like the planner, skips it)."""
     _check_counts(len(costs), n_stages)
     if (stage_memory is None) != (memory_cap is None):
         raise UsageError("pass stage_memory and memory_cap together, or neither")
@@ -201,7 +204,7 @@ def balance_for_schedule(
     v = n_stages // pipeline_degree
     ranks = stage_ranks(schedule, pipeline_degree, n_stages)
     if stage_memory is not None and memory_cap is not None:
-        seed = _memory_seed(costs, ranks, stage_memory, memory_cap, v)
+        seed = _memory_seed(costs, ranks, stage_memory, memory_cap, v, explain=explain)
     else:
         seed = balance_min_max(costs, n_stages)
     if v == 1:
@@ -247,22 +250,24 @@ def balance_for_schedule(
 
 
 def _memory_seed(
-    costs: Sequence[float], ranks: list[int], stage_memory: StageMemory, memory_cap: float, v: int
+    costs: Sequence[float], ranks: list[int], stage_memory: StageMemory, memory_cap: float, v: int, *, explain: bool
 ) -> tuple[int, ...]:
     """A time-balanced split whose ranks all fit: per-stage caps from memory_cap / v up to memory_cap, first fit."""
     n_stages = len(ranks)
     if v == 1:
-        return balance_under_memory(costs, n_stages, stage_memory=stage_memory, memory_cap=memory_cap)
+        return _min_max(costs, n_stages, stage_memory, memory_cap, explain=explain)
     for factor in (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0):
         stage_cap = min(memory_cap, memory_cap / v * factor)
         try:
-            split = balance_under_memory(costs, n_stages, stage_memory=stage_memory, memory_cap=stage_cap)
+            split = _min_max(costs, n_stages, stage_memory, stage_cap, explain=False)
         except InfeasibleError:
             continue
         if _ranks_fit(list(accumulate(split, initial=0)), ranks, set(ranks), stage_memory, memory_cap):
             return split
         if stage_cap >= memory_cap:
             break
+    if not explain:
+        raise InfeasibleError(f"no split of {len(costs)} layers into {n_stages} stages fits {format_bytes(memory_cap)}")
     need = min_memory_cap(len(costs), n_stages, stage_memory)
     raise InfeasibleError(
         f"no split of {len(costs)} layers into {n_stages} stages ({v} per rank) found that keeps every rank under "
@@ -362,7 +367,12 @@ def _ranks_fit(
 
 
 def _min_max(
-    costs: Sequence[float], n_parts: int, stage_memory: StageMemory | None, memory_cap: float | None
+    costs: Sequence[float],
+    n_parts: int,
+    stage_memory: StageMemory | None,
+    memory_cap: float | None,
+    *,
+    explain: bool = True,
 ) -> tuple[int, ...]:
     n = len(costs)
     _check_counts(n, n_parts)
@@ -374,6 +384,8 @@ def _min_max(
     sums = sums[bisect.bisect_left(sums, lower * (1 - _EPS)) :] or [prefix[-1]]
     if _greedy(prefix, n_parts, sums[-1], stage_memory, memory_cap) is None:
         # Even without a time bound no split fits: memory alone rules every split out.
+        if not explain:
+            raise InfeasibleError(f"no split of {n} layers into {n_parts} stages fits {format_bytes(memory_cap)}")
         need = min_memory_cap(n, n_parts, stage_memory) if stage_memory is not None else float("inf")
         raise InfeasibleError(
             f"no split of {n} layers into {n_parts} stages keeps every stage under {format_bytes(memory_cap)} "

@@ -13,6 +13,7 @@ from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.memory_model import stage_memory_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
+from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
     Schedule,
     default_stages_per_rank,
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTED_VARIANTS = 8
 """How many of the fastest candidates without activation checkpointing plan() also simulates with it."""
+MEMORY_SPLIT_KICKS = 2
+"""Random restarts of the memory-aware split's local search (partition.balance_for_schedule's default is up to 16).
+On the benchmark profiles (96 layers over 1024 and 64 GPUs, 48 over 8) more found no other split, and the restarts
+were half of plan()'s time."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +73,7 @@ def plan(
     link: LinkModel | None = None,
     prune_within: float | None = 0.25,
     layouts: Iterable[tuple[int, int]] | None = None,
+    gpus_per_node: int | None = None,
 ) -> list[PlannedCandidate]:
     """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
     fastest first, candidates over the memory limit last.
@@ -81,13 +87,20 @@ def plan(
     ranks checkpointing against the other ways of saving memory. Points are simulated cheapest lower bound
     first, and a point whose lower bound is more than prune_within (25 %) slower than the best feasible step so
     far is skipped: it cannot rank near the top, and building torch's action lists for large micro-batch counts
-    is the expensive part. prune_within=None simulates everything."""
+    is the expensive part. prune_within=None simulates everything.
+
+    gpus_per_node: the ranks span nodes of this many (gpus / gpus_per_node of them). Sends between stages on
+    different nodes and all-reduces over nodes then take the inter-node link (link.across_nodes()), and each point
+    with a pipeline and replicas over several nodes is planned in both rank orders (placement.RankOrder): pipelines
+    inside nodes, or each stage's replicas inside nodes. None: one machine."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
         raise UsageError(f"top must be at least 1, got {top}")
     if prune_within is not None and prune_within < 0:
         raise UsageError(f"prune_within must be at least 0, got {prune_within}")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
     chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
     link = link or LinkModel.for_device(profile.device)
     n_layers = profile.n_layers
@@ -108,7 +121,9 @@ def plan(
                 except InvalidCandidateError:
                     continue
                 micro = batch_size // (m * dp)
-                costs = costs_at.get(micro) or costs_at.setdefault(micro, _Costs(profile, micro, link, splits))
+                costs = costs_at.get(micro) or costs_at.setdefault(
+                    micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
+                )
                 point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
                                batch_size=batch_size)
                 if point.first:
@@ -266,9 +281,10 @@ class _Costs:
 
     def __init__(
         self, profile: Profile, micro_batch_size: int, link: LinkModel,
-        splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None,
+        splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None, *, gpus_per_node: int | None = None,
     ) -> None:
         self.layers: list[LayerCost] = profile.layer_costs(micro_batch_size)
+        self.gpus_per_node = gpus_per_node
         self.input_bytes = profile.input_bytes_at(micro_batch_size)
         self.link = link
         self.state_ratio = profile.optimizer_state_ratio
@@ -296,6 +312,7 @@ class _Costs:
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,
             shared_parameters=self.shared,
+            gpus_per_node=self.gpus_per_node,
         )
 
     def balanced(
@@ -352,14 +369,17 @@ class _Point:
         balanced = costs.balanced(schedule, pp, n_stages)
         # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
         splits = [balanced, evened(costs.time, balanced, schedule, pp), uniform_split(n_layers, n_stages)]
-        self.first = [self.make(split) for i, split in enumerate(splits) if split not in splits[:i]]
+        self.orders: tuple[RankOrder, ...] = RANK_ORDERS if order_matters(pp, dp, costs.gpus_per_node) else (
+            "pp-inner",)
+        self.first = [self.make(split, order=order) for i, split in enumerate(splits) if split not in splits[:i]
+                      for order in self.orders]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
 
-    def make(self, split: tuple[int, ...], checkpointing: bool = False) -> Candidate:
+    def make(self, split: tuple[int, ...], checkpointing: bool = False, order: RankOrder = "pp-inner") -> Candidate:
         return Candidate(
             schedule=self.schedule, pipeline_degree=self.pp, data_parallel_degree=self.dp,
             global_batch_size=self.batch_size, n_microbatches=self.m, layers_per_stage=split,
-            activation_checkpointing=checkpointing,
+            activation_checkpointing=checkpointing, rank_order=order,
         )
 
     def evaluate(self, memory_limit_bytes: int | None, limit_ms: float) -> list[PlannedCandidate]:
@@ -377,16 +397,18 @@ class _Point:
             try:
                 splits.append(balance_for_schedule(
                     time, self.schedule, self.pp, self.n_stages,
-                    stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes,
+                    stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes, explain=False,
+                    kicks=MEMORY_SPLIT_KICKS,
                 ))
             except InfeasibleError:
                 pass
             for split in splits:
-                candidate = self.make(split, checkpointing)
-                if any(r.candidate == candidate for r in results) or costs.lower_bound(candidate) > limit_ms:
-                    continue
-                results.append(PlannedCandidate(candidate=candidate,
-                                                estimate=costs.simulate(candidate, memory_limit_bytes)))
+                for order in self.orders:
+                    candidate = self.make(split, checkpointing, order)
+                    if any(r.candidate == candidate for r in results) or costs.lower_bound(candidate) > limit_ms:
+                        continue
+                    results.append(PlannedCandidate(candidate=candidate,
+                                                    estimate=costs.simulate(candidate, memory_limit_bytes)))
             if any(r.estimate.feasible for r in results):
                 break
         return results

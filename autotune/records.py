@@ -56,6 +56,8 @@ class TrialRecord:
     oom_bytes: int | None = None
     """An oom run: what the failing rank reported when it ran out (live bytes on CPU, the refused allocation on
     CUDA); None otherwise."""
+    worker: str | None = None
+    """The search that asked it (--worker; several can share a study); None in studies written before."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +219,7 @@ def too_noisy(leaders: Sequence[Leader]) -> bool:
 def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:
     """A trial's record from the user attributes the search stores on it (state: the stored trial's, None for a live
     one). A trial still running, or without an outcome, never finished: "interrupted"; one a later search failed for
-    that (state "fail", no outcome) died with its tuner."""
+    that (state "fail", no outcome) died with its tuner, or its search stopped answering (its heartbeat lapsed)."""
     candidate = Candidate.from_dict(attrs["candidate"]) if "candidate" in attrs else None
     measurement = attrs.get("measurement") or {}
     predicted = attrs.get("predicted") or {}
@@ -226,7 +228,9 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
     if state != "running" and "outcome" in attrs:
         outcome = attrs["outcome"]
     elif state == "fail":
-        reason = "the tuner died during this trial"
+        worker = _worker_of(attrs)
+        reason = f"its search (worker {worker}) died or stopped answering during this trial" if worker else (
+            "the tuner died during this trial")
     return TrialRecord(
         number=number,
         candidate=candidate,
@@ -243,7 +247,13 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
         oom_bytes=(measurement.get("error") or {}).get("bytes_requested")
         if measurement.get("status") == "oom"
         else None,
+        worker=_worker_of(attrs),
     )
+
+
+def _worker_of(attrs: Mapping[str, Any]) -> str | None:
+    owner = attrs.get("owner")
+    return str(owner["worker"]) if isinstance(owner, Mapping) and owner.get("worker") else None
 
 
 def predicted_attrs(estimate: Estimate) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from autotune.candidate import Candidate, stage_bounds
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, map_inputs
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
+from autotune.placement import RankOrder, global_rank, grid_position
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
 
 if TYPE_CHECKING:
@@ -37,25 +38,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True)
 class RankLayout:
-    """Where a global rank sits in the pp x dp grid: rank = dp_rank * pp + pp_rank."""
+    """Where a global rank sits in the pp x dp grid: rank = dp_rank * pp + pp_rank (pp-inner), or
+    pp_rank * dp + dp_rank (dp-inner; autotune.placement)."""
 
     rank: int
     pipeline_degree: int
     data_parallel_degree: int
+    rank_order: RankOrder = "pp-inner"
 
     @property
     def pp_rank(self) -> int:
-        return self.rank % self.pipeline_degree
+        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[0]
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.pipeline_degree
+        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[1]
 
     def pipeline_ranks(self, dp_rank: int) -> list[int]:
-        return [dp_rank * self.pipeline_degree + p for p in range(self.pipeline_degree)]
+        pp, dp = self.pipeline_degree, self.data_parallel_degree
+        return [global_rank(p, dp_rank, pp, dp, self.rank_order) for p in range(pp)]
 
     def replica_ranks(self, pp_rank: int) -> list[int]:
-        return [d * self.pipeline_degree + pp_rank for d in range(self.data_parallel_degree)]
+        pp, dp = self.pipeline_degree, self.data_parallel_degree
+        return [global_rank(pp_rank, d, pp, dp, self.rank_order) for d in range(dp)]
+
+    @classmethod
+    def of(cls, candidate: Candidate, rank: int) -> RankLayout:
+        """The layout of a global rank under a candidate (its pp, dp and rank order)."""
+        return cls(rank=rank, pipeline_degree=candidate.pipeline_degree,
+                   data_parallel_degree=candidate.data_parallel_degree, rank_order=candidate.rank_order)
 
 
 class CheckpointedStage(nn.Module):
@@ -267,9 +278,7 @@ def build_pipeline(
 ) -> RankPipeline:
     """Build the whole model with the shared seed, cut it into blocks, keep this rank's stages, and wrap them in
     torch's schedule. Every rank calls this (it creates the process groups of tied parameters, on every rank)."""
-    layout = RankLayout(
-        rank=rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
-    )
+    layout = RankLayout.of(candidate, rank)
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
     blocks = build_blocks(spec)
     if blocks.n_blocks != sum(candidate.layers_per_stage):
@@ -395,8 +404,5 @@ def setup_pipeline(
         torch_device = torch.device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    layout = RankLayout(
-        rank=rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
-    )
-    pp_group, dp_group = init_groups(layout)
+    pp_group, dp_group = init_groups(RankLayout.of(candidate, rank))
     return build_pipeline(spec, candidate, rank=rank, device=torch_device, pp_group=pp_group, dp_group=dp_group)

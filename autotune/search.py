@@ -8,6 +8,8 @@ leaders before choosing.
 
 Every trial is persisted (default: SQLite under .autotune/) with its candidate and outcome as user attributes, so a
 search resumes after Ctrl-C or a crash with nothing lost, and the report rebuilds everything from the storage.
+Several searches (workers) can share one study (autotune.shared_study): each decides on the whole study's records,
+claims a candidate before launching it (autotune.study_storage.claim) and beats while it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import logging
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ import optuna
 
 from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
-from autotune.errors import InvalidCandidateError, UsageError
+from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
 from autotune.plan import PlannedCandidate
 from autotune.records import (
@@ -35,7 +36,6 @@ from autotune.records import (
     Outcome,
     SearchResult,
     TrialRecord,
-    TrialState,
     leaders_of,
     predicted_attrs,
     record_from_attrs,
@@ -43,9 +43,22 @@ from autotune.records import (
 )
 from autotune.schedules import Schedule
 from autotune.search_space import SearchSpace
+from autotune.shared_study import SharedStudy, load_records, open_shared_study
 from autotune.simulate import Estimate, LinkModel, simulate
+from autotune.study_storage import (
+    GRACE_PERIOD_S,
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    StudyStorage,
+    claim,
+    default_worker,
+    open_storage,
+    storage_error,
+)
 from autotune.trial import TrialOptions, TrialRunner, run_trial
 from autotune.units import format_bytes
+
+__all__ = ["SearchOptions", "SearchReporter", "load_records", "load_search", "rule_of_thumb", "run_search"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +94,17 @@ class SearchOptions:
     incumbent: Candidate | None = None
     """An existing config's candidate, re-measured beside the leaders (refresh without churn)."""
     trial: TrialOptions = field(default_factory=TrialOptions)
+    worker: str | None = None
+    """This search's name among the searches sharing the study; its budget counts its own launches. None: the host
+    name (and CUDA_VISIBLE_DEVICES)."""
+    heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S
+    """A running trial beats this often."""
+    grace_period_s: int = GRACE_PERIOD_S
+    """A trial whose beat is this old is failed by whichever search looks first."""
+    setup: dict[str, object] = field(default_factory=dict)
+    """More of what every search of the study must agree on (multi-node: nodes, gpus_per_node), stored with it."""
+    gpus_per_node: int | None = None
+    """Ranks per node when trials span nodes: estimates send crossing nodes over the link's inter-node entry."""
 
 
 class SearchReporter(Protocol):
@@ -134,16 +158,17 @@ def run_search(
     options: SearchOptions,
     *,
     study_name: str,
-    storage: str,
+    storage: str | StudyStorage,
     runner: TrialRunner = run_trial,
     reporter: SearchReporter | None = None,
     link: LinkModel | None = None,
 ) -> SearchResult:
-    """Run (or resume) the study. Ctrl-C stops the running trial and returns what was found, interrupted=True."""
+    """Run (or resume, or join) the study. Ctrl-C stops the running trial and returns what was found,
+    interrupted=True. storage: a URL, or one opened already (open_storage)."""
     reporter = reporter or _Silent()
     link = link or LinkModel.for_device(profile.device)
     space = SearchSpace(profile, options)
-    study = _open_study(study_name, storage, options)
+    opened = storage if isinstance(storage, StudyStorage) else open_search_storage(storage, options)
     setup = {
         "model": str(spec.path),
         "split_at": list(spec.split_at) if spec.split_at else None,
@@ -153,26 +178,36 @@ def run_search(
         "device": options.trial.device,
         "n_trials": options.n_trials,
         "seed": options.seed,
+        **options.setup,
     }
-    study.set_user_attr("profile", profile.to_dict())
-    study.set_user_attr("setup", setup)
-    engine = _Engine(spec, profile, space, options, study, runner, reporter, link)
+    shared = open_shared_study(
+        opened,
+        study_name,
+        resume=options.resume,
+        seed=options.seed,
+        worker=options.worker or default_worker(),
+        setup=setup,
+        profile=profile.to_dict(),
+        stale_after_s=options.trial.timeout_s + options.grace_period_s + 60,
+    )
+    engine = _Engine(spec, profile, space, options, shared, runner, reporter, link)
     started = time.time()
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
     try:
         with _remember_ctrl_c(engine.ctrl_c):
-            if not engine.records:  # a new study: seed it with the planner's best and the rule-of-thumb default
-                engine.seed(planned, default)
+            # a new study: seed it with the planner's best and the rule-of-thumb default
+            shared.seed_once(lambda: engine.seed(planned, default))
             engine.explore(deadline=started + options.timeout_s if options.timeout_s else None)
             engine.remeasure_leaders()
     except KeyboardInterrupt:
         interrupted = True
+    shared.refresh()
     summary = summarize(engine.records, engine.runs)
     return SearchResult.of(
         summary,
         study_name=study_name,
-        storage=storage,
+        storage=opened.masked,
         records=engine.records,
         best_estimate=engine.estimate(summary.best.candidate) if summary.best else None,
         wall_time_s=time.time() - started,
@@ -205,24 +240,9 @@ def _remember_ctrl_c(pressed: list[bool]) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _open_study(study_name: str, storage: str, options: SearchOptions) -> optuna.Study:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    exists = study_name in optuna.study.get_all_study_names(storage)
-    if exists and not options.resume:
-        raise UsageError(
-            f"study {study_name!r} already exists in {storage}; pass --resume to continue it, or --study-name with "
-            f"a new name"
-        )
-    sampler = optuna.samplers.TPESampler(
-        seed=options.seed,
-        multivariate=True,
-        group=True,
-        n_startup_trials=5,
-    )
-    return optuna.create_study(
-        study_name=study_name, storage=storage, sampler=sampler, direction="maximize", load_if_exists=True
-    )
+def open_search_storage(url: str, options: SearchOptions) -> StudyStorage:
+    """The search's storage, opened first (before profiling: a bad URL fails in a second, not after minutes)."""
+    return open_storage(url, heartbeat_interval_s=options.heartbeat_interval_s, grace_period_s=options.grace_period_s)
 
 
 class _Engine:
@@ -234,32 +254,34 @@ class _Engine:
         profile: Profile,
         space: SearchSpace,
         options: SearchOptions,
-        study: optuna.Study,
+        shared: SharedStudy,
         runner: TrialRunner,
         reporter: SearchReporter,
         link: LinkModel,
     ) -> None:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
-        self.study, self.runner, self.reporter, self.link = study, runner, reporter, link
+        self.shared, self.study = shared, shared.study
+        self.runner, self.reporter, self.link = runner, reporter, link
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
-        self.records: list[TrialRecord] = []
-        self.runs: dict[str, list[Measurement]] = {}
-        self._restore()
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
 
     @property
-    def launched(self) -> int:
-        return sum(1 for r in self.records if r.launched)
+    def records(self) -> list[TrialRecord]:
+        """The whole study's records (every worker's), as of the last refresh."""
+        return self.shared.records
 
-    def _restore(self) -> None:
-        """Rebuild records and measurements from the storage; trials a crash left RUNNING are failed (their records
-        then say the tuner died during them)."""
-        for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            self.study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
-        self.records, self.runs = load_records(self.study)
+    @property
+    def runs(self) -> dict[str, list[Measurement]]:
+        """The whole study's real runs by candidate key, as of the last refresh."""
+        return self.shared.runs
+
+    @property
+    def launched(self) -> int:
+        """Real runs this search launched: what its budget counts."""
+        return self.shared.own_launched()
 
     def estimate(self, candidate: Candidate) -> Estimate:
         if candidate.key not in self._estimates:
@@ -269,6 +291,7 @@ class _Engine:
                 link=self.link,
                 memory_limit_bytes=self.options.memory_limit_bytes,
                 with_timeline=False,
+                gpus_per_node=self.options.gpus_per_node,
             )
         return self._estimates[candidate.key]
 
@@ -334,11 +357,12 @@ class _Engine:
                 idle += 1
                 repeats += record.outcome == "duplicate"
 
-    def _one_trial(self) -> TrialRecord:
-        """Ask one trial, prune or run it, tell the study; its record."""
+    def _one_trial(self, params: dict[str, object] | None = None, phase: str | None = None) -> TrialRecord:
+        """Ask one trial (with params: exactly them), prune or run it, tell the study; its record."""
         if self.ctrl_c[0]:
             raise KeyboardInterrupt
-        trial = self.study.ask()
+        trial = self.shared.ask(params, phase=phase)
+        self.shared.refresh()  # decide on the whole study: other searches may have run or be running candidates
         phase = trial.user_attrs.get("phase", "explore")
         try:
             candidate = self.space.suggest(trial)
@@ -376,18 +400,33 @@ class _Engine:
         return None
 
     def _launch(self, trial: optuna.Trial, candidate: Candidate, phase: str) -> TrialRecord:
-        trial.set_user_attr("launched", True)
+        # Atomically across searches: not while another runs it, nor (outside re-measurement) once one measured it.
+        refused = claim(self.shared.storage, self.study, trial, candidate.key, remeasure=phase == "remeasure")
+        if refused is not None:
+            self.shared.refresh()
+            previous = self.runs.get(candidate.key)
+            if previous and phase != "remeasure":
+                return self._tell(trial, "duplicate", f"{refused}: not launched again", measurement=previous[-1],
+                                  phase=phase)
+            record = self._tell(trial, "pruned", f"{refused} now: not launched twice at once", phase=phase)
+            if phase == "remeasure":
+                time.sleep(0.5)  # a leader another search runs now: give it time before asking again
+            return record
         bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
         options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
         try:
-            measurement = self.runner(self.spec, candidate, options)
+            with Heartbeat(self.shared.storage, trial._trial_id):
+                measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
             self._tell(trial, "interrupted", "stopped by Ctrl-C", phase=phase)
             raise
-        self.runs.setdefault(candidate.key, []).append(measurement)
+        except ClusterError as exc:  # a node of a multi-node trial is gone: the trial failed, the search stops
+            self._tell(trial, "error", str(exc), phase=phase)
+            raise
         reason = measurement.error.message if measurement.error else ""
         if measurement.error and measurement.error.rank is not None:
-            reason = f"rank {measurement.error.rank}: {reason}"
+            node = "" if measurement.error.node is None else f"node {measurement.error.node} "
+            reason = f"{node}rank {measurement.error.rank}: {reason}"
         return self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(
@@ -400,13 +439,28 @@ class _Engine:
         phase: str = "explore",
     ) -> TrialRecord:
         """Record the outcome on the trial (candidate, prediction and launch were recorded as they happened)."""
+        try:
+            self._store_outcome(trial, outcome, reason, measurement, phase)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # This search stalled past the grace period and another one failed the trial (its heartbeat lapsed).
+            self.reporter.phase(f"trial {trial.number} was failed by another search while this one stalled: its "
+                                f"result ({outcome}) is lost")
+            self.shared.refresh()
+            return record_from_attrs(trial.number, trial.user_attrs)
+        # The live record is the one a resumed search or a report rebuilds from storage, by construction.
+        record = record_from_attrs(trial.number, trial.user_attrs)
+        self.shared.refresh()
+        self.reporter.trial(record, self.best_record(), self.launched, self.options.n_trials)
+        return record
+
+    def _store_outcome(
+        self, trial: optuna.Trial, outcome: Outcome, reason: str, measurement: Measurement | None, phase: str
+    ) -> None:
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
         trial.set_user_attr("phase", phase)
         if measurement is not None:
             trial.set_user_attr("measurement", measurement.to_dict())
-        # The live record is the one a resumed search or a report rebuilds from storage, by construction.
-        record = record_from_attrs(trial.number, trial.user_attrs)
         limit = self.options.memory_limit_bytes
         State = optuna.trial.TrialState
         if outcome in ("ok", "duplicate") and measurement is not None and measurement.status == "ok":
@@ -420,9 +474,6 @@ class _Engine:
             self.study.tell(trial, state=State.PRUNED)
         else:
             self.study.tell(trial, state=State.FAIL)
-        self.records.append(record)
-        self.reporter.trial(record, self.best_record(), self.launched, self.options.n_trials)
-        return record
 
     def remeasure_leaders(self) -> None:
         """Re-run the top candidates one after another (interleaved with each other), so the final choice compares
@@ -436,7 +487,8 @@ class _Engine:
         if len(top) < 2 or self._budget_left() <= 0:
             return
         self.reporter.phase(f"re-measuring the {len(top)} leaders side by side")
-        while self._budget_left() > 0:
+        asks, max_asks = 0, 4 * self._budget_left() + 10  # a leader another search runs is refused, not waited on
+        while self._budget_left() > 0 and asks < max_asks:
             launched = self.launched
             for candidate in top:
                 if self._budget_left() <= 0:
@@ -444,43 +496,36 @@ class _Engine:
                 params = self.space.params_for(candidate)
                 if params is None:
                     continue
-                self.study.enqueue_trial(params, user_attrs={"phase": "remeasure"})
-                self._one_trial()
-            if self.launched == launched:  # none of them can be re-run here (outside the space, or pruned)
+                asks += 1
+                self._one_trial(params, phase="remeasure")
+            if self.launched == launched and not self._running_elsewhere(top):
+                break  # none of them can be re-run here (outside the space, or pruned), and no other search runs one
                 break
+
+    def _running_elsewhere(self, top: list[Candidate]) -> bool:
+        """Another search of the study is running one of these candidates now."""
+        keys = {c.key for c in top}
+        running = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return any(t.user_attrs.get("candidate_key") in keys and t.user_attrs.get("launched") for t in running)
 
     def leaders(self) -> list[Leader]:
         return leaders_of(self.runs)
 
 
-_STATES: dict[optuna.trial.TrialState, TrialState] = {
-    optuna.trial.TrialState.RUNNING: "running",
-    optuna.trial.TrialState.COMPLETE: "complete",
-    optuna.trial.TrialState.PRUNED: "pruned",
-    optuna.trial.TrialState.FAIL: "fail",
-}
-
-
-def load_records(study: optuna.Study) -> tuple[list[TrialRecord], dict[str, list[Measurement]]]:
-    """Every asked trial of a study as a record, and every real run's measurement grouped by candidate. Trials
-    enqueued but never asked (WAITING: seeds or re-measurements a budget or Ctrl-C cut short) are not trials yet."""
-    records: list[TrialRecord] = []
-    runs: dict[str, list[Measurement]] = {}
-    for frozen in study.get_trials(deepcopy=False, states=tuple(_STATES)):
-        records.append(record_from_attrs(frozen.number, frozen.user_attrs, _STATES[frozen.state]))
-        if "measurement" in frozen.user_attrs and frozen.user_attrs.get("launched"):
-            m = Measurement.from_dict(frozen.user_attrs["measurement"])
-            runs.setdefault(m.candidate.key, []).append(m)
-    return records, runs
-
-
 def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
     """A finished (or interrupted) search as stored: its result (with the setup it stored: model, gpus, batch_size,
-    memory_limit_bytes, device, n_trials, seed) and the profile it planned with. For `autotune report`."""
+    memory_limit_bytes, device, n_trials, seed) and the profile it planned with. For `autotune report`. A storage
+    that cannot be opened or read is a StorageError (exit 2); anything else from it is a bug."""
+    opened = open_storage(storage)
     try:
-        study = optuna.load_study(study_name=study_name, storage=storage)
+        study = optuna.load_study(study_name=study_name, storage=opened.rdb)
     except KeyError:
-        raise UsageError(f"no study {study_name!r} in {storage}; check --storage and --study-name") from None
+        raise UsageError(f"no study {study_name!r} in {opened.masked}; check --storage and --study-name") from None
+    except Exception as exc:  # noqa: BLE001 - the database went away between opening and reading: the user's
+        error = storage_error(exc, storage)
+        if error is None:
+            raise
+        raise error from None
     if "profile" not in study.user_attrs:
         raise UsageError(f"study {study_name!r} was not written by autotune search (it has no profile)")
     profile = Profile.from_dict(study.user_attrs["profile"])
@@ -492,7 +537,7 @@ def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
     result = SearchResult.of(
         summary,
         study_name=study_name,
-        storage=storage,
+        storage=opened.masked,
         records=records,
         best_estimate=estimate,
         wall_time_s=sum(r.wall_time_s for r in records),

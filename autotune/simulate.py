@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -18,6 +18,7 @@ from autotune.memory_model import (
     recompute_bytes,
     wire_factor,
 )
+from autotune.placement import crossing_boundaries, dp_nodes
 from autotune.schedules import Action, ActionKind, Schedule, stage_ranks
 
 
@@ -39,6 +40,11 @@ class LinkModel:
     held_activation_ms_per_mib: float = 0.0
     """Slowdown of each backward action per MiB of activations its rank holds at that moment (memory pressure:
     allocator page faults, cache misses, more messages outstanding); 0 where it was not seen (cuda)."""
+    inter_node_bandwidth_bytes_per_s: float | None = None
+    """Point-to-point bandwidth between ranks on different nodes (per rank: each has its own path, as with
+    rail-optimised NICs); None: as inside a node."""
+    inter_node_latency_s: float | None = None
+    """Fixed delay of one send/recv between nodes; None: as inside a node."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -58,7 +64,7 @@ class LinkModel:
                     "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
-        unknown = set(overrides) - set(base)
+        unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s"}
         if unknown:
             raise UsageError(f"unknown link model field(s) {sorted(unknown)}; known: {sorted(base)}")
         return cls(**{**base, **overrides})
@@ -67,12 +73,52 @@ class LinkModel:
         """One point-to-point send of nbytes."""
         return (self.latency_s + nbytes / self.bandwidth_bytes_per_s) * 1e3 if nbytes > 0 else 0.0
 
-    def allreduce_ms(self, nbytes: float, world_size: int) -> float:
-        """Ring all-reduce of nbytes over world_size ranks: 2(d-1) steps of nbytes/d each."""
+    def allreduce_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
+        """All-reduce of nbytes over world_size ranks. On one node a ring: 2(d-1) steps of nbytes/d each. Over
+        n_nodes (k = world_size / n_nodes ranks each), hierarchically, as NCCL does: reduce-scatter and all-gather
+        inside each node (a ring of k), and a ring all-reduce of the 1/k shard across the nodes on the inter-node
+        link."""
         if world_size <= 1 or nbytes <= 0:
             return 0.0
-        steps = 2 * (world_size - 1)
-        return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
+        if n_nodes <= 1:
+            steps = 2 * (world_size - 1)
+            return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
+        k = max(1, world_size // n_nodes)
+        inside = self.allreduce_ms(nbytes, k) if k > 1 else 0.0
+        return inside + self.across_nodes().allreduce_ms(nbytes / k, n_nodes)
+
+    def across_nodes(self) -> LinkModel:
+        """The link between ranks on different nodes (this one where no inter-node figures are set)."""
+        return replace(
+            self,
+            bandwidth_bytes_per_s=self.inter_node_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s,
+            latency_s=self.inter_node_latency_s if self.inter_node_latency_s is not None else self.latency_s,
+            inter_node_bandwidth_bytes_per_s=None,
+            inter_node_latency_s=None,
+        )
+
+    def with_probe(
+        self,
+        *,
+        inter_latency_s: float,
+        inter_bandwidth_bytes_per_s: float,
+        intra_latency_s: float | None = None,
+        intra_bandwidth_bytes_per_s: float | None = None,
+    ) -> LinkModel:
+        """This link with inter-node figures from a probe (autotune.cluster). The calibrated intra-node figures
+        absorb more than the wire (per-message costs of the runtime), so with an intra probe to compare, the model
+        adds only the difference crossing makes: latency + (inter - intra), 1/bandwidth + (1/inter - 1/intra);
+        without one, the probe's own figures. Never faster than inside a node."""
+        if intra_latency_s is not None and intra_bandwidth_bytes_per_s:
+            latency = self.latency_s + max(0.0, inter_latency_s - intra_latency_s)
+            inverse = 1 / self.bandwidth_bytes_per_s + max(
+                0.0, 1 / inter_bandwidth_bytes_per_s - 1 / intra_bandwidth_bytes_per_s
+            )
+            bandwidth = 1 / inverse
+        else:
+            latency = max(self.latency_s, inter_latency_s)
+            bandwidth = min(self.bandwidth_bytes_per_s, inter_bandwidth_bytes_per_s)
+        return replace(self, inter_node_latency_s=latency, inter_node_bandwidth_bytes_per_s=bandwidth)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,13 +191,17 @@ def simulate(
     memory_limit_bytes: int | None = None,
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
+    gpus_per_node: int | None = None,
 ) -> Estimate:
     """Replay the candidate's schedule in virtual time with the profile's costs at its micro-batch size.
 
     Each rank runs its actions in order. F of stage s, micro-batch i waits for F of s-1 (plus a transfer when s-1
     lives on another rank); B or I of s waits for its own F and for B/I of s+1 (plus a transfer); W waits for its
     own I. A stage costs the sum of its layers plus link.per_action_overhead_ms per action; with activation
-    checkpointing B and I also pay one forward. `actions` replaces the schedule's own lists (custom schedules)."""
+    checkpointing B and I also pay one forward. `actions` replaces the schedule's own lists (custom schedules).
+    gpus_per_node: the ranks fill nodes of this many (candidate.rank_order says how); a send between stages on
+    different nodes, and the all-reduce of a data-parallel group spread over nodes, use link.across_nodes(). None:
+    one node."""
     candidate.validate(profile.n_layers)
     link = link or LinkModel.for_device(profile.device)
     costs = profile.layer_costs(candidate.micro_batch_size)
@@ -167,6 +217,7 @@ def simulate(
         with_timeline=with_timeline,
         actions=actions,
         shared_parameters=profile.shared_parameters,
+        gpus_per_node=gpus_per_node,
     )
 
 
@@ -183,6 +234,7 @@ def simulate_costs(
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
     shared_parameters: Sequence[tuple[Sequence[int], int]] = (),
+    gpus_per_node: int | None = None,
 ) -> Estimate:
     """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path)."""
     if len(costs) != sum(candidate.layers_per_stage):
@@ -190,7 +242,16 @@ def simulate_costs(
             f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
             f"but the costs have {len(costs)}; profile the same model the candidate was made for"
         )
-    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, shared=shared_parameters)
+    crossing, n_nodes = None, 1
+    if gpus_per_node is not None and candidate.world_size > gpus_per_node:
+        c = candidate
+        crossing = crossing_boundaries(
+            stage_ranks(c.schedule, c.pipeline_degree, c.n_stages), c.data_parallel_degree, gpus_per_node,
+            c.rank_order,
+        )
+        n_nodes = dp_nodes(c.pipeline_degree, c.data_parallel_degree, gpus_per_node, c.rank_order)
+    stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, crossing=crossing,
+                          shared=shared_parameters)
     if actions is None:
         c = candidate
         plan = compiled_graph(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages)
@@ -231,7 +292,7 @@ def simulate_costs(
     for s, r in enumerate(plan.stage_rank):
         rank_params[r] += stages.parameter_bytes[s]
     optimizer_ms = [p * optimizer_ms_per_byte for p in rank_params]
-    allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree) for p in rank_params]
+    allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
     step_ms = max(rank_end[r] + allreduce_ms[r] + optimizer_ms[r] for r in range(pp))
 
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio)
@@ -312,10 +373,18 @@ class _StageCosts:
 
 
 def _stage_costs(
-    costs: Sequence[LayerCost], candidate: Candidate, *, input_bytes: int, link: LinkModel,
+    costs: Sequence[LayerCost],
+    candidate: Candidate,
+    *,
+    input_bytes: int,
+    link: LinkModel,
+    crossing: Sequence[bool] | None = None,
     shared: Sequence[tuple[Sequence[int], int]] = (),
 ) -> _StageCosts:
+    """Per stage: compute, transfers in (over link.across_nodes() where crossing[s]: the hand-off s-1 -> s crosses
+    nodes), bytes held."""
     bounds = list(accumulate(candidate.layers_per_stage, initial=0))
+    far = link.across_nodes() if crossing is not None and any(crossing) else link
     overhead = link.per_action_overhead_ms
     wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
@@ -351,8 +420,10 @@ def _stage_costs(
             groups = sum(c.parameter_groups for c in costs[a:b]) if candidate.activation_checkpointing else 0
             result["backward_input"].append(backward_input + recompute + overhead)
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
-        result["activation_transfer"].append(link.transfer_ms(stage_in * wire) if s > 0 else 0.0)
-        result["grad_transfer"].append(link.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
+        into = far if crossing is not None and s > 0 and crossing[s] else link
+        back = far if crossing is not None and s < n_stages - 1 and crossing[s + 1] else link
+        result["activation_transfer"].append(into.transfer_ms(stage_in * wire) if s > 0 else 0.0)
+        result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1
         held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
         result["held_bytes"].append(int(held))

@@ -84,6 +84,13 @@ class TuneRequest:
     split_at: tuple[str, ...] | None = None
     """Module names / globs to cut the model between (--split-at); None: the model file's SPLIT_AT /
     split_points(model), else autotune's own cut."""
+    worker: str | None = None
+    """This search's name among searches sharing the study (its budget counts its own launches); None: the host."""
+    gpus_per_node: int | None = None
+    """Ranks per node when the trials span nodes (autotune.cluster); None: one machine. The plan then knows which
+    ranks share a node, and the config records nodes and gpus_per_node."""
+    inter_node_link: tuple[float, float] | None = None
+    """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +115,13 @@ class TuneOutcome:
     """The config already at output still holds: the new best did not beat it by min_improvement."""
     report_dir: Path | None
     """Where report.md and report.html were written; None when request.report_dir was None."""
+    worker: str = ""
+    """This search's name among the searches of its study."""
+
+    @property
+    def launched_by_worker(self) -> int:
+        """Real runs this search launched (result.launched counts every search's of the study)."""
+        return sum(1 for r in self.result.records if r.launched and r.worker in (None, self.worker))
 
     @property
     def interrupted(self) -> bool:
@@ -201,6 +215,8 @@ def tune(
     from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
+    from autotune.shared_study import check_study_name
+    from autotune.study_storage import default_worker, open_storage
     from autotune.trial import TrialOptions, run_trial
 
     reporter = reporter or SilentReporter()
@@ -210,16 +226,26 @@ def tune(
     oversubscribed = cpu_oversubscription(request.gpus, device)
     if oversubscribed:
         reporter.warning(oversubscribed)
+    name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
+    # The storage first: a bad URL or a study name in use fails in a second, not after profiling.
+    storage = open_storage(request.storage or default_storage(name))
+    check_study_name(storage, name, resume=request.resume)
     bound = min(request.trial_timeout_s, request.timeout_s or request.trial_timeout_s)
     spec, profile = load_and_profile(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
         timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
     )
-    name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
-    url = request.storage or default_storage(name)
     incumbent = _incumbent(request, spec, reporter)
+    link = None
+    if request.inter_node_link is not None:
+        from autotune.simulate import LinkModel
+
+        latency, bandwidth = request.inter_node_link
+        link = LinkModel.for_device(profile.device).with_probe(inter_latency_s=latency,
+                                                               inter_bandwidth_bytes_per_s=bandwidth)
     with reporter.planning(f"planning {request.gpus} ranks..."):
-        planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit)
+        planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
+                       gpus_per_node=request.gpus_per_node, link=link)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -228,13 +254,17 @@ def tune(
         timeout_s=request.timeout_s,
         memory_limit_bytes=limit,
         study_name=name,
-        storage=url,
+        storage=storage.masked,
         resume=request.resume,
         seed=request.seed,
         layouts=request.layouts,
         checkpointing=request.checkpointing,
         wire_dtypes=request.wire_dtypes,
         incumbent=incumbent.candidate if incumbent else None,
+        worker=request.worker or default_worker(),
+        gpus_per_node=request.gpus_per_node,
+        setup={"nodes": request.gpus // request.gpus_per_node, "gpus_per_node": request.gpus_per_node}
+        if request.gpus_per_node else {},
         trial=TrialOptions(
             steps=request.steps,
             warmup=request.warmup,
@@ -250,9 +280,10 @@ def tune(
             planned,
             options,
             study_name=name,
-            storage=url,
+            storage=storage,
             runner=runner or run_trial,
             reporter=progress,
+            link=link,
         )
     if result.best is None:
         if result.interrupted:
@@ -290,6 +321,7 @@ def tune(
         config_written=written,
         kept_existing_config=kept,
         report_dir=report_dir,
+        worker=options.worker or "",
     )
 
 
@@ -365,4 +397,6 @@ def _config_of(
             best_trial=result.best_trial,
         ),
         environment=Environment.current(device),
+        nodes=request.gpus // request.gpus_per_node if request.gpus_per_node else None,
+        gpus_per_node=request.gpus_per_node,
     )

@@ -9,7 +9,6 @@ import enum
 import importlib.metadata
 import platform
 import typing
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any, Literal
 import autotune
 from autotune.candidate import Candidate, Measurement, WireDtype
 from autotune.errors import ConfigError, InvalidCandidateError
+from autotune.masking import mask_url as mask_password
+from autotune.placement import RANK_ORDERS, RankOrder
 from autotune.schedules import Schedule, parse_schedule, validate_schedule
 
 SCHEMA_VERSION = 1
@@ -101,14 +102,19 @@ CANDIDATE_KEYS: dict[str, str] = {
     "layers_per_stage": "layers_per_stage",
     "activation_checkpointing": "activation_checkpointing",
     "wire_dtype": "wire_dtype",
+    "rank_order": "rank_order",
 }
 """The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
 derived from the others and checked against them on reading)."""
 
-OPTIONAL_KEYS = frozenset({"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes"})
+OPTIONAL_KEYS = frozenset(
+    {"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node"}
+)
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
 OPTIONAL_SECTION_KEYS = frozenset({"measured.runs_throughput_samples_per_s"})
 """Keys of sections added after schema version 1 first shipped (section.key): a file without them still loads."""
+_WRITTEN_IF_NOT_DEFAULT = {"rank_order": "pp-inner"}
+"""Candidate keys left out of the file at their default (a config from one node reads as before)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,9 +141,13 @@ class TunedConfig:
     candidate: Candidate
     """The configuration itself; written flat as CANDIDATE_KEYS (gpus, global_batch_size, micro_batch_size,
     num_microbatches, pipeline_degree, data_parallel_degree, schedule, layers_per_stage, activation_checkpointing,
-    wire_dtype)."""
+    wire_dtype, and rank_order when it is dp-inner)."""
     memory_limit_bytes: int | None
     """Per-rank memory cap the search respected; None when there was none (CPU)."""
+    nodes: int | None = None
+    """Nodes the ranks spanned when it was measured (multi-node searches); None: one machine."""
+    gpus_per_node: int | None = None
+    """Ranks per node when it was measured (multi-node searches); None: one machine."""
     measured: MeasuredResult
     """What the real run measured."""
     predicted: PredictedResult = PredictedResult()
@@ -203,6 +213,11 @@ class TunedConfig:
         """dtype of activations and gradients sent between stages."""
         return self.candidate.wire_dtype
 
+    @property
+    def rank_order(self) -> RankOrder:
+        """How the pp x dp grid fills the global ranks: pp-inner (a pipeline per node) or dp-inner."""
+        return self.candidate.rank_order
+
     @classmethod
     def from_measurement(
         cls,
@@ -219,6 +234,8 @@ class TunedConfig:
         predicted: PredictedResult | None = None,
         search: SearchSummary | None = None,
         environment: Environment | None = None,
+        nodes: int | None = None,
+        gpus_per_node: int | None = None,
     ) -> TunedConfig:
         """The config of a successful trial. model_sha256 defaults to the model file's fingerprint, model_layers to
         sum(layers_per_stage), environment to this process's; a password in search.storage is masked.
@@ -251,6 +268,8 @@ class TunedConfig:
             layer_parameter_bytes=layer_parameter_bytes,
             candidate=c,
             memory_limit_bytes=memory_limit_bytes,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
             measured=MeasuredResult(
                 step_time_ms=float(measurement.step_time_ms),
                 throughput_samples_per_s=float(throughput),
@@ -268,7 +287,11 @@ class TunedConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "candidate":
-                data.update((key, plain(getattr(value, attribute))) for key, attribute in CANDIDATE_KEYS.items())
+                data.update(
+                    (key, plain(getattr(value, attribute)))
+                    for key, attribute in CANDIDATE_KEYS.items()
+                    if _WRITTEN_IF_NOT_DEFAULT.get(key, object()) != getattr(value, attribute)
+                )
             elif f.name != "extra" and not (f.name in OPTIONAL_KEYS and value is None):
                 data[f.name] = plain(value)
         for dotted in OPTIONAL_SECTION_KEYS:  # written only when recorded, as the optional top-level keys
@@ -315,6 +338,11 @@ def check_values(c: Mapping[str, Any]) -> None:
             f"num_microbatches {m} x micro_batch_size {mb} x data_parallel_degree {dp} = {m * mb * dp}, but "
             f"global_batch_size is {b}; make the product equal global_batch_size"
         )
+    if c.get("rank_order", "pp-inner") not in RANK_ORDERS:
+        raise ConfigError(f"rank_order {c['rank_order']!r} is not one of {', '.join(RANK_ORDERS)}; fix it")
+    for name in ("nodes", "gpus_per_node"):
+        if c.get(name) is not None and c[name] < 1:
+            raise ConfigError(f"{name} is {c[name]}; it must be at least 1, or left out")
     if pp * dp != c["gpus"]:
         raise ConfigError(
             f"pipeline_degree {pp} x data_parallel_degree {dp} = {pp * dp}, but gpus is {c['gpus']}; "
@@ -349,14 +377,3 @@ def check_values(c: Mapping[str, Any]) -> None:
         validate_schedule(parse_schedule(c["schedule"]), pipeline_degree=pp, n_microbatches=m, n_stages=len(split))
     except InvalidCandidateError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def mask_password(url: str) -> str:
-    """'postgresql://u:secret@host/db' -> 'postgresql://u:***@host/db': configs get committed, passwords must not."""
-    parts = urllib.parse.urlsplit(url)
-    if not parts.password:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))

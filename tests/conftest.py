@@ -75,3 +75,23 @@ def process_gone(pid: int) -> bool:
             return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
     except FileNotFoundError:
         return True
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL server for the session (tests.pg); skipped, with the reason, where none can start."""
+    from tests import pg
+
+    why = pg.why_not()
+    if why:
+        pytest.skip(f"no PostgreSQL: {why}")
+    with pg.throwaway_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty storage: an SQLite file, or a database of its own on the throwaway PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'shared.db'}"
+    return request.getfixturevalue("postgres_server").create_database()

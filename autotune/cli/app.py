@@ -26,6 +26,7 @@ console = Console()
 err_console = Console(stderr=True)
 _debug = contextvars.ContextVar("autotune_debug", default=False)
 _json_asked = contextvars.ContextVar("autotune_json", default=False)
+_args: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("autotune_args", default=())
 
 # The ClickException that Typer's own parse errors (bad values, unknown or missing options) derive from; Typer
 # vendors click from 0.20 on, so it is found through a public exception rather than imported.
@@ -39,7 +40,9 @@ class _Group(TyperGroup):
     error itself goes to stderr as before)."""
 
     def main(self, args: Sequence[str] | None = None, *pargs: Any, **kwargs: Any) -> Any:
-        _json_asked.set("--json" in (sys.argv[1:] if args is None else list(args)))
+        given = tuple(sys.argv[1:] if args is None else args)
+        _json_asked.set("--json" in given)
+        _args.set(given)
         return super().main(args, *pargs, **kwargs)
 
     def invoke(self, ctx: Any) -> Any:
@@ -48,6 +51,7 @@ class _Group(TyperGroup):
         except _PARSE_ERRORS as exc:
             if _json_asked.get():
                 message, code = getattr(exc, "format_message", exc.__str__)(), getattr(exc, "exit_code", 2)
+                message = _redacted(message)
                 print_json({"status": "error", "error": message, "exit_code": code})
             raise
 
@@ -108,10 +112,28 @@ def errors_to_exit_codes(json_output: bool = False) -> Iterator[None]:
 def _fail(exc: BaseException, message: str, code: int, json_output: bool) -> None:
     if _debug.get():
         raise exc
+    message = _redacted(message)
     err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True, markup=True)
     if json_output:
         print_json({"status": "error", "error": message, "exit_code": code})
     raise typer.Exit(code) from None
+
+
+def command_line() -> str:
+    """This command as typed, for a config's header, with the --storage password masked."""
+    from autotune.masking import mask_argv
+
+    return " ".join(["autotune", *mask_argv(_args.get() or sys.argv[1:])])
+
+
+def _redacted(message: str) -> str:
+    """The last guard: no --storage password in an error message, whatever raised it."""
+    from autotune.masking import redact
+
+    given = _args.get()
+    urls = [value for flag, value in zip(given, given[1:]) if flag == "--storage"]
+    urls += [arg.split("=", 1)[1] for arg in given if arg.startswith("--storage=")]
+    return redact(message, urls)
 
 
 def print_json(data: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -11,7 +12,6 @@ from autotune.cli.options import (
     BatchOpt,
     DeviceChoice,
     DeviceOpt,
-    GpusOpt,
     JsonOpt,
     MemoryOpt,
     MicroBatchOpt,
@@ -22,6 +22,7 @@ from autotune.cli.options import (
     parse_split_at,
 )
 from autotune.cli.progress import TerminalReporter
+from autotune.errors import UsageError
 
 
 @app.command("profile", epilog=EXIT_CODES_HELP)
@@ -33,11 +34,18 @@ def profile_command(
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Also save the profile as JSON here, for `autotune plan --profile`."),
+    ] = None,
 ) -> None:
     """Measure every layer in place at several micro-batch sizes: forward, input-grad and weight-grad backward time,
     saved-activation, output and parameter bytes (one thread on CPU, like one rank).
 
-    Example: `autotune profile recipes/mlp.py --batch-size 64 --device cpu`
+    `--output profile.json` saves it, so `autotune plan --profile profile.json --nodes N --gpus-per-node G` can plan
+    a cluster run anywhere, without the model or its hardware.
+
+    Example: `autotune profile recipes/mlp.py --batch-size 64 --device cpu --output profile.json`
     """
     with errors_to_exit_codes(json_output):
         from autotune.devices import resolve_device
@@ -48,17 +56,28 @@ def profile_command(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
             reporter=TerminalReporter(), split_at=parse_split_at(split_at),
         )
+        if output is not None:
+            from autotune.files import atomic_write_json
+
+            atomic_write_json(output, result.to_dict())
         if json_output:
             print_json(result.to_dict())
         else:
             render_profile(result)
+            if output is not None:
+                console.print(f"profile saved to {output}", highlight=False)
 
 
 @app.command("plan", epilog=EXIT_CODES_HELP)
 def plan_command(
-    model: ModelArg,
-    gpus: GpusOpt,
-    batch_size: BatchOpt,
+    model: Annotated[Path | None, typer.Argument(help="Your model file (not needed with --profile).")] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", "-g", min=1, help="Ranks to plan for. Default with --nodes: nodes x gpus-per-node."),
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", "-b", min=1, help="Global batch size B per optimizer step.")
+    ] = None,
     memory_limit: MemoryOpt = None,
     top: Annotated[int, typer.Option("--top", "-k", min=1, help="Candidates to show.")] = 10,
     micro_batch_size: MicroBatchOpt = None,
@@ -66,6 +85,24 @@ def plan_command(
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
+    profile_path: Annotated[
+        Path | None,
+        typer.Option("--profile", help="Plan from a profile saved by `autotune profile --output` (nothing runs)."),
+    ] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", min=1, help="Nodes the ranks span.")] = None,
+    gpus_per_node: Annotated[
+        int | None, typer.Option("--gpus-per-node", min=1, help="Ranks per node (with --nodes, or alone).")
+    ] = None,
+    inter_node_bandwidth: Annotated[
+        float | None,
+        typer.Option("--inter-node-bandwidth", min=0.001, help="GB/s per rank between nodes. Default: 25 (cuda), "
+                     "1.25 (cpu); an assumption, said in the output."),
+    ] = None,
+    inter_node_latency: Annotated[
+        float | None,
+        typer.Option("--inter-node-latency", min=0.0, help="Microseconds per message between nodes. Default: 10 "
+                     "(cuda), 100 (cpu)."),
+    ] = None,
 ) -> None:
     """Profile the model, then simulate schedules x micro-batch counts (B/M) x balanced layer splits over N ranks
     and rank them by predicted throughput, with the B/M range worth trying. Nothing runs on N ranks: use
@@ -78,29 +115,89 @@ def plan_command(
     predicted_step_time_ms, predicted_throughput_samples_per_s, predicted_peak_memory_bytes (one per pipeline rank;
     every replica holds the same) and feasible.
 
-    Example: `autotune plan recipes/gpt.py --gpus 4 --batch-size 64 --device cpu --memory-limit 512MiB`
+    Several nodes (`--nodes N --gpus-per-node G`): sends between stages on different nodes and all-reduces over
+    nodes take the inter-node link (`--inter-node-bandwidth`, `--inter-node-latency`), and layouts with a pipeline
+    and replicas over several nodes are ranked in both rank orders: pp-inner (each pipeline inside a node) and
+    dp-inner (each stage's replicas inside a node). `autotune search` on a cluster measures the link instead.
+
+    Example: `autotune plan recipes/gpt.py --gpus 4 --batch-size 64 --device cpu --memory-limit 512MiB`;
+    on a laptop for a cluster: `autotune plan --profile profile.json --nodes 128 --gpus-per-node 8 --batch-size 2048`
     """
     with errors_to_exit_codes(json_output):
         from autotune.devices import device_memory_bytes, resolve_device
         from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
-        from autotune.tune import load_and_profile
         from autotune.units import parse_size
 
+        gpus, per_node = _ranks(gpus, nodes, gpus_per_node)
         limit = parse_size(memory_limit) if memory_limit else None
-        chosen = resolve_device(device.value)
-        limit = limit if limit is not None else device_memory_bytes(chosen)
-        _, profile = load_and_profile(
-            model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-            reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus,
-        )
+        if profile_path is not None:
+            from autotune.costs import load_profile
+
+            if model is not None:
+                raise UsageError("pass either a model file or --profile, not both")
+            profile = load_profile(profile_path)
+            batch_size = batch_size or profile.batch_size
+            if batch_size is None:
+                raise UsageError(f"{profile_path} does not say its batch size; pass --batch-size")
+            if limit is None and profile.device.startswith("cuda"):
+                raise UsageError("planning a cuda profile without its GPU: pass --memory-limit, e.g. 80GiB")
+        else:
+            from autotune.tune import load_and_profile
+
+            if model is None or batch_size is None:
+                raise UsageError("pass a model file and --batch-size, or --profile PROFILE.json")
+            chosen = resolve_device(device.value)
+            limit = limit if limit is not None else device_memory_bytes(chosen)
+            _, profile = load_and_profile(
+                model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
+                reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus,
+            )
+        link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
         with err_console.status(f"planning {gpus} ranks..."):
-            planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit)
+            planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
+                           gpus_per_node=per_node)
         ensure_feasible(planned)
         shown = planned[:top]
         if json_output:
             print_json([p.to_dict() for p in shown])
         else:
             render_plan(shown, recommended_microbatch_range(planned), limit, gpus, batch_size)
+            link_nodes = per_node or gpus
+            if link is not None and link.inter_node_bandwidth_bytes_per_s and link.inter_node_latency_s is not None:
+                console.print(
+                    f"{gpus // link_nodes} nodes of {link_nodes}; inter-node link assumed "
+                    f"{link.inter_node_bandwidth_bytes_per_s / 1e9:g} GB/s, {link.inter_node_latency_s * 1e6:g} us "
+                    f"per message (--inter-node-bandwidth, --inter-node-latency); `autotune search` measures it.",
+                    highlight=False,
+                )
+
+
+def _ranks(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
+    """(total ranks, ranks per node or None for one machine) from --gpus, --nodes and --gpus-per-node."""
+    if nodes is not None and gpus_per_node is None:
+        if gpus is None or gpus % nodes:
+            raise UsageError("--nodes needs --gpus-per-node (or a --gpus that nodes divide)")
+        gpus_per_node = gpus // nodes
+    if nodes is not None and gpus_per_node is not None:
+        if gpus is not None and gpus != nodes * gpus_per_node:
+            raise UsageError(f"--gpus {gpus} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}; drop --gpus")
+        gpus = nodes * gpus_per_node
+    if gpus is None:
+        raise UsageError("pass --gpus, or --nodes and --gpus-per-node")
+    if gpus_per_node is not None and gpus % gpus_per_node:
+        raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
+    return gpus, (gpus_per_node if gpus_per_node is not None and gpus > gpus_per_node else None)
+
+
+def _node_link(device: str, bandwidth_gb_s: float | None, latency_us: float | None) -> Any:
+    """The profile device's link with an inter-node entry: the flags, or the documented assumption."""
+    from autotune.simulate import LinkModel
+
+    cuda = device.startswith("cuda")
+    bandwidth = (bandwidth_gb_s if bandwidth_gb_s is not None else (25.0 if cuda else 1.25)) * 1e9
+    latency = (latency_us if latency_us is not None else (10.0 if cuda else 100.0)) * 1e-6
+    base = LinkModel.for_device(device)
+    return base.with_probe(inter_latency_s=latency, inter_bandwidth_bytes_per_s=bandwidth)
 
 
 def render_profile(profile: Any) -> None:
@@ -186,7 +283,8 @@ def render_plan(
         table.add_row(
             str(i),
             f"{c.pipeline_degree}×{c.data_parallel_degree}",
-            c.schedule.value + (" +ckpt" if c.activation_checkpointing else ""),
+            c.schedule.value + (" +ckpt" if c.activation_checkpointing else "")
+            + (" dp-inner" if c.rank_order == "dp-inner" else ""),
             str(c.n_microbatches),
             str(c.micro_batch_size),
             ",".join(map(str, c.layers_per_stage)),

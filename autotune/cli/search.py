@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from autotune.cli.app import EXIT_CODES_HELP, app, console, errors_to_exit_codes, print_json, start_fork_server
+from autotune.cli.app import (
+    EXIT_CODES_HELP,
+    app,
+    command_line,
+    console,
+    err_console,
+    errors_to_exit_codes,
+    print_json,
+    start_fork_server,
+)
 from autotune.cli.options import (
     BatchOpt,
     DeviceChoice,
@@ -56,9 +64,21 @@ def search(
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
     trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
+    worker: Annotated[
+        str | None,
+        typer.Option(
+            help="This search's name when several share one study (--storage, --study-name, --resume); its "
+            "--trials counts its own launches. Default: the host name (and CUDA_VISIBLE_DEVICES)."
+        ),
+    ] = None,
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
     json_output: JsonOpt = False,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(min=1, help="Under torchrun/srun over several nodes: ranks per node (--gpus is the total). "
+                     "Default: the CUDA device count; required with --device cpu."),
+    ] = None,
 ) -> None:
     """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
     checkpointing and the dtype between stages, under the memory limit. Writes the tuned config and a report.
@@ -71,9 +91,22 @@ def search(
 
     Ctrl-C stops the running trial, writes the best config so far and exits 130; `--resume` continues the study.
 
+    Several nodes: start the same command on every node with `torchrun --nnodes N --nproc-per-node 1 ...
+    -m autotune search ...` or `srun --ntasks-per-node 1 autotune search ...`. Node 0 runs the study and writes
+    the config and report; the others run their ranks of each trial.
+
     Example: `autotune search recipes/mlp.py --gpus 2 --device cpu --batch-size 256 --trials 12`
     """
     with errors_to_exit_codes(json_output):
+        from autotune.cluster.env import detect
+
+        env = detect()
+        cluster = None
+        if env.n_nodes > 1:
+            per_node = _gpus_per_node(gpus, gpus_per_node, env.n_nodes, device.value)
+            cluster = _join_cluster(env, per_node)
+            if cluster is None:
+                return
         start_fork_server()
         from autotune.tune import TuneRequest, tune
         from autotune.units import parse_duration, parse_size
@@ -97,9 +130,23 @@ def search(
             min_improvement=min_improvement,
             report_dir=report_dir,
             split_at=parse_split_at(split_at),
-            command="autotune " + " ".join(sys.argv[1:]),
+            command=command_line(),
+            worker=worker,
+            gpus_per_node=cluster.gpus_per_node if cluster is not None else None,
+            inter_node_link=_probe(cluster, device.value) if cluster is not None else None,
         )
-        outcome = tune(request, TerminalReporter())
+        if cluster is None:
+            outcome = tune(request, TerminalReporter())
+        else:
+            code, reason = 1, "node 0 failed"
+            try:
+                outcome = tune(request, TerminalReporter(), runner=cluster)
+                code, reason = 0, "done"
+            except KeyboardInterrupt:
+                code, reason = EXIT_INTERRUPTED, "interrupted"
+                raise
+            finally:
+                cluster.shutdown(code, reason)
         summary = search_summary(outcome)
         if json_output:
             print_json(summary)
@@ -107,6 +154,60 @@ def search(
             render_search(outcome.result, summary)
         if outcome.interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _gpus_per_node(gpus: int, gpus_per_node: int | None, n_nodes: int, device: str) -> int:
+    """Ranks per node of a multi-node search: --gpus-per-node, else (cuda) this node's device count."""
+    from autotune.errors import UsageError
+
+    if gpus_per_node is None:
+        if device == "cpu":
+            raise UsageError("with --device cpu over several nodes, pass --gpus-per-node (ranks per node)")
+        import torch
+
+        gpus_per_node = torch.cuda.device_count()
+        if gpus_per_node < 1:
+            raise UsageError("no CUDA device on this node: pass --device cpu and --gpus-per-node")
+    if gpus != n_nodes * gpus_per_node:
+        raise UsageError(f"--gpus {gpus} is not {n_nodes} nodes x {gpus_per_node} ranks per node; pass --gpus "
+                         f"{n_nodes * gpus_per_node} (the total)")
+    return gpus_per_node
+
+
+def _join_cluster(env: Any, gpus_per_node: int) -> Any:
+    """Node 0: the trial runner over every node, once all joined. Other nodes: serve node 0's trials until it is
+    done, then exit with its code (None returned only for a clean end)."""
+    from autotune.cluster.env import die_with_launcher
+    from autotune.cluster.node import Cluster, serve, stop_on_sigterm
+
+    if env.launcher == "torchrun":
+        die_with_launcher()
+    stop_on_sigterm()
+    if env.node == 0:
+        cluster = Cluster(env, gpus_per_node)
+        with err_console.status(f"waiting for {env.n_nodes - 1} more node(s) to join..."):
+            cluster.join()
+        return cluster
+    start_fork_server()
+    code = serve(env, gpus_per_node, say=lambda text: err_console.print(text, highlight=False))
+    if code:
+        raise typer.Exit(code)
+    return None
+
+
+def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
+    """The inter-node link, measured once before profiling (node 0 <-> node 1), and said on stderr."""
+    from autotune.devices import resolve_device
+
+    with err_console.status("probing the link between node 0 and node 1..."):
+        measured = cluster.probe(resolve_device(device))
+    if measured is None:
+        err_console.print("[yellow]the inter-node link probe failed: planning as if inside one node[/yellow]")
+    else:
+        latency, bandwidth = measured
+        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
+                          f"{bandwidth / 1e9:.2f} GB/s", highlight=False)
+    return measured
 
 
 def search_summary(outcome: Any) -> dict[str, Any]:
@@ -125,6 +226,8 @@ def search_summary(outcome: Any) -> dict[str, Any]:
         "best_trial": result.best_trial,
         "trials": len(result.records),
         "launched": result.launched,
+        "worker": outcome.worker,
+        "launched_by_worker": outcome.launched_by_worker,
         "feasible": result.feasible,
         "pruned": sum(1 for r in result.records if r.outcome == "pruned"),
         "wall_time_s": result.wall_time_s,

@@ -270,7 +270,7 @@ def reproduce_commands(
 ) -> tuple[tuple[str, str], ...]:
     """(what, command): repeat the search as a new study, continue this one, rebuild this report."""
     storage = mask_password(result.storage)
-    masked = storage != result.storage
+    masked = "***" in storage  # a search keeps its storage masked from the start
     args = ["autotune", "search", model]
     if gpus:
         args += ["--gpus", str(gpus)]

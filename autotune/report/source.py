@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.costs import Profile
-from autotune.errors import AutotuneError, UsageError
+from autotune.errors import UsageError
 from autotune.records import SearchResult
 
 
@@ -45,18 +45,11 @@ def locate_study(config_path: Path | None, storage: str | None, study_name: str 
 
 
 def load_study(source: StudySource) -> tuple[SearchResult, Profile]:
-    """load_search, with storage errors (bad URL, unreachable database) as a UsageError that names the URL."""
+    """load_search: a storage that cannot be opened (bad URL, no driver, unreachable database) or a study that is
+    not there is the user's error (StorageError / UsageError, exit 2, masked URL); anything else is a bug (exit 1)."""
     from autotune.search import load_search  # Optuna: only this reads a storage
 
-    try:
-        return load_search(source.storage, source.study_name)
-    except AutotuneError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - sqlalchemy / optuna raise their own types for bad URLs and unreachable databases
-        raise UsageError(
-            f"cannot open the study storage {source.storage} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-            f"check --storage"
-        ) from None
+    return load_search(source.storage, source.study_name)
 
 
 def _local_sqlite(url: str, config_path: Path | None) -> str:

@@ -32,6 +32,12 @@ class RankJob:
     """ModelSpec.split_at: where the model file's model is cut into blocks."""
     measure_wire_error: bool = False
     """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
+    local_rank: int | None = None
+    """This rank's index on its machine (its GPU); None: the global rank (one machine)."""
+    store: str | None = None
+    """The trial's rendezvous: "host:port/prefix" on the launcher's TCPStore (multi-node); None: a file in run_dir."""
+    kind: str = "run"
+    """run: train the candidate; probe: measure the link between two ranks (autotune.trial.probe)."""
 
 
 def start_rank(job: RankJob) -> None:

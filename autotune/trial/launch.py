@@ -14,6 +14,7 @@ torch.distributed is the culprit, the ranks waiting in torch.distributed are its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -24,6 +25,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long its peers get to notice and exit before they are killed."""
 STACK_DUMP_WAIT_S = 0.5
+LIVE: list[Any] = []
+"""This process's rank processes of the trial running now: a node told to stop kills them first (autotune.cluster)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,19 +74,72 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
     trial (oom, error, timeout are returned as data); raises LaunchError when ranks cannot be started at all."""
     candidate.validate(spec.n_layers)
     _check_device(options.device, candidate.world_size)
+    started = time.time()
+    outcome = run_ranks(str(spec.path), candidate, options, ranks=range(candidate.world_size), split_at=spec.split_at)
+    return measure(candidate, options, [outcome], time.time() - started)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RanksOutcome:
+    """What one machine's ranks of a trial left behind, by global rank (JSON-able: it crosses nodes)."""
+
+    node: int | None
+    """The node these ranks ran on; None on one machine."""
+    results: dict[int, dict[str, Any] | None]
+    """result-<rank>.json of each rank, None where it wrote none."""
+    errors: dict[int, dict[str, Any] | None]
+    """error-<rank>.json of each rank, None where it wrote none."""
+    exitcodes: dict[int, int | None]
+    """Exit code of each rank process (None: still alive when killed)."""
+    stuck: dict[int, bool]
+    """Ranks alive at the end: True when stuck outside torch.distributed."""
+    timed_out: bool
+    """The deadline (or the coordinator's timeout abort) ended the wait."""
+    log_tails: dict[int, str]
+    """Last line of output of each rank that exited non-zero without an error file."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RanksOutcome:
+        ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are strings
+        return cls(node=data["node"], results=ints(data["results"]), errors=ints(data["errors"]),
+                   exitcodes=ints(data["exitcodes"]), stuck=ints(data["stuck"]), timed_out=data["timed_out"],
+                   log_tails=ints(data["log_tails"]))
+
+
+def run_ranks(
+    model_path: str,
+    candidate: Candidate | None,
+    options: TrialOptions,
+    *,
+    ranks: range,
+    node: int | None = None,
+    store: str | None = None,
+    watch: Callable[[bool], tuple[bool, str | None]] | None = None,
+    kind: str = "run",
+    world_size: int | None = None,
+    split_at: tuple[str, ...] | None = None,
+) -> RanksOutcome:
+    """Start the given global ranks of a trial on this machine (local rank = position in `ranks`), wait for them
+    (deadline, failure grace), dump the stacks of ranks still alive, kill, and collect what they left.
+    store: the trial's rendezvous on the launcher's store (autotune.cluster); None: a file in the run dir.
+    watch(failed_here) -> (a rank elsewhere failed, abort reason): polled while waiting, for multi-node trials.
+    kind probe: the link probe's two ranks (candidate None, world_size 2)."""
     ctx = server.context()
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
     started = time.time()
     processes: list[Any] = []
     try:
         server_pid = server.start()
-        for rank in range(candidate.world_size):
+        for local_rank, rank in enumerate(ranks):
             job = RankJob(
                 rank=rank,
-                world_size=candidate.world_size,
-                model_path=str(spec.path),
-                split_at=spec.split_at,
-                candidate=candidate.to_dict(),
+                world_size=candidate.world_size if candidate is not None else int(world_size or 0),
+                model_path=model_path,
+                split_at=split_at,
+                candidate=candidate.to_dict() if candidate is not None else {},
                 steps=options.steps,
                 warmup=options.warmup,
                 device=options.device,
@@ -92,17 +149,33 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
                 launched_at=started,
                 parent_pid=server_pid,
                 measure_wire_error=options.measure_wire_error,
+                local_rank=local_rank,
+                store=store,
+                kind=kind,
             )
             process = ctx.Process(target=start_rank, args=(job,), name=f"autotune-rank-{rank}")
             with server.main_module_hidden():
                 process.start()
             processes.append(process)
-        timed_out = _wait(processes, deadline=started + options.timeout_s)
-        stuck = _dump_stacks(processes, run_dir) if timed_out or _any_alive(processes) else {}
+        LIVE[:] = processes
+        timed_out = _wait(processes, deadline=started + options.timeout_s, watch=watch)
+        stuck = _dump_stacks(processes, run_dir, ranks) if timed_out or _any_alive(processes) else {}
     finally:
         _kill_all(processes)
+        LIVE[:] = []
     try:
-        return _measure(candidate, options, run_dir, processes, timed_out, stuck, time.time() - started)
+        by_rank = dict(zip(ranks, processes, strict=False))
+        errors = {r: _read(run_dir / f"error-{r}.json") for r in ranks}
+        return RanksOutcome(
+            node=node,
+            results={r: _read(run_dir / f"result-{r}.json") for r in ranks},
+            errors=errors,
+            exitcodes={r: p.exitcode for r, p in by_rank.items()},
+            stuck=stuck,
+            timed_out=timed_out,
+            log_tails={r: _log_tail(run_dir, r) for r, p in by_rank.items()
+                       if p.exitcode not in (0, None) and not errors.get(r)},
+        )
     finally:
         if options.keep_run_dir:
             log.warning("rank logs kept in %s", run_dir)
@@ -124,31 +197,43 @@ def _check_device(device: str, world_size: int) -> None:
         raise LaunchError(f"unknown device {device!r}; pass --device cpu or --device cuda")
 
 
-def _wait(processes: list[Any], *, deadline: float) -> bool:
-    """Wait until all ranks exit, a failed rank's peers had their grace, or the deadline. True on timeout."""
+def _wait(
+    processes: list[Any], *, deadline: float, watch: Callable[[bool], tuple[bool, str | None]] | None = None
+) -> bool:
+    """Wait until all ranks exit, a failed rank's peers had their grace, or the deadline. True on timeout.
+    watch (multi-node): a rank failed on another node starts the grace here too; an abort reason ends the wait
+    (a timeout abort counts as a timeout)."""
     failed_at: float | None = None
     while True:
         alive = [p for p in processes if p.exitcode is None]
         if not alive:
             return False
         now = time.time()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+        failed_here = any(p.exitcode not in (None, 0) for p in processes)
+        if failed_at is None and failed_here:
             failed_at = now
+        if watch is not None:
+            failed_elsewhere, abort = watch(failed_here)
+            if abort is not None:
+                return abort == "timeout"
+            if failed_at is None and failed_elsewhere:
+                failed_at = now
         if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
             return False
         if now >= deadline:
             return True
         limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
-        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limit - now, 1.0)))
+        step = 0.2 if watch is not None else 1.0
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limit - now, step)))
 
 
 def _any_alive(processes: list[Any]) -> bool:
     return any(p.exitcode is None for p in processes)
 
 
-def _dump_stacks(processes: list[Any], run_dir: Path) -> dict[int, bool]:
-    """Ask live ranks for their stacks; True for a rank stuck outside torch.distributed."""
-    live = {rank: p for rank, p in enumerate(processes) if p.exitcode is None}
+def _dump_stacks(processes: list[Any], run_dir: Path, ranks: range) -> dict[int, bool]:
+    """Ask live ranks for their stacks; True for a rank stuck outside torch.distributed (by global rank)."""
+    live = {rank: p for rank, p in zip(ranks, processes, strict=False) if p.exitcode is None}
     for p in live.values():
         try:
             os.kill(p.pid, signal.SIGUSR1)
@@ -181,18 +266,12 @@ def _kill_all(processes: list[Any]) -> None:
         p.join(timeout=5)
 
 
-def _measure(
-    candidate: Candidate,
-    options: TrialOptions,
-    run_dir: Path,
-    processes: list[Any],
-    timed_out: bool,
-    stuck: dict[int, bool],
-    wall_time_s: float,
+def measure(
+    candidate: Candidate, options: TrialOptions, outcomes: list[RanksOutcome], wall_time_s: float
 ) -> Measurement:
-    results = {r: _read(run_dir / f"result-{r}.json") for r in range(candidate.world_size)}
-    errors = {r: _read(run_dir / f"error-{r}.json") for r in range(candidate.world_size)}
-    per_rank = [r for r in results.values() if r is not None]
+    """The measurement of a trial from what its ranks left (one outcome per machine), or the error to blame."""
+    results: dict[int, dict[str, Any]] = {r: v for o in outcomes for r, v in o.results.items() if v is not None}
+    per_rank = [results[r] for r in sorted(results)]
     if len(per_rank) == candidate.world_size:
         per_step = [max(steps) for steps in zip(*(r["step_times_ms"] for r in per_rank))]
         step_ms = statistics.median(per_step)
@@ -209,54 +288,67 @@ def _measure(
             loss=sum(losses) / len(losses) if losses else None,
             phases_s=phases,
             wire_grad_rel_error=max(wire_errors) if wire_errors else None,
+            rank_nodes=_rank_nodes(outcomes),
             candidate=candidate,
             wall_time_s=wall_time_s,
             device=options.device,
         )
-    error = _blame(errors, processes, timed_out, stuck, options.timeout_s, run_dir)
+    error = _blame(outcomes, options.timeout_s)
     return Measurement(
-        status=error.kind, error=error, candidate=candidate, wall_time_s=wall_time_s, device=options.device
+        status=error.kind, error=error, candidate=candidate, wall_time_s=wall_time_s, device=options.device,
+        rank_nodes=_rank_nodes(outcomes),
     )
 
 
-def _blame(
-    errors: dict[int, dict[str, Any] | None],
-    processes: list[Any],
-    timed_out: bool,
-    stuck: dict[int, bool],
-    timeout_s: float,
-    run_dir: Path,
-) -> TrialError:
+def _rank_nodes(outcomes: list[RanksOutcome]) -> tuple[int, ...]:
+    """The node of each global rank, where the ranks spanned nodes."""
+    if all(o.node is None for o in outcomes):
+        return ()
+    node_of = {r: o.node for o in outcomes for r in o.exitcodes}
+    return tuple(int(node_of[r] or 0) for r in sorted(node_of))
+
+
+def _blame(outcomes: list[RanksOutcome], timeout_s: float) -> TrialError:
+    errors: dict[int, dict[str, Any]] = {r: e for o in outcomes for r, e in o.errors.items() if e}
+    node_of = {r: o.node for o in outcomes for r in o.exitcodes}
+    name = (lambda r: f"rank {r}") if all(o.node is None for o in outcomes) else (
+        lambda r: f"node {node_of.get(r)} rank {r}")
     own = sorted((e for e in errors.values() if e and not e["comms"]), key=lambda e: e["at"])
     if own:
         first = own[0]
         where = f" at {first['where']}" if first.get("where") else ""
         return TrialError(
             rank=first["rank"],
+            node=node_of.get(first["rank"]),
             kind=first["kind"],
             message=first["message"] + where,
             bytes_requested=first.get("bytes_requested"),
         )
-    if timed_out:
+    if any(o.timed_out for o in outcomes):
+        stuck = {r: v for o in outcomes for r, v in o.stuck.items()}
         culprits = [rank for rank, outside in sorted(stuck.items()) if outside]
         rank = culprits[0] if culprits else None
-        waiting = ", ".join(str(r) for r in sorted(stuck) if r != rank) or "none"
-        what = f"rank {rank} hung outside torch.distributed" if rank is not None else "every live rank waits on a peer"
+        label = str if all(o.node is None for o in outcomes) else name
+        waiting = ", ".join(label(r) for r in sorted(stuck) if r != rank) or "none"
+        what = f"{name(rank)} hung outside torch.distributed" if rank is not None else "every live rank waits on a peer"
         return TrialError(
-            rank=rank, kind="timeout", message=f"no result within {timeout_s:g} s: {what}; waiting ranks: {waiting}"
+            rank=rank, node=node_of.get(rank) if rank is not None else None, kind="timeout",
+            message=f"no result within {timeout_s:g} s: {what}; waiting ranks: {waiting}",
         )
-    silent = [r for r, p in enumerate(processes) if p.exitcode not in (0, None) and not errors.get(r)]
+    codes = {r: c for o in outcomes for r, c in o.exitcodes.items()}
+    silent = [r for r, c in sorted(codes.items()) if c not in (0, None) and not errors.get(r)]
     if silent:
         rank = silent[0]
-        code = processes[rank].exitcode
+        code = codes[rank]
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        tail = next((o.log_tails.get(rank, "") for o in outcomes if rank in o.log_tails), "")
         return TrialError(
-            rank=rank, kind="error", message=f"rank {rank} {how} without an error{_log_tail(run_dir, rank)}"
+            rank=rank, node=node_of.get(rank), kind="error", message=f"{name(rank)} {how} without an error{tail}"
         )
     comms = sorted((e for e in errors.values() if e), key=lambda e: e["at"])
     if comms:
         first = comms[0]
-        return TrialError(rank=first["rank"], kind="error", message=first["message"])
+        return TrialError(rank=first["rank"], node=node_of.get(first["rank"]), kind="error", message=first["message"])
     return TrialError(rank=None, kind="error", message="the ranks exited without a result")
 
 

@@ -41,7 +41,8 @@ def run_rank(job: RankJob) -> None:
     run_dir = Path(job.run_dir)
     _die_with_parent(job.parent_pid)
     # As torchrun does, so the user's code can tell which rank it runs on.
-    os.environ.update(RANK=str(job.rank), LOCAL_RANK=str(job.rank), WORLD_SIZE=str(job.world_size))
+    local_rank = job.rank if job.local_rank is None else job.local_rank
+    os.environ.update(RANK=str(job.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(job.world_size))
     log = open(run_dir / f"log-{job.rank}.txt", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -49,7 +50,7 @@ def run_rank(job: RankJob) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     phases: dict[str, float] = {"start": time.time() - job.launched_at}
     try:
-        result = _train(job, phases)
+        result = _probe(job) if job.kind == "probe" else _train(job, phases)
     except BaseException as exc:  # noqa: BLE001 - everything a rank can raise becomes data
         traceback.print_exc()
         atomic_write_json(run_dir / f"error-{job.rank}.json", _classify(job.rank, exc))
@@ -57,6 +58,27 @@ def run_rank(job: RankJob) -> None:
         os._exit(1)
     atomic_write_json(run_dir / f"result-{job.rank}.json", result)
     os._exit(0)
+
+
+def _store(job: RankJob) -> dist.Store:
+    """The trial's rendezvous: a file in the run dir, or (multi-node) a prefix of the launcher's TCPStore."""
+    if job.store is None:
+        return dist.FileStore(str(Path(job.run_dir) / "store"), job.world_size)
+    address, _, prefix = job.store.partition("/")
+    host, _, port = address.rpartition(":")
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+    return dist.PrefixStore(prefix, client)
+
+
+def _probe(job: RankJob) -> dict[str, Any]:
+    from autotune.trial.probe import probe
+
+    torch.set_num_threads(1)
+    local = job.rank if job.local_rank is None else job.local_rank
+    device = torch.device("cuda", local) if job.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return probe(job.rank, _store(job), device, job.timeout_s)
 
 
 def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
@@ -67,13 +89,13 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         device = torch.device("cpu")
         backend = "gloo"
     else:
-        device = torch.device("cuda", job.rank)
+        device = torch.device("cuda", job.rank if job.local_rank is None else job.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
         if job.memory_limit_bytes is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, job.memory_limit_bytes / total), device)
-    store = dist.FileStore(str(Path(job.run_dir) / "store"), job.world_size)
+    store = _store(job)
     dist.init_process_group(
         backend,
         store=store,
@@ -84,10 +106,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     )
     candidate = Candidate.from_dict(job.candidate)
     spec = load_model_file(job.model_path, split_at=job.split_at)
-    layout = RankLayout(
-        rank=job.rank, pipeline_degree=candidate.pipeline_degree, data_parallel_degree=candidate.data_parallel_degree
-    )
-    pp_group, dp_group = init_groups(layout)
+    pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     inputs, targets = make_batch(spec, candidate.global_batch_size)
     phases["setup"] = time.perf_counter() - t0

@@ -120,3 +120,48 @@ def test_missing_model_file_is_a_usage_error(tmp_path):
     result = invoke("plan", tmp_path / "nope.py", "--gpus", 2, "--batch-size", 8, "--device", "cpu")
     assert result.exit_code == 2
     assert "no such file" in result.stderr
+
+
+def test_profile_output_then_plan_from_it_over_nodes_without_the_model(model, tmp_path):
+    saved = tmp_path / "profile.json"
+    result = invoke("profile", model, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--output", saved)
+    assert result.exit_code == 0, result.output
+    assert json.loads(saved.read_text())["batch_size"] == 8
+    model.unlink()  # planning from the saved profile needs no model file
+    result = invoke("plan", "--profile", saved, "--nodes", 2, "--gpus-per-node", 2, "--json", "--top", 50)
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert all(e["pipeline_degree"] * e["data_parallel_degree"] == 4 and e["global_batch_size"] == 8
+               for e in planned)
+    assert {"dp-inner"} <= {e.get("rank_order") for e in planned if e["pipeline_degree"] == 2}
+    table = invoke("plan", "--profile", saved, "--nodes", 2, "--gpus-per-node", 2, "--inter-node-bandwidth", 0.5)
+    assert table.exit_code == 0, table.output
+    assert "2 nodes of 2; inter-node link assumed 0.5 GB/s" in " ".join(table.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", 2, "--gpus-per-node", 2, "--gpus", 8], "--gpus 8 is not --nodes 2 x --gpus-per-node 2"),
+        (["--gpus", 6, "--gpus-per-node", 4], "not a whole number of nodes of 4"),
+        (["--nodes", 2], "--nodes needs --gpus-per-node"),
+        ([], "pass --gpus, or --nodes and --gpus-per-node"),
+    ],
+)
+def test_plan_node_flags_are_checked(tmp_path, args, message):
+    saved = tmp_path / "profile.json"
+    saved.write_text("{}")
+    result = invoke("plan", "--profile", saved, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("content, message", [(None, "no profile at"), ("not json", "cannot read profile"),
+                                              ("[1]", "is not a profile"), ("{}", "cannot read profile")])
+def test_plan_from_a_bad_profile_is_one_line(tmp_path, content, message):
+    saved = tmp_path / "profile.json"
+    if content is not None:
+        saved.write_text(content)
+    result = invoke("plan", "--profile", saved, "--gpus", 2, "--batch-size", 8)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output

@@ -42,7 +42,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: 
 
 def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
     spec = load_model_file(model)
-    layout = RankLayout(rank=rank, pipeline_degree=c.pipeline_degree, data_parallel_degree=c.data_parallel_degree)
+    layout = RankLayout.of(c, rank)
     pp_group, dp_group = init_groups(layout)
     pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
     inputs, targets = make_batch(spec, c.global_batch_size)

@@ -79,6 +79,20 @@ def test_data_parallel_pipeline_gradients_match_reference(tmp_path):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("order", ["pp-inner", "dp-inner"])
+def test_pipelines_of_replicas_in_either_rank_order_match_reference(order, tmp_path):
+    """pp=2 x dp=2, the grid filled pipelines-first or replicas-first (placement.RankOrder): same gradients."""
+    spec = load_model_file(RECIPES / "mlp.py")
+    candidate = Candidate(
+        schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, data_parallel_degree=2, global_batch_size=16,
+        n_microbatches=2, layers_per_stage=uniform_split(spec.n_layers, 2), rank_order=order,
+    )
+    got = pipelined_grads(spec, candidate, tmp_path)
+    want = reference_grads(spec, candidate)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 TRANSPOSING = """
 import torch
 from torch import nn

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
+import subprocess
 import time
 from dataclasses import replace
 
@@ -163,12 +166,28 @@ def test_trials_enqueued_but_never_asked_are_not_records_and_resume_counts_each_
 def test_a_trial_left_running_by_a_crash_is_failed_on_resume(spec, tmp_path):
     search(spec, tmp_path, SimulatedRunner(interrupt_after=2))
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
-    crashed = study.ask()  # as if the tuner died (SIGKILL) in the middle of this trial
+    crashed = study.ask()  # as if the tuner died (SIGKILL) in the middle of this trial: its process is gone
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    crashed.set_user_attr("owner", {"worker": "w", "host": socket.gethostname(), "pid": dead.pid})
     crashed.set_user_attr("launched", True)
     result = search(spec, tmp_path, SimulatedRunner(), resume=True)
     record = next(r for r in result.records if r.number == crashed.number)
-    assert record.outcome == "interrupted" and "died" in record.reason
+    assert record.outcome == "interrupted" and "died" in record.reason and "worker w" in record.reason
     assert study.trials[crashed.number].state == optuna.trial.TrialState.FAIL
+
+
+def test_a_search_joining_a_study_leaves_another_live_searchs_trial_alone(spec, tmp_path):
+    # Issue 16: a search starting on a study failed every RUNNING trial, a live search's too, which then crashed.
+    search(spec, tmp_path, SimulatedRunner(interrupt_after=2))
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
+    running = study.ask()  # another search's trial, running now: its process lives
+    running.set_user_attr("owner", {"worker": "other", "host": socket.gethostname(), "pid": os.getppid()})
+    running.set_user_attr("launched", True)
+    result = search(spec, tmp_path, SimulatedRunner(), resume=True, worker="me")
+    assert study.trials[running.number].state == optuna.trial.TrialState.RUNNING
+    assert next(r for r in result.records if r.number == running.number).outcome == "interrupted"
+    assert sum(r.launched and r.worker == "me" for r in result.records) == 8  # its own budget, not the study's
 
 
 def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):

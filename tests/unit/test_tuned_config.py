@@ -166,6 +166,22 @@ def test_layer_roles_are_optional_and_round_trip(tmp_path: Path) -> None:
     assert yaml.safe_load(dump_config(config))["layer_roles"] == roles
 
 
+def test_rank_order_and_nodes_are_optional_and_round_trip(tmp_path: Path) -> None:
+    data = valid_dict()
+    config = load_config(write_dict(tmp_path, data))
+    assert config.rank_order == "pp-inner" and config.nodes is None and config.gpus_per_node is None
+    assert not {"rank_order", "nodes", "gpus_per_node"} & set(yaml.safe_load(dump_config(config)))
+    data.update(rank_order="dp-inner", nodes=2, gpus_per_node=2)
+    config = load_config(write_dict(tmp_path, data))
+    assert (config.rank_order, config.nodes, config.gpus_per_node) == ("dp-inner", 2, 2)
+    assert config.candidate.rank_order == "dp-inner"
+    written = yaml.safe_load(dump_config(config))
+    assert (written["rank_order"], written["nodes"], written["gpus_per_node"]) == ("dp-inner", 2, 2)
+    data["rank_order"] = "sideways"
+    with pytest.raises(ConfigError, match="rank_order 'sideways' is not one of pp-inner, dp-inner"):
+        load_config(write_dict(tmp_path, data))
+
+
 def test_candidate_property_matches_the_config() -> None:
     config = make_config(
         schedule=Schedule.INTERLEAVED_1F1B,
@@ -501,6 +517,9 @@ def test_the_schema_follows_the_dataclass_fields() -> None:
     """Every field of TunedConfig (the candidate as its flat keys) is a key of the file, in field order."""
     from autotune.config_file import _SECTIONS, _TOP
 
-    assert [k for k in _TOP if k not in ("layer_roles", "split_at", "layer_parameter_bytes")] == SCHEMA_ORDER
+    # written only when they say something
+    optional_here = ("layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node")
+    assert [k for k in _TOP if k not in optional_here] == SCHEMA_ORDER
+    assert sorted(k for k in _TOP if k in optional_here) == sorted(optional_here)
     assert _TOP["memory_limit_bytes"].optional and _TOP["layers_per_stage"].kind == "ints"
     assert list(_SECTIONS["search"]) == ["study", "storage", "trials", "feasible", "best_trial"]

@@ -1,0 +1,317 @@
+"""A study's storage, shared by any number of searches at once.
+
+    open_storage ──▶ StudyStorage        tables created under a cross-process lock (two first starts race on CREATE
+                                         TYPE / CREATE TABLE otherwise), a connect timeout, errors as one line
+    Heartbeat                            a running trial's beat (Optuna beats only inside Study.optimize; the search
+                                         asks and tells, so it beats itself)
+    reap_stale                           fail RUNNING trials whose owner is gone: its heartbeat lapsed, its process
+                                         on this host is dead, or (no beat ever) it is older than any trial can be
+    claim                                atomically: launch this candidate unless another trial runs or measured it
+
+The lock is a PostgreSQL advisory lock (across hosts; the server drops it when its holder dies) or an flock beside
+an SQLite file (one host, as SQLite itself); other URLs (MySQL...) get none. The truth stays in the study's own trials
+(user attrs `owner`, `candidate_key`, `launched`, `measurement`): no table of our own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy
+from sqlalchemy.engine import make_url
+
+from autotune.errors import StorageError
+from autotune.masking import mask_url
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 5
+"""A running trial beats this often (seconds)."""
+GRACE_PERIOD_S = 30
+"""A trial whose beat is this old (seconds, by the database's clock) is failed by whichever search looks first."""
+CONNECT_TIMEOUT_S = 10
+"""Every engine autotune makes gives up connecting after this long (a silent server hung one for 130 s)."""
+LOCK_CLASS = 0x4154_554E
+"""'ATUN': the first key of PostgreSQL's two-int advisory locks, so autotune's do not collide with others'."""
+_THREAD_LOCK = threading.RLock()  # an flock is per open file: the threads of one process need their own mutex
+
+
+@dataclass(frozen=True, kw_only=True)
+class Owner:
+    """Who launched a trial: the search worker, its host and process."""
+
+    worker: str
+    """--worker: the name a search's budget is counted under."""
+    host: str
+    """socket.gethostname() of the search process."""
+    pid: int
+    """The search process."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker": self.worker, "host": self.host, "pid": self.pid}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> Owner | None:
+        data = attrs.get("owner")
+        if not isinstance(data, dict):
+            return None
+        return cls(worker=str(data.get("worker", "")), host=str(data.get("host", "")), pid=int(data.get("pid", 0)))
+
+    @classmethod
+    def this_process(cls, worker: str) -> Owner:
+        return cls(worker=worker, host=socket.gethostname(), pid=os.getpid())
+
+    def gone(self) -> bool:
+        """The owner's process is known to be dead: it ran on this host and its pid no longer exists."""
+        if self.host != socket.gethostname() or self.pid == os.getpid() or self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return _zombie(self.pid)
+
+
+def default_worker() -> str:
+    """The host name, and the GPUs it may use when CUDA_VISIBLE_DEVICES says: two searches on one machine with
+    different GPU sets are different workers."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return socket.gethostname() + (f":{gpus}" if gpus else "")
+
+
+class StudyStorage:
+    """An opened storage: Optuna's RDBStorage, and a lock shared by every process that uses the same database."""
+
+    def __init__(self, url: str, rdb: optuna.storages.RDBStorage, lock_engine: sqlalchemy.Engine | None) -> None:
+        self.url = url
+        """The URL as given (with its password: never print it; `masked` is for showing)."""
+        self.masked = mask_url(url)
+        self.rdb = rdb
+        self._lock_engine = lock_engine
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """A mutex across processes (and, on PostgreSQL, hosts) using this storage, scoped to `name`. Not
+        re-entrant."""
+        with storage_lock(self.url, name, engine=self._lock_engine):
+            yield
+
+    def dispose(self) -> None:
+        """Close the connections (the study stays)."""
+        self.rdb.engine.dispose()
+        if self._lock_engine is not None:
+            self._lock_engine.dispose()
+
+
+def open_storage(
+    url: str,
+    *,
+    heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
+    grace_period_s: int = GRACE_PERIOD_S,
+    connect_timeout_s: int = CONNECT_TIMEOUT_S,
+) -> StudyStorage:
+    """Open (creating its tables if needed) the storage at `url`, race-free. Raises StorageError, whose message names
+    the masked URL and the fix, for anything a user can get wrong: not a database URL, no driver, a server that
+    does not answer or refuses, an SQLite file in a folder that does not exist."""
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval is
+    # Optuna's heartbeats are meant for Study.optimize; the search asks and tells, and beats itself (Heartbeat).
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    try:
+        backend = make_url(url).get_backend_name()
+        engine_kwargs: dict[str, Any] = {}
+        lock_engine = None
+        if backend == "postgresql":
+            # libpq's connect_timeout: without it an unroutable host waits for the OS (~2 min).
+            engine_kwargs = {"connect_args": {"connect_timeout": connect_timeout_s}, "pool_pre_ping": True}
+            lock_engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool,
+                                                   connect_args=engine_kwargs["connect_args"])
+        elif backend == "sqlite":
+            engine_kwargs = {"connect_args": {"timeout": 60}}  # wait this long on a database another search writes
+        with storage_lock(url, "schema", engine=lock_engine):
+            rdb = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval_s,
+                grace_period=grace_period_s,
+            )
+    except Exception as exc:  # noqa: BLE001 - mapped to the user's error when it is one, else re-raised
+        error = storage_error(exc, url)
+        if error is None:
+            raise
+        raise error from None
+    return StudyStorage(url, rdb, lock_engine)
+
+
+def storage_error(exc: BaseException, url: str) -> StorageError | None:
+    """The one-line StorageError for an exception from opening or reading a storage, None when it is not the user's
+    (a bug: the caller re-raises it)."""
+    shown = mask_url(url)
+    chain = _chain(exc)
+    names = {type(e).__name__ for e in chain}
+    if names & {"ArgumentError", "NoSuchModuleError"}:
+        return StorageError(
+            f"--storage {shown!r} is not a database URL: use sqlite:///path.db or postgresql://user:password@host/db"
+        )
+    if isinstance(exc, ImportError):
+        if url.startswith("postgresql"):
+            return StorageError(
+                f"--storage {shown} needs the psycopg driver (PostgreSQL): pip install 'autotune[postgres]'"
+            )
+        return StorageError(f"--storage {shown} needs a database driver that is not installed ({_first_line(exc)})")
+    if isinstance(exc, FileNotFoundError):
+        folder = Path(exc.filename).parent if exc.filename else "?"
+        return StorageError(f"the folder {folder} of --storage {shown} does not exist; create it or fix the path")
+    if "OperationalError" in names or "InterfaceError" in names:
+        cause = chain[-1]
+        return StorageError(f"cannot open --storage {shown}: {_first_line(cause)}")
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = text.split(" (Background on this error", 1)[0]
+    if text.startswith("(") and ") " in text:  # sqlalchemy's "(psycopg.OperationalError) ..." prefix
+        text = text.split(") ", 1)[1]
+    return text[:300]
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    return chain
+
+
+def _lock_key(name: str) -> int:
+    """A stable signed 32-bit key for a name (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big", signed=True)
+
+
+@contextlib.contextmanager
+def storage_lock(url: str, name: str, *, engine: sqlalchemy.Engine | None = None) -> Iterator[None]:
+    """A mutex shared by every process using the database at `url`, scoped to `name` (see the module docstring)."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        own = engine is None
+        eng = engine or sqlalchemy.create_engine(
+            url, poolclass=sqlalchemy.pool.NullPool, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+        )
+        key = {"a": LOCK_CLASS, "b": _lock_key(name)}
+        try:
+            with eng.connect() as conn:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:a, :b)"), key)
+                conn.commit()
+                try:
+                    yield
+                finally:
+                    conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), key)
+                    conn.commit()
+        finally:
+            if own:
+                eng.dispose()
+    elif backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        import fcntl
+
+        # Plain open(), not the filelock package: that creates missing folders, so a mistyped path would "work".
+        with open(f"{parsed.database}.lock", "a") as handle, _THREAD_LOCK:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    else:
+        yield
+
+
+class Heartbeat:
+    """Beats for one trial from a thread while it runs; the first beat is synchronous, because a RUNNING trial
+    without any beat is never found stale by Optuna. Use as a context manager."""
+
+    def __init__(self, storage: StudyStorage, trial_id: int) -> None:
+        self.storage, self.trial_id = storage, trial_id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        self.storage.rdb.record_heartbeat(self.trial_id)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"autotune-heartbeat-{self.trial_id}")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        interval = self.storage.rdb.get_heartbeat_interval() or HEARTBEAT_INTERVAL_S
+        while not self._stop.wait(interval):
+            try:
+                self.storage.rdb.record_heartbeat(self.trial_id)
+            except Exception as exc:  # noqa: BLE001 - a lost beat is what the grace period is for
+                log.debug("heartbeat of trial id %d failed: %s", self.trial_id, exc)
+
+
+def reap_stale(study: optuna.Study, *, stale_after_s: float) -> list[int]:
+    """Fail the study's RUNNING trials whose owner is gone; return their numbers. Gone: its heartbeat lapsed (by the
+    database's clock, any host), or it ran on this host and its process is dead, or it never beat (not launched, or
+    written by an autotune without heartbeats) and started more than stale_after_s ago. A live search's trial is
+    never touched. A reaped trial keeps its attrs; its record says its worker stopped answering."""
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+    optuna.storages.fail_stale_trials(study)
+    now = time.time()
+    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        owner = Owner.from_attrs(frozen.user_attrs)
+        started = frozen.datetime_start.timestamp() if frozen.datetime_start else now
+        beats = owner is not None and bool(frozen.user_attrs.get("launched"))
+        if (owner is not None and owner.gone()) or (not beats and now - started > stale_after_s):
+            study.tell(frozen.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    after = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+    reaped = sorted(before - after)
+    if reaped:
+        log.info("failed trials %s: their search stopped answering", reaped)
+    return reaped
+
+
+def claim(
+    storage: StudyStorage, study: optuna.Study, trial: optuna.Trial, key: str, *, remeasure: bool = False
+) -> str | None:
+    """Atomically: unless another trial of the study runs candidate `key` (or, unless remeasure, has measured it),
+    mark this trial as its launch. None when claimed, else why not (which trial holds it). Holding the storage lock,
+    read the study's running and finished trials, then set `candidate_key` and `launched` on this one."""
+    State = optuna.trial.TrialState
+    with storage.lock(f"claim:{study.study_name}"):
+        for t in study.get_trials(deepcopy=False, states=(State.RUNNING, State.COMPLETE, State.PRUNED, State.FAIL)):
+            if t.number == trial.number or t.user_attrs.get("candidate_key") != key or not t.user_attrs.get("launched"):
+                continue
+            if t.state == State.RUNNING:
+                owner = Owner.from_attrs(t.user_attrs)
+                return f"trial {t.number} runs it" + (f" (worker {owner.worker})" if owner else "")
+            if not remeasure and "measurement" in t.user_attrs:
+                return f"trial {t.number} measured it"
+        trial.set_user_attr("candidate_key", key)
+        trial.set_user_attr("launched", True)
+    return None
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except OSError:
+        return False

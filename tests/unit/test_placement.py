@@ -1,0 +1,139 @@
+"""Where the ranks of a pp x dp grid sit on nodes, which transfers cross nodes, and what crossing costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.candidate import Candidate
+from autotune.costs import LayerCost, Profile
+from autotune.errors import UsageError
+from autotune.placement import RANK_ORDERS, crossing_boundaries, dp_nodes, global_rank, grid_position, order_matters
+from autotune.plan import plan
+from autotune.schedules import Schedule, stage_ranks
+from autotune.simulate import LinkModel, simulate
+
+FAST = LinkModel(bandwidth_bytes_per_s=50e9, latency_s=20e-6, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+SLOW = dataclasses.replace(FAST, inter_node_bandwidth_bytes_per_s=5e9, inter_node_latency_s=200e-6)
+
+
+def transformer(n_layers: int = 16, *, params: int = 50 * 2**20, output: int = 64 * 2**20) -> Profile:
+    block = LayerCost(forward_ms=2.0, backward_input_ms=2.0, backward_weight_ms=2.0, saved_bytes=2**20,
+                      output_bytes=output, parameter_bytes=params)
+    return Profile.from_layer_costs([block] * n_layers, input_bytes=2**20, device="cuda")
+
+
+def pipeline(pp: int, *, dp: int = 1, order: str = "pp-inner", schedule: Schedule = Schedule.ONE_F_ONE_B,
+             m: int = 8, layers: int = 16) -> Candidate:
+    stages = pp * (2 if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZBV_ZERO_BUBBLE) else 1)
+    split = [layers // stages] * stages
+    return Candidate(schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=m * dp,
+                     n_microbatches=m, layers_per_stage=tuple(split), rank_order=order)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("order", RANK_ORDERS)
+def test_grid_position_inverts_global_rank(order):
+    pp, dp = 4, 3
+    seen = {global_rank(p, d, pp, dp, order) for p in range(pp) for d in range(dp)}
+    assert seen == set(range(pp * dp))
+    for rank in range(pp * dp):
+        assert global_rank(*grid_position(rank, pp, dp, order), pp, dp, order) == rank
+
+
+def test_the_two_orders_literal():
+    # pp 4 x dp 2: pp-inner keeps a pipeline on consecutive ranks, dp-inner a stage's replicas.
+    assert [global_rank(p, 0, 4, 2, "pp-inner") for p in range(4)] == [0, 1, 2, 3]
+    assert [global_rank(p, 0, 4, 2, "dp-inner") for p in range(4)] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("per_node, crossed", [(8, 0), (4, 1), (2, 3), (1, 7)])
+def test_a_pipeline_of_8_is_cut_by_the_nodes(per_node, crossed):
+    ranks = stage_ranks(Schedule.ONE_F_ONE_B, 8, 8)
+    assert sum(crossing_boundaries(ranks, 1, per_node, "pp-inner")) == crossed
+
+
+def test_interleaved_wrap_around_and_dp_inner():
+    # Interleaved, pp 2, 4 stages on ranks 0 1 0 1: every hand-off crosses when each rank is its own node.
+    ranks = stage_ranks(Schedule.INTERLEAVED_1F1B, 2, 4)
+    assert crossing_boundaries(ranks, 1, 1, "pp-inner") == (False, True, True, True)
+    assert crossing_boundaries(ranks, 1, 2, "pp-inner") == (False, False, False, False)
+    # pp 4 x dp 2 on nodes of 4: pp-inner keeps pipelines inside; dp-inner crosses once, at p1 -> p2.
+    ranks = stage_ranks(Schedule.ONE_F_ONE_B, 4, 4)
+    assert crossing_boundaries(ranks, 2, 4, "pp-inner") == (False,) * 4
+    assert crossing_boundaries(ranks, 2, 4, "dp-inner") == (False, False, True, False)
+    assert dp_nodes(4, 2, 4, "pp-inner") == 2 and dp_nodes(4, 2, 4, "dp-inner") == 1
+    # ZBV's V: rank r holds stages r and 2pp-1-r; the turn (stage pp-1 -> pp) stays on one rank.
+    ranks = stage_ranks(Schedule.ZBV_ZERO_BUBBLE, 2, 4)
+    assert ranks == [0, 1, 1, 0]
+    assert crossing_boundaries(ranks, 1, 1, "pp-inner") == (False, True, False, True)
+
+
+def test_order_matters_only_for_a_pipeline_and_replicas_over_nodes():
+    assert order_matters(4, 2, 4)
+    assert not order_matters(4, 2, None) and not order_matters(4, 2, 8)
+    assert not order_matters(1, 8, 4) and not order_matters(8, 1, 4)
+
+
+def test_hierarchical_all_reduce():
+    same = FAST.allreduce_ms(1e9, 16)
+    assert FAST.allreduce_ms(1e9, 16, 1) == same
+    # 16 ranks on 2 nodes of 8: a ring of 8 inside, then the 1/8 shard across the 2 nodes on the slow link.
+    expected = FAST.allreduce_ms(1e9, 8) + 2 * (1) * (200e-6 + 1e9 / 8 / 2 / 5e9) * 1e3
+    assert SLOW.allreduce_ms(1e9, 16, 2) == pytest.approx(expected)
+
+
+def test_a_pipeline_crossing_nodes_is_predicted_slower_when_the_link_between_them_is():
+    prof = transformer()
+    c = pipeline(8)
+    inside = simulate(prof, c, link=SLOW)  # one machine: no node boundary at all
+    one_node = simulate(prof, c, link=SLOW, gpus_per_node=8)
+    crossing = simulate(prof, c, link=SLOW, gpus_per_node=4)
+    every = simulate(prof, c, link=SLOW, gpus_per_node=1)
+    assert one_node.step_time_ms == inside.step_time_ms
+    assert inside.step_time_ms < crossing.step_time_ms < every.step_time_ms
+    # An inter-node link as fast as the one inside changes nothing.
+    assert simulate(prof, c, link=FAST, gpus_per_node=1).step_time_ms == pytest.approx(inside.step_time_ms)
+
+
+def test_dp_inner_wins_when_gradients_dominate_and_pp_inner_when_activations_do():
+    grads = transformer(params=2**30, output=2**20)
+    big_grads = {o: simulate(grads, pipeline(4, dp=4, order=o), link=SLOW, gpus_per_node=4).step_time_ms
+                 for o in RANK_ORDERS}
+    assert big_grads["dp-inner"] < big_grads["pp-inner"]
+    acts = transformer(params=2**10, output=2**30)
+    big_acts = {o: simulate(acts, pipeline(4, dp=4, order=o), link=SLOW, gpus_per_node=4).step_time_ms
+                for o in RANK_ORDERS}
+    assert big_acts["pp-inner"] < big_acts["dp-inner"]
+
+
+def test_with_probe_adds_only_what_crossing_costs():
+    base = LinkModel.for_device("cpu")
+    probed = base.with_probe(inter_latency_s=80e-6, inter_bandwidth_bytes_per_s=1e9, intra_latency_s=30e-6,
+                             intra_bandwidth_bytes_per_s=2e9)
+    assert probed.inter_node_latency_s == pytest.approx(base.latency_s + 50e-6)
+    assert 1 / probed.inter_node_bandwidth_bytes_per_s == pytest.approx(1 / base.bandwidth_bytes_per_s + 0.5e-9)
+    faster = base.with_probe(inter_latency_s=1e-6, inter_bandwidth_bytes_per_s=1e12)  # never faster than inside
+    assert faster.across_nodes().latency_s == base.latency_s
+    assert faster.across_nodes().bandwidth_bytes_per_s == base.bandwidth_bytes_per_s
+
+
+def test_plan_ranks_both_orders_over_nodes_and_one_on_a_machine():
+    prof = transformer()
+    fast = {"schedules": ["1F1B"], "memory_limit_bytes": None, "prune_within": None}
+    over_nodes = plan(prof, gpus=8, batch_size=16, link=SLOW, gpus_per_node=2, **fast)
+    orders = {(p.candidate.pipeline_degree, p.candidate.rank_order) for p in over_nodes}
+    assert (4, "dp-inner") in orders and (4, "pp-inner") in orders
+    assert all(p.candidate.rank_order == "pp-inner" for p in over_nodes
+               if p.candidate.pipeline_degree in (1, 8))
+    alone = plan(prof, gpus=8, batch_size=16, link=SLOW, **fast)
+    assert {p.candidate.rank_order for p in alone} == {"pp-inner"}
+    with pytest.raises(UsageError, match="whole number of nodes"):
+        plan(prof, gpus=8, batch_size=16, gpus_per_node=3, **fast)
+
+
+def test_rank_order_round_trips_and_keeps_old_keys():
+    c = pipeline(4, dp=2)
+    assert "rank_order" not in c.to_dict() and "dp-inner" not in c.key
+    d = dataclasses.replace(c, rank_order="dp-inner")
+    assert Candidate.from_dict(d.to_dict()) == d and d.key.endswith("+dp-inner")
