@@ -65,11 +65,8 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
 
 
 def _traced_or_why(model: nn.Module, leaves: list[str], inputs: Any, *, hf_family: bool) -> BlockModel:
-    try:
-        return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=_fix(model))
-    except ModelFileError as exc:
-        if not is_transformers_model(model):
-            raise
+    fix = _fix(model)
+    if is_transformers_model(model):  # its forward takes **kwargs: no --split-at makes it traceable
         name = type(model).__name__
         known = (
             f"leave out --split-at: autotune cuts {name} at its decoder layers by itself"
@@ -77,8 +74,13 @@ def _traced_or_why(model: nn.Module, leaves: list[str], inputs: Any, *, hf_famil
             else "autotune cuts Hugging Face decoder-only *ForCausalLM models (embeddings, a list of layers and a "
             "final norm in the base model, then an LM head); for another kind, wrap its parts in modules of your own"
         )
-        raise ModelFileError(f"{exc}. {name} is a Hugging Face model, whose forward torch.fx cannot trace: {known}") \
-            from exc
+        fix = f"{name} is a Hugging Face model, whose forward torch.fx cannot trace: {known}"
+    try:
+        return cut_traced(model, leaves, input_names=_input_names(model, inputs), fix=fix)
+    except ModelFileError as exc:
+        if fix in str(exc) or not is_transformers_model(model):
+            raise
+        raise ModelFileError(f"{exc}. {fix}") from exc
 
 
 def cut_sequential(model: nn.Sequential) -> BlockModel:
