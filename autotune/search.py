@@ -204,6 +204,12 @@ def run_search(
         interrupted = True
     shared.refresh()
     summary = summarize(engine.records, engine.runs)
+    side_by_side = shared.remeasured_here()
+    if shared.shared_by_others() and len(leaders_of(side_by_side)) >= 2:
+        # Several workers' runs: the leaders come from the whole study, the choice from the runs this worker took of
+        # them side by side on its own hardware (another worker's machine may be faster or noisier).
+        summary = summarize(engine.records, side_by_side)
+        reporter.phase(f"choosing among the {len(summary.leaders)} leaders by this worker's side-by-side re-runs")
     return SearchResult.of(
         summary,
         study_name=study_name,

@@ -46,6 +46,7 @@ class SharedStudy:
         self.runs: dict[str, list[Measurement]] = {}
         """Every real run's measurement of the study, grouped by candidate key, in trial order."""
         self._final: dict[int, tuple[TrialRecord, Measurement | None]] = {}
+        self._entries: list[tuple[TrialRecord, Measurement | None]] = []
         self._reaped_at = 0.0
         self.refresh()
 
@@ -70,11 +71,24 @@ class SharedStudy:
             entry = record_and_run(frozen)
             (self._final if frozen.state.is_finished() else live)[frozen.number] = entry
         entries = sorted({**self._final, **live}.items())
+        self._entries = [entry for _, entry in entries]
         self.records = [record for _, (record, _) in entries]
         self.runs = {}
         for _, (_, run) in entries:
             if run is not None:
                 self.runs.setdefault(run.candidate.key, []).append(run)
+
+    def shared_by_others(self) -> bool:
+        """Another worker launched runs in this study (their hardware may differ from this worker's)."""
+        return any(r.launched and r.worker not in (None, self.owner.worker) for r in self.records)
+
+    def remeasured_here(self) -> dict[str, list[Measurement]]:
+        """The real runs this worker took when it re-measured the leaders side by side, by candidate key."""
+        runs: dict[str, list[Measurement]] = {}
+        for record, run in self._entries:
+            if run is not None and record.phase == "remeasure" and record.worker == self.owner.worker:
+                runs.setdefault(run.candidate.key, []).append(run)
+        return runs
 
     def ask(self, params: dict[str, Any] | None = None, *, phase: str | None = None) -> optuna.Trial:
         """A new trial owned by this worker; with params, the trial that tries exactly them (queued and asked under

@@ -287,3 +287,27 @@ def test_a_ctrl_c_that_python_swallowed_still_stops_the_search(spec, tmp_path):
 
     result = search(spec, tmp_path, swallowing)
     assert result.interrupted and len(inner.calls) == 3
+
+
+def test_a_worker_joining_a_study_chooses_by_its_own_side_by_side_reruns(spec, tmp_path):
+    # Issue 16: every worker's config is drawn from the whole study, and the leaders are re-measured side by side on
+    # the hardware of the worker that writes. Worker b's machine is 2x slower than a's, and 3x on a's best: b re-runs
+    # the leaders and chooses by its own runs, not by the medians of both machines' runs.
+    first = search(spec, tmp_path, SimulatedRunner(), worker="a")
+    fastest = first.best.candidate
+
+    class SlowerForB(SimulatedRunner):
+        def __call__(self, spec, candidate, options):
+            m = super().__call__(spec, candidate, options)
+            if m.step_time_ms is None:
+                return m
+            step = m.step_time_ms * (3.0 if candidate == fastest else 2.0)
+            return replace(m, step_time_ms=step, step_times_ms=(step,),
+                           throughput_samples_per_s=candidate.global_batch_size / step * 1000)
+
+    second = search(spec, tmp_path, SlowerForB(), resume=True, worker="b")
+    remeasured = [r for r in second.records if r.worker == "b" and r.phase == "remeasure" and r.launched]
+    assert {r.candidate.key for r in remeasured} >= {fastest.key}, "b re-ran the study's best"
+    assert second.best.candidate != fastest  # on b's machine another leader is faster
+    b_runs = {r.candidate.key: r.step_time_ms for r in remeasured}
+    assert second.best.step_time_ms == min(b_runs.values())  # its step time is b's own measurement
