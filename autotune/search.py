@@ -251,6 +251,11 @@ def open_search_storage(url: str, options: SearchOptions) -> StudyStorage:
     return open_storage(url, heartbeat_interval_s=options.heartbeat_interval_s, grace_period_s=options.grace_period_s)
 
 
+MIN_IDLE_ASKS = 10
+"""Asks that run nothing a search allows itself before it stops exploring, whatever its budget (a 3-trial search
+stopped after 3 pruned asks, leaving its budget to re-runs)."""
+
+
 class _Engine:
     """The ask / prune / run / tell loop over one study."""
 
@@ -335,12 +340,12 @@ class _Engine:
 
     def explore(self, deadline: float | None) -> None:
         """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (candidates
-        pruned by simulation, repeats of a measured one) are cheap but not free: at most n_trials of them, and the
-        sampler is stopped once it proposes max(5, n_trials // 2) repeats with no new run between them: it only
-        repeats what it knows."""
+        pruned by simulation, repeats of a measured one) are cheap but not free: at most max(n_trials, MIN_IDLE_ASKS)
+        of them, and the sampler is stopped once it proposes max(5, n_trials // 2) repeats with no new run between
+        them: it only repeats what it knows."""
         reserve = min(self.options.remeasure_top, max(0, self.options.n_trials // 4))
         idle = repeats = 0
-        max_idle = self.options.n_trials
+        max_idle = max(self.options.n_trials, MIN_IDLE_ASKS)
         patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
         while self._budget_left() > reserve:
