@@ -70,3 +70,31 @@ def loss_fn(output, target):
     return nn.functional.mse_loss(output, target)
 """
 """A model file whose middle layer is a BatchNorm (statistics per micro-batch; cannot train on one sample)."""
+
+
+# A model torch.fx cannot cut: Python control flow on a tensor's value between its blocks.
+GATED_MODEL = """
+import torch
+from torch import nn
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            if x.sum() > 0:  # Python control flow on a tensor's value, between the blocks
+                x = block(x)
+        return x
+
+def build_model():
+    return Gated()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
+

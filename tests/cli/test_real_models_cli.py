@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from autotune.cli import app
 from tests.conftest import RECIPES
+from tests.fakes import GATED_MODEL
 
 runner = CliRunner()
 
@@ -75,31 +76,6 @@ def test_search_with_8_trials_on_each_recipe(recipe, tmp_path):
         assert "use BatchNorm" in out.stderr and "per micro-batch" in out.stderr
 
 
-GATED = """
-import torch
-from torch import nn
-
-class Gated(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x):
-        for block in self.blocks:
-            if x.sum() > 0:  # Python control flow on a tensor's value, between the blocks
-                x = block(x)
-        return x
-
-def build_model():
-    return Gated()
-
-def make_batch(batch_size):
-    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
-
-def loss_fn(out, y):
-    return nn.functional.mse_loss(out, y)
-"""
-
 T5 = """
 import torch
 from torch import nn
@@ -133,7 +109,7 @@ def one_line_error(result) -> str:
 
 def test_trial_on_a_forward_that_cannot_be_cut_names_the_line_the_reason_and_split_at(tmp_path):
     path = tmp_path / "gated.py"
-    path.write_text(GATED)
+    path.write_text(GATED_MODEL)
     text = one_line_error(trial(path))
     assert "gated.py:12" in text and "Gated.forward" in text and "control flow" in text
     assert "--split-at" in text and "torch._assert" in text

@@ -10,7 +10,7 @@ from autotune import model_file
 from autotune.costs import shared_copy_bytes
 from autotune.errors import ModelFileError
 from autotune.tune import batchnorm_warning
-from tests.fakes import BATCHNORM_MODEL
+from tests.fakes import BATCHNORM_MODEL, GATED_MODEL
 
 pytest.importorskip("transformers")
 
@@ -72,34 +72,10 @@ def test_split_at_from_the_cli_and_from_the_file(tmp_path):
         model_file.load_model_file(path, split_at=("nothing.*",))
 
 
-UNCUTTABLE = """
-import torch
-from torch import nn
-
-class Gated(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-    def forward(self, x):
-        for block in self.blocks:
-            if x.sum() > 0:  # a branch on a value: torch.fx cannot trace it
-                x = block(x)
-        return x
-
-def build_model():
-    return Gated()
-
-def make_batch(batch_size):
-    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
-
-def loss_fn(out, y):
-    return nn.functional.mse_loss(out, y)
-"""
-
 
 def test_a_forward_that_cannot_be_cut_names_the_reason_and_split_at(tmp_path):
     with pytest.raises(ModelFileError) as error:
-        model_file.load_model_file(write(tmp_path, UNCUTTABLE))
+        model_file.load_model_file(write(tmp_path, GATED_MODEL))
     text = str(error.value)
     assert "model.py" in text and "cannot trace" in text and "--split-at" in text
 
