@@ -48,6 +48,9 @@ def test_cpu_stand_in_reuses_freed_memory_without_page_faults():
 
     for _ in range(10):
         one_round()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    one_round()
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 500
+    faults = []
+    for _ in range(3):  # the fewest of three rounds: other threads of the test process fault pages too
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        one_round()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert min(faults) < 500, faults
