@@ -42,6 +42,13 @@ class ActionGraph:
     stage_rank: tuple[int, ...]
     in_flight: tuple[int, ...]
     """Per stage, the most micro-batches held at once."""
+    slot: tuple[int, ...]
+    """Where the action's per-stage figures sit in a kind-major table (F, B, I, W; n_stages entries each):
+    KINDS.index(kind) * n_stages + stage. The simulator looks up every action's duration by it."""
+
+
+KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
+"""The order of ActionGraph.slot's kind-major tables."""
 
 
 @functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
@@ -157,4 +164,5 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
         rank_actions=tuple(rank_actions),
         stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
         in_flight=tuple(in_flight),
+        slot=tuple(KINDS.index(a.kind) * n_stages + a.stage for a in flat),
     )

@@ -263,27 +263,29 @@ def simulate_costs(
             f"{candidate.pipeline_degree}; pass one list per pipeline rank"
         )
 
-    # Durations and the transfer into each action, by (kind, stage).
-    duration = {"F": stages.forward, "B": stages.backward, "I": stages.backward_input, "W": stages.backward_weight}
-    incoming = {"F": stages.activation_transfer, "B": stages.grad_transfer, "I": stages.grad_transfer}
+    # Durations and the transfer into each action, by (kind, stage): tables in the graph's slot order (F, B, I, W).
+    duration = stages.forward + stages.backward + stages.backward_input + stages.backward_weight
+    incoming = stages.activation_transfer + stages.grad_transfer + stages.grad_transfer + [0.0] * candidate.n_stages
     n = len(plan.kind)
-    finish = [0.0] * n
-    dur = [duration[plan.kind[a]][plan.stage[a]] for a in range(n)]
-    xfer = [incoming[plan.kind[a]][plan.stage[a]] if plan.cross[a] else 0.0 for a in range(n)]
+    dur = list(map(duration.__getitem__, plan.slot))
+    xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
     _add_rank_side_costs(dur, plan, stages, link)
     prev, dep, own = plan.prev, plan.dep, plan.own
+    # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
+    # (an action without dep has no transfer, and every finish is >= 0).
+    finish = [0.0] * (n + 1)
     for a in plan.order:
-        t = finish[prev[a]] if prev[a] >= 0 else 0.0
-        d = dep[a]
-        if d >= 0 and finish[d] + xfer[a] > t:
-            t = finish[d] + xfer[a]
-        o = own[a]
-        if o >= 0 and finish[o] > t:
-            t = finish[o]
+        t = finish[prev[a]]
+        u = finish[dep[a]] + xfer[a]
+        if u > t:
+            t = u
+        u = finish[own[a]]
+        if u > t:
+            t = u
         finish[a] = t + dur[a]
 
     pp = candidate.pipeline_degree
-    rank_end = [max((finish[a] for a in ids), default=0.0) for ids in plan.rank_actions]
+    rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
     pipeline_ms = max(rank_end)
     busy = sum(dur)
     bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
