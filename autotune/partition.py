@@ -323,23 +323,28 @@ def _local_search(
                 runs[delta] = (moved, head)
             untouched_head = head_max[j - 2] if j >= 2 else 0
             for k in range(j, n):
-                untouched = max(untouched_head, tail_max[k + 1] if k + 1 < n else 0)
+                untouched = tail_max[k + 1] if k + 1 < n and tail_max[k + 1] > untouched_head else untouched_head
                 for delta, (moved, fixed) in runs.items():
                     if k > j:  # stage k-1 slides whole with the run
                         slid = prefix[cuts[k] + delta] - prefix[cuts[k - 1] + delta]
                         moved[ranks[k - 1]] += slid - costs[k - 1]
-                        fixed = max(fixed, slid)
-                        runs[delta] = (moved, fixed)
+                        if slid > fixed:
+                            fixed = slid
+                            runs[delta] = (moved, fixed)
                     if delta > 0 and cuts[k] + 1 >= cuts[k + 1]:
                         continue  # stage k has no layer to give
                     tail = prefix[cuts[k + 1]] - prefix[cuts[k] + delta]
-                    moved_loads = moved.copy()
-                    moved_loads[ranks[k]] += tail - costs[k]
                     bar = best[0] if best else key
+                    rank = ranks[k]
+                    if moved[rank] + tail - costs[k] > bar[0]:
+                        continue  # stage k's rank alone rules it out
+                    moved_loads = moved.copy()
+                    moved_loads[rank] += tail - costs[k]
                     if max(moved_loads) > bar[0]:
                         continue  # the busiest rank alone rules it out
                     moved_loads.sort(reverse=True)
-                    moved_key = (moved_loads[0], max(untouched, fixed, tail), *moved_loads[1:])
+                    costliest = fixed if fixed > untouched else untouched
+                    moved_key = (moved_loads[0], tail if tail > costliest else costliest, *moved_loads[1:])
                     if moved_key < bar and (
                         stage_memory is None
                         or memory_cap is None
