@@ -340,11 +340,16 @@ def _local_search(
                         continue  # stage k's rank alone rules it out
                     moved_loads = moved.copy()
                     moved_loads[rank] += tail - costs[k]
-                    if max(moved_loads) > bar[0]:
+                    busiest = max(moved_loads)
+                    if busiest > bar[0]:
                         continue  # the busiest rank alone rules it out
-                    moved_loads.sort(reverse=True)
                     costliest = fixed if fixed > untouched else untouched
-                    moved_key = (moved_loads[0], tail if tail > costliest else costliest, *moved_loads[1:])
+                    if tail > costliest:
+                        costliest = tail
+                    if busiest == bar[0] and costliest > bar[1]:
+                        continue  # so does the costliest stage, at an equal busiest rank
+                    moved_loads.sort(reverse=True)
+                    moved_key = (busiest, costliest, *moved_loads[1:])
                     if moved_key < bar and (
                         stage_memory is None
                         or memory_cap is None
