@@ -5,7 +5,6 @@ order (an action list that has none deadlocks)."""
 from __future__ import annotations
 
 import functools
-from collections import deque
 from dataclasses import dataclass
 
 from autotune.errors import AutotuneError
@@ -42,6 +41,13 @@ class ActionGraph:
     stage_rank: tuple[int, ...]
     in_flight: tuple[int, ...]
     """Per stage, the most micro-batches held at once."""
+    slot: tuple[int, ...]
+    """Where the action's per-stage figures sit in a kind-major table (F, B, I, W; n_stages entries each):
+    KINDS.index(kind) * n_stages + stage. The simulator looks up every action's duration by it."""
+
+
+KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
+"""The order of ActionGraph.slot's kind-major tables."""
 
 
 @functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
@@ -104,34 +110,35 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
         if cross[a]:
             sends[dep[a]] += 1
 
-    # Kahn's algorithm: what never becomes ready is a deadlock.
-    waiting = [(prev[a] >= 0) + (dep[a] >= 0) + (own[a] >= 0) for a in range(n)]
-    unlocks: list[list[int]] = [[] for _ in range(n)]
-    for a in range(n):
-        for d in (prev[a], dep[a], own[a]):
-            if d >= 0:
-                unlocks[d].append(a)
-    ready = deque(a for a in range(n) if waiting[a] == 0)
-    order: list[int] = []
-    while ready:
-        a = ready.popleft()
-        order.append(a)
-        for b in unlocks[a]:
-            waiting[b] -= 1
-            if waiting[b] == 0:
-                ready.append(b)
     rank_actions = []
     offset = 0
     for actions in lists:
         rank_actions.append(tuple(range(offset, offset + len(actions))))
         offset += len(actions)
+    # One topological order: sweep the ranks, each running its actions while their tensors are ready, until a sweep
+    # runs nothing. What is left never becomes ready: a deadlock. (Any topological order replays to the same times.)
+    done = bytearray(n)
+    order: list[int] = []
+    next_action = [ids[0] if ids else 0 for ids in rank_actions]
+    ends = [ids[-1] + 1 if ids else 0 for ids in rank_actions]
+    moved = True
+    while moved:
+        moved = False
+        for r, a in enumerate(next_action):
+            start = a
+            while a < ends[r] and not ((dep[a] >= 0 and not done[dep[a]]) or (own[a] >= 0 and not done[own[a]])):
+                done[a] = 1
+                order.append(a)
+                a += 1
+            if a != start:
+                next_action[r] = a
+                moved = True
     if len(order) < n:
-        done = set(order)
         stuck = []
         for r, ids in enumerate(rank_actions):
-            first = next((a for a in ids if a not in done), None)
+            first = next((a for a in ids if not done[a]), None)
             if first is not None:
-                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and d not in done]
+                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and not done[d]]
                 stuck.append(f"rank {r} at {flat[first]} waits for {', '.join(needs) or 'its previous action'}")
         raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck) + "; fix the action order")
 
@@ -143,6 +150,7 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
             in_flight[act.stage] = max(in_flight[act.stage], live[act.stage])
         elif act.kind in ("B", "W"):
             live[act.stage] -= 1
+    first_slot = {kind: i * n_stages for i, kind in enumerate(KINDS)}
     return ActionGraph(
         rank=tuple(rank),
         stage=tuple(a.stage for a in flat),
@@ -157,4 +165,5 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
         rank_actions=tuple(rank_actions),
         stage_rank=tuple(stage_rank[s] for s in range(n_stages)),
         in_flight=tuple(in_flight),
+        slot=tuple(first_slot[a.kind] + a.stage for a in flat),
     )

@@ -17,7 +17,8 @@ from autotune.units import format_bytes
 StageMemory = Callable[[int, int, int], float]
 """stage_memory(stage, start, stop) -> bytes that stage needs when it holds layers[start:stop].
 
-The memory-aware searches are exact when a stage that fits still fits after losing a layer at either end."""
+The memory-aware searches are exact when a stage that fits still fits after losing a layer at either end. It must be a
+function of its arguments alone: balance_for_schedule computes each (stage, start, stop) once."""
 
 _WORK_BUDGET = 4_000_000
 """Stage-cost evaluations one balance_for_schedule may spend (a round of moves over S stages costs S^2 (S+1)):
@@ -203,6 +204,9 @@ def balance_for_schedule(
         )
     v = n_stages // pipeline_degree
     ranks = stage_ranks(schedule, pipeline_degree, n_stages)
+    if stage_memory is not None:
+        # The seed's bisection and every improving move ask for the same slices again and again.
+        stage_memory = functools.cache(stage_memory)
     if stage_memory is not None and memory_cap is not None:
         seed = _memory_seed(costs, ranks, stage_memory, memory_cap, v, explain=explain)
     else:
@@ -288,16 +292,18 @@ def _local_search(
 ) -> tuple[list[int], tuple[int, ...]]:
     # Moves: shift a run of consecutive cuts j..k by one layer, left or right (k = j moves one cut; longer runs
     # carry load between ranks whose stages are far apart, which single-cut moves cannot). Each round takes the move
-    # that lowers the key most; the key strictly falls, so the search ends.
+    # that lowers the key most (the first found, in order of j, k, then left before right); the key strictly falls,
+    # so the search ends.
     #
     #   cuts      0 |  a   b   c   d  | n        shift cuts a..c right by one:
     #   before      [s0 ][ s1 ][ s2 ][ s3 ]      s0 gains a layer, s1 and s2 slide by one, s3 loses one
     key = _key(prefix, cuts, ranks, pipeline_degree)
     n = len(ranks)
     while budget[0] > 0:
-        budget[0] -= n * n * (n + 1)  # one round: ~S^2 moves of O(S) each
+        budget[0] -= n * n * (n + 1)  # one round: ~S^2 moves of O(S) each (the budget's unit, kept as it was)
         # A move of cuts j..k changes only stages j-1..k: score it from this round's stage costs and rank loads,
-        # with the costliest untouched stage from prefix/suffix maxima.
+        # with the costliest untouched stage from prefix/suffix maxima. Runs from one j are scored as k grows: the
+        # run j..k+1 is the run j..k with stage k slid whole and stage k+1 shortened, so each move costs O(pp).
         costs = [prefix[b] - prefix[a] for a, b in pairwise(cuts)]
         loads = [0] * pipeline_degree
         for cost, rank in zip(costs, ranks):
@@ -305,29 +311,50 @@ def _local_search(
         head_max = list(accumulate(costs, max))
         tail_max = list(accumulate(reversed(costs), max))[::-1]
         best: tuple[tuple[int, ...], int, int, int] | None = None
-        for j in range(1, len(cuts) - 1):
-            for k in range(j, len(cuts) - 1):
-                for delta in (-1, 1):
-                    # every stage keeps at least one layer: the stages at both ends of the run must have room
-                    if delta < 0 and cuts[j] - 1 <= cuts[j - 1]:
-                        continue
+        for j in range(1, n):
+            # Per direction: the rank loads with stages j-1..k-1 moved, and the costliest of those stages.
+            runs: dict[int, tuple[list[int], int]] = {}
+            for delta in (-1, 1):
+                if delta < 0 and cuts[j] - 1 <= cuts[j - 1]:
+                    continue  # every stage keeps at least one layer: stage j-1 has none to give
+                head = prefix[cuts[j] + delta] - prefix[cuts[j - 1]]
+                moved = loads.copy()
+                moved[ranks[j - 1]] += head - costs[j - 1]
+                runs[delta] = (moved, head)
+            untouched_head = head_max[j - 2] if j >= 2 else 0
+            for k in range(j, n):
+                untouched = tail_max[k + 1] if k + 1 < n and tail_max[k + 1] > untouched_head else untouched_head
+                for delta, (moved, fixed) in runs.items():
+                    if k > j:  # stage k-1 slides whole with the run
+                        slid = prefix[cuts[k] + delta] - prefix[cuts[k - 1] + delta]
+                        moved[ranks[k - 1]] += slid - costs[k - 1]
+                        if slid > fixed:
+                            fixed = slid
+                            runs[delta] = (moved, fixed)
                     if delta > 0 and cuts[k] + 1 >= cuts[k + 1]:
-                        continue
-                    moved_loads = loads.copy()
-                    costliest = max(head_max[j - 2] if j >= 2 else 0, tail_max[k + 1] if k + 1 < n else 0)
-                    for stage in range(j - 1, k + 1):
-                        start = cuts[stage] + (delta if stage >= j else 0)
-                        stop = cuts[stage + 1] + (delta if stage + 1 <= k else 0)
-                        cost = prefix[stop] - prefix[start]
-                        moved_loads[ranks[stage]] += cost - costs[stage]
-                        if cost > costliest:
-                            costliest = cost
+                        continue  # stage k has no layer to give
+                    tail = prefix[cuts[k + 1]] - prefix[cuts[k] + delta]
+                    bar = best[0] if best else key
+                    rank = ranks[k]
+                    if moved[rank] + tail - costs[k] > bar[0]:
+                        continue  # stage k's rank alone rules it out
+                    moved_loads = moved.copy()
+                    moved_loads[rank] += tail - costs[k]
+                    busiest = max(moved_loads)
+                    if busiest > bar[0]:
+                        continue  # the busiest rank alone rules it out
+                    costliest = fixed if fixed > untouched else untouched
+                    if tail > costliest:
+                        costliest = tail
+                    if busiest == bar[0] and costliest > bar[1]:
+                        continue  # so does the costliest stage, at an equal busiest rank
                     moved_loads.sort(reverse=True)
-                    moved_key = (moved_loads[0], costliest, *moved_loads[1:])
-                    if moved_key < (best[0] if best else key) and (
+                    moved_key = (busiest, costliest, *moved_loads[1:])
+                    if moved_key < bar and (
                         stage_memory is None
                         or memory_cap is None
-                        or _ranks_fit(_shift(cuts, j, k, delta), ranks, set(ranks), stage_memory, memory_cap)
+                        or _ranks_fit(_shift(cuts, j, k, delta), ranks, {ranks[s] for s in range(j - 1, k + 1)},
+                                      stage_memory, memory_cap)
                     ):
                         best = (moved_key, j, k, delta)
         if best is None:
@@ -380,7 +407,7 @@ def _min_max(
         raise UsageError(f"layer costs must be non-negative, got {min(costs)}; profile the model again")
     prefix = _prefix(costs)
     lower = max(max(costs), prefix[-1] / n_parts)
-    sums = sorted({prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1)})
+    sums = _segment_sums(tuple(prefix))
     sums = sums[bisect.bisect_left(sums, lower * (1 - _EPS)) :] or [prefix[-1]]
     if _greedy(prefix, n_parts, sums[-1], stage_memory, memory_cap) is None:
         # Even without a time bound no split fits: memory alone rules every split out.
@@ -403,6 +430,14 @@ def _min_max(
     if split is None:  # cannot happen: sums[lo] was found feasible
         raise RuntimeError("min-max partition lost its feasible bottleneck")
     return split
+
+
+@functools.lru_cache(maxsize=16)
+def _segment_sums(prefix: tuple[float, ...]) -> list[float]:
+    """Every contiguous segment's sum, sorted, without repeats: the candidate bottlenecks of _min_max (cached: the
+    memory-aware seed bisects the same costs under several caps). Callers must not change the list."""
+    n = len(prefix) - 1
+    return sorted({prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1)})
 
 
 def _greedy(

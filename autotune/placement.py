@@ -17,6 +17,7 @@ With one node, or pp = 1 or dp = 1, the order changes nothing that costs: such c
 
 from __future__ import annotations
 
+import functools
 import typing
 from typing import Literal
 
@@ -68,7 +69,9 @@ def crossing_boundaries(
     return tuple(crossing)
 
 
+@functools.lru_cache(maxsize=256)
 def dp_nodes(pipeline_degree: int, data_parallel_degree: int, gpus_per_node: int, order: RankOrder) -> int:
-    """The most nodes one data-parallel group (a pipeline rank's replicas) spans."""
+    """The most nodes one data-parallel group (a pipeline rank's replicas) spans (cached: the planner asks for every
+    candidate, and a layout has pp x dp ranks to place)."""
     pp, dp = pipeline_degree, data_parallel_degree
     return max(len({global_rank(p, d, pp, dp, order) // gpus_per_node for d in range(dp)}) for p in range(pp))

@@ -263,27 +263,29 @@ def simulate_costs(
             f"{candidate.pipeline_degree}; pass one list per pipeline rank"
         )
 
-    # Durations and the transfer into each action, by (kind, stage).
-    duration = {"F": stages.forward, "B": stages.backward, "I": stages.backward_input, "W": stages.backward_weight}
-    incoming = {"F": stages.activation_transfer, "B": stages.grad_transfer, "I": stages.grad_transfer}
+    # Durations and the transfer into each action, by (kind, stage): tables in the graph's slot order (F, B, I, W).
+    duration = stages.forward + stages.backward + stages.backward_input + stages.backward_weight
+    incoming = stages.activation_transfer + stages.grad_transfer + stages.grad_transfer + [0.0] * candidate.n_stages
     n = len(plan.kind)
-    finish = [0.0] * n
-    dur = [duration[plan.kind[a]][plan.stage[a]] for a in range(n)]
-    xfer = [incoming[plan.kind[a]][plan.stage[a]] if plan.cross[a] else 0.0 for a in range(n)]
+    dur = list(map(duration.__getitem__, plan.slot))
+    xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
     _add_rank_side_costs(dur, plan, stages, link)
     prev, dep, own = plan.prev, plan.dep, plan.own
+    # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
+    # (an action without dep has no transfer, and every finish is >= 0).
+    finish = [0.0] * (n + 1)
     for a in plan.order:
-        t = finish[prev[a]] if prev[a] >= 0 else 0.0
-        d = dep[a]
-        if d >= 0 and finish[d] + xfer[a] > t:
-            t = finish[d] + xfer[a]
-        o = own[a]
-        if o >= 0 and finish[o] > t:
-            t = finish[o]
+        t = finish[prev[a]]
+        u = finish[dep[a]] + xfer[a]
+        if u > t:
+            t = u
+        u = finish[own[a]]
+        if u > t:
+            t = u
         finish[a] = t + dur[a]
 
     pp = candidate.pipeline_degree
-    rank_end = [max((finish[a] for a in ids), default=0.0) for ids in plan.rank_actions]
+    rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
     pipeline_ms = max(rank_end)
     busy = sum(dur)
     bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
@@ -389,24 +391,28 @@ def _stage_costs(
     wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
 
-    def total(field: str, a: int, b: int) -> float:
-        return sum(getattr(c, field) for c in costs[a:b])
-
-    def checkpointed(field: str, a: int, b: int) -> float:
-        return sum(c.forward_ms if getattr(c, field) is None else getattr(c, field) for c in costs[a:b])
+    # Per-layer columns, summed per stage with sum() over slices (the same sums as summing the layers one by one).
+    checkpointing = candidate.activation_checkpointing
+    forward_ms = [c.forward_ms for c in costs]
+    if checkpointing:  # a layer's checkpointed forward and recompute default to its forward
+        forward_ms = [f if c.checkpointed_forward_ms is None else c.checkpointed_forward_ms
+                      for f, c in zip(forward_ms, costs)]
+        recompute_ms = [c.forward_ms if c.recompute_ms is None else c.recompute_ms for c in costs]
+        parameter_groups = [c.parameter_groups for c in costs]
+    backward_input_ms = [c.backward_input_ms for c in costs]
+    backward_weight_ms = [c.backward_weight_ms for c in costs]
+    saved_bytes = [c.saved_bytes for c in costs]
+    parameter_bytes = [c.parameter_bytes for c in costs]
 
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
-        forward = total("forward_ms", a, b)
-        recompute = 0.0
-        if candidate.activation_checkpointing:
-            forward = checkpointed("checkpointed_forward_ms", a, b)
-            recompute = checkpointed("recompute_ms", a, b)
-        backward_input = total("backward_input_ms", a, b)
-        backward_weight = total("backward_weight_ms", a, b)
+        forward = sum(forward_ms[a:b])
+        recompute = sum(recompute_ms[a:b]) if checkpointing else 0.0
+        backward_input = sum(backward_input_ms[a:b])
+        backward_weight = sum(backward_weight_ms[a:b])
         stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
         stage_out = costs[b - 1].output_bytes
-        saved = int(total("saved_bytes", a, b))
+        saved = int(sum(saved_bytes[a:b]))
         result["forward"].append(forward + overhead)
         result["backward"].append(backward_input + backward_weight + recompute + overhead)
         if s == 0:
@@ -417,7 +423,7 @@ def _stage_costs(
         else:
             # Checkpointed, torch's W runs one autograd pass per parameter group, and each pass recomputes the
             # stage (torch 2.13 stage_backward_weight): GPT's zero-bubble schedules ran 4-4.7x slower with it.
-            groups = sum(c.parameter_groups for c in costs[a:b]) if candidate.activation_checkpointing else 0
+            groups = sum(parameter_groups[a:b]) if checkpointing else 0
             result["backward_input"].append(backward_input + recompute + overhead)
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         into = far if crossing is not None and s > 0 and crossing[s] else link
@@ -430,7 +436,7 @@ def _stage_costs(
         result["recompute_bytes"].append(recompute_bytes(saved, candidate=candidate))
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
-        result["parameter_bytes"].append(int(total("parameter_bytes", a, b)) + shared_copy_bytes(shared, a, b))
+        result["parameter_bytes"].append(int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b))
     return _StageCosts(**result)
 
 
@@ -474,24 +480,28 @@ def _peak_memory(
     then the optimizer step, once the activations are gone: its temporaries (step_ratio x the rank's parameter
     bytes) on top of the static memory."""
     peaks = []
+    stage_of, kind_of, held, recompute = plan.stage, plan.kind, stages.held_bytes, stages.recompute_bytes
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
         static = sum(parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
                      for s in rank_stages)
         live = peak = 0
         for a in ids:
-            s, kind = plan.stage[a], plan.kind[a]
+            s, kind = stage_of[a], kind_of[a]
             if kind == "F":
-                live += stages.held_bytes[s]
-                peak = max(peak, live)
+                live += held[s]
+                if live > peak:
+                    peak = live
             elif kind == "B":
-                peak = max(peak, live + stages.recompute_bytes[s])
-                live -= stages.held_bytes[s]
+                if live + recompute[s] > peak:
+                    peak = live + recompute[s]
+                live -= held[s]
             elif kind == "I":
-                live += stages.recompute_bytes[s]
-                peak = max(peak, live)
+                live += recompute[s]
+                if live > peak:
+                    peak = live
             else:
-                live -= stages.held_bytes[s] + stages.recompute_bytes[s]
+                live -= held[s] + recompute[s]
         step = step_ratio * sum(stages.parameter_bytes[s] for s in rank_stages)
         peaks.append(int(static + max(peak, step)))
     return peaks

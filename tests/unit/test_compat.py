@@ -61,6 +61,18 @@ def test_skipping_torchs_unshard_pass_gives_torchs_own_lists(schedule):
     ]
 
 
+def test_one_stand_in_stage_serves_every_schedule():
+    # schedule_actions reuses one mocked PipelineStage across calls; torch's visualizer makes a fresh one each time.
+    # Interleaving schedules (single- and multi-stage, different pp) checks that nothing one leaves on it leaks.
+    from torch.distributed.pipelining import _schedule_visualizer
+
+    for name, pp, m, v in [("DualPipeV", 4, 8, 2), ("GPipe", 2, 4, 1), ("Interleaved1F1B", 4, 8, 2),
+                           ("InterleavedZeroBubble", 2, 6, 3), ("GPipe", 4, 8, 1), ("LoopedBFS", 3, 6, 2),
+                           ("ZBVZeroBubble", 4, 8, 2), ("Interleaved1F1B", 2, 4, 3)]:
+        reference = _schedule_visualizer.get_schedule_ops(name, pp, m, num_stages_per_rank=v)
+        assert compat.schedule_actions(name, pp, m, v) == [compat.compute_actions(r) for r in reference]
+
+
 @pytest.mark.parametrize("version", ["2.0.0", "2.8.1+cu126", "2.15.0", "3.0.0"])
 def test_a_torch_outside_the_tested_range_is_warned_about_not_refused(version):
     expected = rf"tested with torch {compat.TESTED_TORCH[0]} to .*pip install"
