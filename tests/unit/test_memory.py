@@ -1,10 +1,10 @@
 import platform
-import resource
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from autotune.devices import keep_freed_cpu_memory
 from autotune.trial.memory import LiveTensorBytes, MemoryLimitExceeded, is_out_of_memory, requested_bytes
 
 
@@ -35,22 +35,31 @@ def test_cpu_allocator_failure_is_oom_with_bytes():
         pytest.skip("this machine allocated 4 PiB")
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_cpu_stand_in_reuses_freed_memory_without_page_faults():
-    # Tensors of changing sizes up to 24 MiB, as a profile's rounds over micro-batch sizes make: with glibc's
-    # defaults every round page-faulted ~86 MiB in afresh (22,000 faults); reused, none.
+_FREE_24_MIB = """
+import os, sys, torch
+from autotune.devices import keep_freed_cpu_memory
+if sys.argv[1] == "keep":
     assert keep_freed_cpu_memory() is True
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+t = torch.empty(6 * 2**20).fill_(1.0)
+del t
+print(resident() - before)
+"""
 
-    def one_round() -> None:
-        for scale in (1, 4, 8, 1, 2, 6):
-            for k in (1, 2, 3, 1, 2):
-                torch.empty(2**18 * k * scale).fill_(1.0)
 
-    for _ in range(10):
-        one_round()
-    faults = []
-    for _ in range(3):  # the fewest of three rounds: other threads of the test process fault pages too
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        one_round()
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    assert min(faults) < 500, faults
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_cpu_stand_in_keeps_freed_memory_for_reuse():
+    # A freed 24 MiB tensor: with glibc's defaults it was mmapped and goes back to the system (the next one of that
+    # size page-faults afresh, as the profiler's rounds over micro-batch sizes did); with keep_freed_cpu_memory it
+    # stays in the heap for reuse, as CUDA's caching allocator keeps it. In a fresh process, as the profiler and
+    # every rank are (the test process's heap carries what earlier tests left; an in-process page-fault count here
+    # was flaky and passed without the call too).
+    def kept(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FREE_24_MIB, mode], capture_output=True, text=True, timeout=120,
+                             check=True)
+        return int(out.stdout.split()[-1])
+
+    assert kept("keep") > 16 * 2**20
+    assert kept("default") < 8 * 2**20
