@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import multiprocessing
 
 import pytest
 
 from autotune.exports import export_config
 from autotune.schedules import Schedule
 from tests.conftest import RECIPES
+from tests.dist import spawn_ranks
 from tests.unit.test_exports import make_config
 
 pytestmark = pytest.mark.dist
@@ -32,17 +32,8 @@ def test_deepspeed_export_trains_with_the_tuned_boundaries(tmp_path):
     from tests.dist import deepspeed_worker
 
     exports = [export_config(c, "deepspeed", "0.19") for c in CONFIGS]
-    context = multiprocessing.get_context("forkserver")
-    processes = [
-        context.Process(target=deepspeed_worker.run, args=(rank, 2, GPT, exports, str(tmp_path))) for rank in range(2)
-    ]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(timeout=240)
-        if p.exitcode is None:
-            p.kill()
-    assert [p.exitcode for p in processes] == [0, 0]
+    codes = spawn_ranks(deepspeed_worker.run, lambda rank: (rank, 2, GPT, exports, str(tmp_path)), 2, timeout=240)
+    assert codes == [0, 0]
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
     uneven, checkpointed, dual = zip(*ranks)
     # [5, 3] holds (partition_method="parameters" would give [4, 4])

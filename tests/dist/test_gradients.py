@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from autotune.candidate import Candidate, uniform_split
 from autotune.model_file import build_blocks, load_model_file, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
 from tests.conftest import RECIPES
+from tests.dist import spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -28,20 +28,13 @@ def reference_grads(spec, candidate):
 def pipelined_grads(spec, candidate, tmp_path):
     from tests.dist import grad_worker
 
-    context = multiprocessing.get_context("forkserver")
-    processes = [
-        context.Process(
-            target=grad_worker.run, args=(rank, candidate.world_size, str(spec.path), candidate.to_dict(), str(tmp_path))
-        )
-        for rank in range(candidate.world_size)
-    ]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(timeout=120)
-        if p.exitcode is None:
-            p.kill()
-    assert [p.exitcode for p in processes] == [0] * len(processes)
+    codes = spawn_ranks(
+        grad_worker.run,
+        lambda rank: (rank, candidate.world_size, str(spec.path), candidate.to_dict(), str(tmp_path)),
+        candidate.world_size,
+        timeout=120,
+    )
+    assert codes == [0] * candidate.world_size
     grads = {}
     for rank in range(candidate.world_size):
         for name, grad in torch.load(tmp_path / f"grads-{rank}.pt").items():

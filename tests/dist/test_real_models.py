@@ -5,7 +5,6 @@ data-parallel layout's loss; a Llama whose batch pads some sequences (recipes/hf
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from autotune.candidate import Candidate, uniform_split
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
 from tests.conftest import RECIPES
+from tests.dist import spawn_ranks
 
 pytest.importorskip("transformers")
 
@@ -143,15 +143,7 @@ class Runs:
             spec, c, steps = self.jobs[name]
             (store / name).mkdir()
             jobs.append({"model": str(spec.path), "candidate": c.to_dict(), "out": str(store / name), "steps": steps})
-        context = multiprocessing.get_context("forkserver")
-        processes = [context.Process(target=grad_worker.run_jobs, args=(rank, world, jobs, str(store)))
-                     for rank in range(world)]
-        for p in processes:
-            p.start()
-        for p in processes:
-            p.join(timeout=240)
-            if p.exitcode is None:
-                p.kill()
+        codes = spawn_ranks(grad_worker.run_jobs, lambda rank: (rank, world, jobs, str(store)), world, timeout=240)
         for name in names:
             spec, c, steps = self.jobs[name]
             files = [store / name / f"{'steps' if steps else 'grads'}-{rank}.pt" for rank in range(world)]
@@ -162,7 +154,6 @@ class Runs:
                  **(torch.load(store / name / f"steps-{rank}.pt") if steps else {})}
                 for rank in range(world)
             ]
-        codes = [p.exitcode for p in processes]
         if codes != [0] * world:
             self.failed[world] = f"rank exit codes {codes} (tracebacks on stderr); jobs run in order {names}"
 
