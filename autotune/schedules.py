@@ -43,6 +43,8 @@ class ScheduleInfo:
     torch_class: str | None
     """Class name in torch.distributed.pipelining.schedules; None for a schedule torch does not ship, whose order
     autotune generates (action_lists) and runs on torch's own runtime (compat.runtime_schedule)."""
+    splits_backward: bool = False
+    """Some backwards run as I then W (zero-bubble split); the others as one B."""
 
 
 SCHEDULES: dict[Schedule, ScheduleInfo] = {
@@ -53,12 +55,16 @@ SCHEDULES: dict[Schedule, ScheduleInfo] = {
     ),
     Schedule.LOOPED_BFS: ScheduleInfo(placement="loop", stages_per_rank=None, torch_class="ScheduleLoopedBFS"),
     Schedule.INTERLEAVED_ZERO_BUBBLE: ScheduleInfo(
-        placement="loop", stages_per_rank=None, torch_class="ScheduleInterleavedZeroBubble"
+        placement="loop", stages_per_rank=None, torch_class="ScheduleInterleavedZeroBubble", splits_backward=True
     ),
-    Schedule.ZBV_ZERO_BUBBLE: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleZBVZeroBubble"),
-    Schedule.DUAL_PIPE_V: ScheduleInfo(placement="v", stages_per_rank=2, torch_class="ScheduleDualPipeV"),
-    Schedule.V_HALF: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None),
-    Schedule.V_MIN: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None),
+    Schedule.ZBV_ZERO_BUBBLE: ScheduleInfo(
+        placement="v", stages_per_rank=2, torch_class="ScheduleZBVZeroBubble", splits_backward=True
+    ),
+    Schedule.DUAL_PIPE_V: ScheduleInfo(
+        placement="v", stages_per_rank=2, torch_class="ScheduleDualPipeV", splits_backward=True
+    ),
+    Schedule.V_HALF: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None, splits_backward=True),
+    Schedule.V_MIN: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None, splits_backward=True),
 }
 
 

@@ -19,7 +19,7 @@ from autotune.memory_model import (
     wire_factor,
 )
 from autotune.placement import crossing_boundaries, dp_nodes
-from autotune.schedules import Action, ActionKind, Schedule, stage_ranks
+from autotune.schedules import SCHEDULES, Action, ActionKind, Schedule, stage_ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,18 +330,34 @@ def step_time_lower_bound(
 ) -> float:
     """A step time no schedule order can beat, without building the action lists (the planner prunes with it).
 
-    Every rank runs all its actions one after another, then its optimizer step; and one micro-batch must pass
-    forward through every stage and back. Split backwards are counted as one action (the lower overhead)."""
+    Per rank r, whose lowest stage is s: its first action is a forward of s, so it waits for one micro-batch's
+    forwards through the stages below s (on other ranks); then it runs all its actions one after another, then
+    its optimizer step. Its last backward (B, or I where backwards split) is one of stage s, after which that
+    micro-batch's backwards through the stages below s still run, then the optimizer step of stage 0's rank.
+    These head and tail terms are the pipeline's fill and drain: (pp - 1)(f + b) for 1F1B, 1/v of it interleaved.
+    Split backwards are counted as one action (the lower overhead); transfers, messages and all-reduces as free."""
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
     ranks = stage_ranks(candidate.schedule, candidate.pipeline_degree, candidate.n_stages)
-    busy = [0.0] * candidate.pipeline_degree
-    params = [0] * candidate.pipeline_degree
+    m = candidate.n_microbatches
+    split = SCHEDULES[candidate.schedule].splits_backward
+    # The backward on the critical chain: I (never longer than B) where a schedule may split, else B.
+    chain = [min(b, i) for b, i in zip(stages.backward, stages.backward_input)] if split else stages.backward
+    forward_below = list(accumulate(stages.forward, initial=0.0))
+    chain_below = list(accumulate(chain, initial=0.0))
+    pp = candidate.pipeline_degree
+    busy, before_last, params, lowest = [0.0] * pp, [0.0] * pp, [0] * pp, [candidate.n_stages] * pp
     for s, r in enumerate(ranks):
-        busy[r] += candidate.n_microbatches * (stages.forward[s] + stages.backward[s])
+        busy[r] += m * (stages.forward[s] + stages.backward[s])
+        before_last[r] += m * (stages.forward[s] + chain[s])  # what must run before the rank's last backward
         params[r] += stages.parameter_bytes[s]
-    per_rank = max(b + p * optimizer_ms_per_byte for b, p in zip(busy, params))
-    one_microbatch = sum(stages.forward) + sum(stages.backward)
-    return max(per_rank, one_microbatch)
+        lowest[r] = min(lowest[r], s)
+    optimizer = [p * optimizer_ms_per_byte for p in params]
+    last = optimizer[ranks[0]]
+    return max(
+        max(forward_below[s] + b + o for s, b, o in zip(lowest, busy, optimizer)),
+        max(forward_below[s] + b + chain_below[s] + last for s, b in zip(lowest, before_last)),
+        sum(stages.forward) + sum(stages.backward),
+    )
 
 
 def max_in_flight(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[int]:

@@ -209,23 +209,39 @@ def respects_dependencies(est, n_stages, pp):
 @pytest.mark.parametrize("schedule", list(Schedule))
 def test_every_schedule_respects_dependencies_and_the_lower_bound(schedule):
     rng = random.Random(schedule.value)
-    pp, m = 2, 4
-    n_stages = pp * default_stages_per_rank(schedule)
-    layers = [layer(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0, 1), saved=100, out=1000,
-                    params=10) for _ in range(n_stages)]
     link = LinkModel.for_device("cpu")
+    for pp, m in [(2, 4), (3, 6), (4, 8), (4, 16)]:
+        n_stages = pp * default_stages_per_rank(schedule)
+        layers = [layer(f=rng.uniform(0.5, 2), b=rng.uniform(0.5, 2), w=rng.uniform(0, 1), saved=100, out=1000,
+                        params=rng.randrange(10, 10**7)) for _ in range(2 * n_stages)]
+        c = candidate(schedule, pp, m, [2] * n_stages)
+        est = simulate(profile_of(*layers), c, link=link)
+        kinds = [e.kind for e in est.timeline]
+        assert kinds.count("F") == n_stages * m
+        assert kinds.count("B") + kinds.count("I") == n_stages * m
+        assert kinds.count("W") == kinds.count("I")
+        respects_dependencies(est, n_stages, pp)
+        bound = step_time_lower_bound(layers, c, input_bytes=0,
+                                      optimizer_ms_per_byte=1e3 / link.optimizer_bytes_per_s, link=link)
+        assert 0 < bound <= est.step_time_ms + 1e-9, (pp, m)
+        assert 0.0 <= est.bubble_fraction < 1.0
+        json.dumps(est.to_dict())
+
+
+@pytest.mark.parametrize("schedule, v", [(Schedule.ONE_F_ONE_B, 1), (Schedule.GPIPE, 1),
+                                         (Schedule.INTERLEAVED_1F1B, 2), (Schedule.INTERLEAVED_1F1B, 4)])
+def test_the_lower_bound_counts_the_pipelines_fill_and_drain(schedule, v):
+    # Equal stages of f + b on a free link, v per rank: no order beats (m v + pp - 1)(f + b) (a rank's work plus
+    # the fill and drain, 1/v of a micro-batch's pass through the rank), and 1F1B and GPipe reach it. The planner
+    # prunes with this bound; without the fill and drain it was m v (f + b), 20-30 % low at pp = 16.
+    pp, m = 4, 8
+    n_stages = pp * v
+    layers = [layer(f=1.0, b=2.0)] * n_stages
     c = candidate(schedule, pp, m, [1] * n_stages)
-    est = simulate(profile_of(*layers), c, link=link)
-    kinds = [e.kind for e in est.timeline]
-    assert kinds.count("F") == n_stages * m
-    assert kinds.count("B") + kinds.count("I") == n_stages * m
-    assert kinds.count("W") == kinds.count("I")
-    respects_dependencies(est, n_stages, pp)
-    bound = step_time_lower_bound(layers, c, input_bytes=0, optimizer_ms_per_byte=1e3 / link.optimizer_bytes_per_s,
-                                  link=link)
-    assert 0 < bound <= est.step_time_ms + 1e-9
-    assert 0.0 <= est.bubble_fraction < 1.0
-    json.dumps(est.to_dict())
+    bound = step_time_lower_bound(layers, c, input_bytes=0, optimizer_ms_per_byte=0.0, link=FREE)
+    assert bound == pytest.approx((m * v + pp - 1) * 3.0)
+    if v == 1:
+        assert simulate(profile_of(*layers), c, link=FREE).step_time_ms == pytest.approx(bound)
 
 
 def test_deadlocked_action_lists_are_refused():
@@ -261,3 +277,47 @@ def test_link_model_defaults_and_overrides():
         LinkModel.for_device("cpu", bandwidth=1.0)
     with pytest.raises(UsageError, match="no link model for device 'tpu'"):
         LinkModel.for_device("tpu")
+
+
+def test_schedule_graphs_are_kept_on_disk_between_runs(tmp_path, monkeypatch):
+    from autotune import action_graph, schedules
+
+    monkeypatch.setenv(action_graph.CACHE_ENV, str(tmp_path))
+    action_graph._graph_folder.cache_clear()
+    action_graph.compiled_graph.cache_clear()
+    try:
+        built = action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4)
+        (stored,) = tmp_path.glob("graphs/*/Interleaved1F1B-pp2-m4-s4.pickle")
+        # A new run (empty in-memory cache) reads the file: torch's schedule code is not asked again.
+        action_graph.compiled_graph.cache_clear()
+        monkeypatch.setattr(action_graph, "action_lists", lambda *args: pytest.fail("rebuilt a cached graph"))
+        assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
+        # A torn file is a miss: rebuilt from torch's lists and written whole again.
+        stored.write_bytes(stored.read_bytes()[:100])
+        action_graph.compiled_graph.cache_clear()
+        monkeypatch.setattr(action_graph, "action_lists", schedules.action_lists)
+        assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
+        assert action_graph._load_graph(stored) == built
+        # Invalid combinations are refused as before, and nothing is stored for them.
+        with pytest.raises(InvalidCandidateError):
+            action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 5, 4)
+        assert len(list(tmp_path.glob("graphs/*/*.pickle"))) == 1
+    finally:
+        action_graph._graph_folder.cache_clear()
+        action_graph.compiled_graph.cache_clear()
+
+
+def test_an_empty_cache_setting_keeps_no_graphs(tmp_path, monkeypatch):
+    from autotune import action_graph
+
+    monkeypatch.setenv(action_graph.CACHE_ENV, "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    action_graph._graph_folder.cache_clear()
+    action_graph.compiled_graph.cache_clear()
+    try:
+        assert action_graph._graph_folder() is None
+        action_graph.compiled_graph(Schedule.ONE_F_ONE_B, 2, 4, 2)
+        assert list(tmp_path.rglob("*")) == []
+    finally:
+        action_graph._graph_folder.cache_clear()
+        action_graph.compiled_graph.cache_clear()
