@@ -20,6 +20,7 @@ tests/unit/test_compat.py checks every symbol and the signatures autotune calls,
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import re
 import warnings
@@ -92,7 +93,11 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
 )
 """Every private (module, name) autotune needs."""
 
-OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = ((_PIPELINING_SCHEDULES, "_add_unshard_reshard"),)
+OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = (
+    (_PIPELINING_SCHEDULES, "_add_unshard_reshard"),
+    (_PIPELINING_SCHEDULES, "_add_reduce_grad"),
+    (_PIPELINING_SCHEDULES, "_add_send_recv"),
+)
 """Private names used only to go faster: without them autotune still works."""
 
 
@@ -134,21 +139,35 @@ def schedule_actions(
     get_schedule_ops = symbol(_VISUALIZER, "get_schedule_ops")
     schedules = importlib.import_module(_PIPELINING_SCHEDULES)
     visualizer = importlib.import_module(_VISUALIZER)
-    # Building a schedule also inserts FSDP unshard/reshard actions, a pass quadratic in the list length (about 9 in
-    # 10 of the time at pp=8, m=256); they are dropped below anyway, so that pass is skipped.
-    skip_fsdp = (
-        mock.patch.object(schedules, "_add_unshard_reshard", lambda actions, *args, **kwargs: actions)
-        if hasattr(schedules, "_add_unshard_reshard")
-        else contextlib.nullcontext()
-    )
-    reuse_stage = (
-        mock.patch.object(visualizer, "mock", _REUSED_AUTOSPECS)
-        if getattr(visualizer, "mock", None) is mock
-        else contextlib.nullcontext()
-    )
-    with skip_fsdp, reuse_stage:
+    # Building a schedule also lowers its compute order for the runtime (the last step of the multi-stage classes'
+    # __init__): it checks the order, inserts FSDP unshard/reshard actions (a pass quadratic in the list length),
+    # gradient reductions, and sends and receives (a replay of the whole schedule); together about 3/4 of the time
+    # of a 128-node plan's schedules. The compute order (pipeline_order) is set before and is all that is read
+    # here (compile_graph checks it), so the lowering is skipped.
+    with contextlib.ExitStack() as stack:
+        runtime = getattr(schedules, "_PipelineScheduleRuntime", None)
+        if runtime is not None and hasattr(runtime, "_prepare_schedule_with_comms"):
+            stack.enter_context(mock.patch.object(runtime, "_prepare_schedule_with_comms", _no_lowering))
+        for name in _LOWERING_PASSES:
+            if hasattr(schedules, name):
+                stack.enter_context(mock.patch.object(schedules, name, _unchanged))
+        if getattr(visualizer, "mock", None) is mock:
+            stack.enter_context(mock.patch.object(visualizer, "mock", _REUSED_AUTOSPECS))
         ops = get_schedule_ops(schedule, pipeline_degree, n_microbatches, num_stages_per_rank=stages_per_rank)
     return [compute_actions(rank_ops) for rank_ops in ops]
+
+
+_LOWERING_PASSES = ("_add_unshard_reshard", "_add_reduce_grad", "_add_send_recv")
+"""torch's passes from a compute order to the runtime's (torch 2.11-2.14 schedules.py), each taking the actions
+first and returning them with its own added; the single-stage schedules call _add_reduce_grad themselves."""
+
+
+def _unchanged(actions: Any, *args: Any, **kwargs: Any) -> Any:
+    return actions
+
+
+def _no_lowering(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class _ReusedAutospecs:
@@ -181,14 +200,22 @@ def compute_actions(rank_ops: Sequence[Any]) -> list[tuple[int, str, int]]:
     """One rank's torch actions (_Action, or None for an idle step) as (stage, kind F|B|I|W, micro-batch): fused
     actions as their sub-actions, everything but compute dropped."""
     actions = []
+    kinds = _compute_kinds()
     for op in rank_ops:
         if op is None:
             continue
         for sub in op.sub_actions or (op,):
-            kind = _COMPUTE_KINDS.get(sub.computation_type.name)
+            kind = kinds.get(sub.computation_type)
             if kind is not None:
                 actions.append((sub.stage_index, kind, sub.microbatch_index))
     return actions
+
+
+@functools.cache
+def _compute_kinds() -> dict[Any, str]:
+    """_COMPUTE_KINDS by torch's enum members themselves (reading .name costs more than the rest of the walk)."""
+    members = symbol(_PIPELINING_SCHEDULES, "_ComputationType")
+    return {member: _COMPUTE_KINDS[member.name] for member in members if member.name in _COMPUTE_KINDS}
 
 
 def runtime_schedule(
