@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
@@ -62,6 +64,22 @@ class PlannedCandidate:
         }
 
 
+@contextlib.contextmanager
+def _cycle_collection_paused() -> Iterator[None]:
+    """Python's cycle collector off for the duration: the planner allocates millions of small acyclic objects
+    (action graphs, candidates, estimates) beside torch's modules, and each full collection walks them all; paused,
+    a 128-node plan took ~30 % less time. Its garbage is freed by reference counting; what cycles there are wait
+    for the next collection after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_cycle_collection_paused()
 def plan(
     profile: Profile,
     *,
