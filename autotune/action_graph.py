@@ -1,14 +1,28 @@
-"""Pure: per-rank action lists compiled into a dependency graph the simulator replays: each action's previous action
+"""Per-rank action lists compiled into a dependency graph the simulator replays: each action's previous action
 on its rank, the other stage's action whose tensor it needs, its own stage's earlier action, and one topological
-order (an action list that has none deadlocks)."""
+order (an action list that has none deadlocks). A schedule's own graph is kept on disk between runs
+(AUTOTUNE_CACHE_DIR)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 from autotune.errors import AutotuneError
+from autotune.files import atomic_write_bytes
 from autotune.schedules import Action, ActionKind, Schedule, action_lists
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "AUTOTUNE_CACHE_DIR"
+"""Where compiled graphs are kept between runs (default $XDG_CACHE_HOME/autotune, else ~/.cache/autotune); set to
+an empty string to keep none."""
 
 
 class DeadlockError(AutotuneError):
@@ -52,9 +66,62 @@ KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
 
 @functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
 def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> ActionGraph:
-    """The graph of a schedule's own action lists (cached: the planner simulates many candidates per schedule)."""
+    """The graph of a schedule's own action lists (cached: the planner simulates many candidates per schedule),
+    kept on disk between runs: building torch's orders needs torch.distributed.pipelining (~2 s to import) and
+    ~10 ms a schedule, a 128-node plan builds 120 of them, and a repeated plan then imports no torch at all."""
+    name = f"{Schedule(schedule).value}-pp{pipeline_degree}-m{n_microbatches}-s{n_stages}.pickle"
+    folder = _graph_folder()
+    if folder is not None:
+        graph = _load_graph(folder / name)
+        if graph is not None:
+            return graph
     lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
-    return compile_graph(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
+    graph = compile_graph(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
+    if folder is not None:
+        try:
+            atomic_write_bytes(folder / name, pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL), durable=False)
+        except OSError as e:  # a read-only or full disk costs speed, nothing else
+            logger.debug("not caching %s: %s", name, e)
+    return graph
+
+
+def _load_graph(path: Path) -> ActionGraph | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        graph = pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file is a miss, rebuilt and replaced
+        logger.debug("ignoring cached graph %s: %s", path, e)
+        return None
+    return graph if isinstance(graph, ActionGraph) else None
+
+
+@functools.cache
+def _graph_folder() -> Path | None:
+    """This torch's and this autotune's folder of cached graphs, or None without a cache. Keyed by the sources the
+    graphs come from (torch's schedules and autotune's schedule and graph code), read without importing torch:
+    another torch, an edited schedule or a new autotune gets a folder of its own."""
+    setting = os.environ.get(CACHE_ENV)
+    if setting == "":
+        return None
+    base = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune"
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    torch_dir = Path(next(iter(spec.submodule_search_locations)))
+    here = Path(__file__).parent
+    sources = [torch_dir / "distributed/pipelining/schedules.py",
+               torch_dir / "distributed/pipelining/_schedule_visualizer.py",
+               here / "action_graph.py", here / "schedules.py", here / "vshape.py", here / "compat.py"]
+    digest = hashlib.sha256()
+    try:
+        for source in sources:
+            digest.update(source.read_bytes())
+    except OSError:
+        return None
+    return base / "graphs" / digest.hexdigest()[:16]
 
 
 def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> ActionGraph:

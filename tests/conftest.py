@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,24 @@ def make_batch(batch_size):
 def loss_fn(output, target):
     return nn.functional.mse_loss(output, target)
 '''
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graph_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's own cache of compiled schedule graphs (action_graph.CACHE_ENV), for this process and the CLI and
+    rank processes it starts: the user's ~/.cache stays untouched, and every session starts cold."""
+    from autotune.action_graph import CACHE_ENV, _graph_folder
+
+    folder = tmp_path_factory.mktemp("graph-cache")
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(folder)
+    _graph_folder.cache_clear()
+    yield folder
+    if saved is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = saved
+    _graph_folder.cache_clear()
 
 
 @pytest.fixture
