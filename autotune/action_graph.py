@@ -5,18 +5,24 @@ order (an action list that has none deadlocks). A schedule's own graph is kept o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.errors import AutotuneError
 from autotune.files import atomic_write_bytes
-from autotune.schedules import Action, ActionKind, Schedule, action_lists
+from autotune.schedules import Action, ActionKind, Schedule, action_lists, order_from_torch
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +74,14 @@ KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
 def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> ActionGraph:
     """The graph of a schedule's own action lists (cached: the planner simulates many candidates per schedule),
     kept on disk between runs: building torch's orders needs torch.distributed.pipelining (~2 s to import) and
-    ~10 ms a schedule, a 128-node plan builds 120 of them, and a repeated plan then imports no torch at all."""
-    name = f"{Schedule(schedule).value}-pp{pipeline_degree}-m{n_microbatches}-s{n_stages}.pickle"
+    ~10 ms a schedule, a 128-node plan builds 120 of them, and a repeated plan then imports no torch at all. A graph
+    a worker of torch_orders_built_ahead is building is waited for."""
+    name = _graph_name(schedule, pipeline_degree, n_microbatches, n_stages)
     folder = _graph_folder()
     if folder is not None:
         graph = _load_graph(folder / name)
+        if graph is None and name in _ahead:
+            graph = _await_ahead(folder / name, _ahead[name])
         if graph is not None:
             return graph
     lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
@@ -83,6 +92,89 @@ def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int
         except OSError as e:  # a read-only or full disk costs speed, nothing else
             logger.debug("not caching %s: %s", name, e)
     return graph
+
+
+GraphKey = tuple[Schedule, int, int, int]
+"""(schedule, pipeline_degree, n_microbatches, n_stages): compiled_graph's arguments."""
+
+BUILT_AHEAD_FROM = 8
+"""torch_orders_built_ahead starts workers from this many uncached graphs of torch's orders on."""
+
+_ahead: dict[str, subprocess.Popen[bytes]] = {}
+"""Graph file names being built ahead, with the worker building each."""
+
+
+@contextlib.contextmanager
+def torch_orders_built_ahead(keys: Iterable[GraphKey]) -> Iterator[None]:
+    """While the caller works, worker processes build the uncached graphs of `keys` whose orders come from torch's
+    schedule classes, in that order, into the disk cache: this process then never imports
+    torch.distributed.pipelining (with torch 3-5 s, and ~1 s more to tear down at exit), and the builds run beside
+    its simulations. compiled_graph waits for a key's file while its worker lives and builds the graph itself
+    otherwise. Only with a disk cache, from BUILT_AHEAD_FROM such graphs on, with two or more usable cores and
+    torch not imported here (with torch loaded, importing its pipelining here is faster than a worker's start);
+    otherwise nothing happens. The workers (one per usable core but one, up to 4; each imports torch) are stopped
+    on exit: graphs of keys the caller never asked for (pruned candidates) are not waited for."""
+    from autotune.devices import usable_cores
+
+    folder = _graph_folder()
+    wanted = [] if folder is None else [
+        key for key in dict.fromkeys((Schedule(s), pp, m, n) for s, pp, m, n in keys)
+        if order_from_torch(key[0]) and not (folder / _graph_name(*key)).exists()
+    ]
+    workers = min(4, usable_cores() - 1, len(wanted))
+    if folder is None or workers < 1 or len(wanted) < BUILT_AHEAD_FROM or "torch" in sys.modules:
+        yield
+        return
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for w in range(workers):
+            share = wanted[w::workers]
+            worker = subprocess.Popen(
+                [sys.executable, "-c", "from autotune.action_graph import _build_ahead; _build_ahead()",
+                 json.dumps([[s.value, pp, m, n] for s, pp, m, n in share])],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            started.append(worker)
+            _ahead.update((_graph_name(*key), worker) for key in share)
+        yield
+    finally:
+        _ahead.clear()
+        for worker in started:
+            worker.kill()
+        for worker in started:
+            worker.wait()
+        for torn in folder.glob(".*.tmp"):  # a worker stopped mid-write (atomic_write_bytes' temp files)
+            torn.unlink(missing_ok=True)
+
+
+def graph_ready(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> bool:
+    """False while a worker of torch_orders_built_ahead still builds this graph (compiled_graph would wait)."""
+    name = _graph_name(schedule, pipeline_degree, n_microbatches, n_stages)
+    if name not in _ahead or _ahead[name].poll() is not None:
+        return True
+    folder = _graph_folder()
+    return folder is None or (folder / name).exists()
+
+
+def _build_ahead() -> None:
+    """A worker of torch_orders_built_ahead: build the graphs named in argv[1] (JSON) into the disk cache."""
+    for schedule, pp, m, n in json.loads(sys.argv[1]):
+        compiled_graph(Schedule(schedule), pp, m, n)
+
+
+def _await_ahead(path: Path, worker: subprocess.Popen[bytes]) -> ActionGraph | None:
+    """The graph at path once its worker has written it; None when the worker ends without it."""
+    pause = 0.001
+    while True:
+        graph = _load_graph(path) if path.exists() else None
+        if graph is not None or worker.poll() is not None:
+            return graph
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _graph_name(schedule: Schedule | str, pipeline_degree: int, n_microbatches: int, n_stages: int) -> str:
+    return f"{Schedule(schedule).value}-pp{pipeline_degree}-m{n_microbatches}-s{n_stages}.pickle"
 
 
 def _load_graph(path: Path) -> ActionGraph | None:

@@ -28,15 +28,20 @@ def resolve_device(choice: str) -> Device:
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity on Linux, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def cpu_oversubscription(ranks: int, device: str) -> str | None:
     """A warning when CPU ranks outnumber the cores this process may use: ranks sharing a core time each other's
     contention, not the candidate. None when they fit (or on CUDA)."""
     if device != "cpu":
         return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     if ranks <= cores:
         return None
     return (

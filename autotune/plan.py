@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+from autotune.action_graph import graph_ready, torch_orders_built_ahead
 from autotune.candidate import Candidate, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
@@ -19,6 +20,7 @@ from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
     Schedule,
     default_stages_per_rank,
+    order_from_torch,
     parse_schedule,
     schedules_for,
     stage_ranks,
@@ -161,18 +163,28 @@ def plan(
     planned: dict[str, PlannedCandidate] = {}
     best: list[float] = []  # the best feasible step time so far, once there is one
     pruned = 0
-    for point in sorted(points, key=lambda p: p.bound):
+    ordered = sorted(points, key=lambda p: p.bound)
+    with torch_orders_built_ahead((p.schedule, p.pp, p.m, p.n_stages) for p in ordered):
+        for i, point in enumerate(ordered):
+            limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
+            if point.bound > limit:
+                pruned += 1
+                continue
+            # While a worker still builds this point's torch order, evaluate later points that need none: their
+            # simulations and splits are memoized (_Costs.simulate, _Point), so the ranking is the one without it.
+            spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
+            while not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
+                ahead = next(spare, None)
+                if ahead is None:
+                    break
+                ahead.evaluate(memory_limit_bytes, limit)
+            for entry in point.evaluate(memory_limit_bytes, limit):
+                planned.setdefault(entry.candidate.key, entry)
+                if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):
+                    best[:] = [entry.estimate.step_time_ms]
         limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-        if point.bound > limit:
-            pruned += 1
-            continue
-        for entry in point.evaluate(memory_limit_bytes, limit):
+        for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
             planned.setdefault(entry.candidate.key, entry)
-            if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):
-                best[:] = [entry.estimate.step_time_ms]
-    limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-    for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
-        planned.setdefault(entry.candidate.key, entry)
     logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
     ranked = _even_first(planned.values())
     return ranked[:top] if top is not None else ranked
@@ -314,11 +326,18 @@ class _Costs:
         self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
         self.shared = profile.shared_parameters
         self._balanced = splits if splits is not None else {}
+        self._simulated: dict[tuple[Candidate, int | None], Estimate] = {}
         # A min-max split depends on the layer times only up to scale: sizes whose times are proportional (a profile
         # of one size, or layers without fixed costs) share their splits, the planner's costliest computation.
         self._shape = {flag: _shape(t) for flag, t in ((False, self.time), (True, self.time_checkpointed))}
 
     def simulate(self, candidate: Candidate, memory_limit_bytes: int | None) -> Estimate:
+        key = (candidate, memory_limit_bytes)
+        if key not in self._simulated:
+            self._simulated[key] = self._simulate(candidate, memory_limit_bytes)
+        return self._simulated[key]
+
+    def _simulate(self, candidate: Candidate, memory_limit_bytes: int | None) -> Estimate:
         return simulate_costs(
             self.layers,
             candidate,
@@ -392,6 +411,7 @@ class _Point:
         self.first = [self.make(split, order=order) for i, split in enumerate(splits) if split not in splits[:i]
                       for order in self.orders]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
+        self._memory_splits: dict[tuple[bool, int], tuple[int, ...] | None] = {}  # evaluate()'s, memoized
 
     def make(self, split: tuple[int, ...], checkpointing: bool = False, order: RankOrder = "pp-inner") -> Candidate:
         return Candidate(
@@ -412,14 +432,19 @@ class _Point:
             probe = self.make(uniform_split(n_layers, self.n_stages), checkpointing)
             time = costs.time_checkpointed if checkpointing else costs.time
             splits = [costs.balanced(self.schedule, self.pp, self.n_stages, checkpointing)] if checkpointing else []
-            try:
-                splits.append(balance_for_schedule(
-                    time, self.schedule, self.pp, self.n_stages,
-                    stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes, explain=False,
-                    kicks=MEMORY_SPLIT_KICKS,
-                ))
-            except InfeasibleError:
-                pass
+            memory_split = self._memory_splits.get((checkpointing, memory_limit_bytes), ())
+            if memory_split == ():
+                try:
+                    memory_split = balance_for_schedule(
+                        time, self.schedule, self.pp, self.n_stages,
+                        stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes, explain=False,
+                        kicks=MEMORY_SPLIT_KICKS,
+                    )
+                except InfeasibleError:
+                    memory_split = None
+                self._memory_splits[(checkpointing, memory_limit_bytes)] = memory_split
+            if memory_split is not None:
+                splits.append(memory_split)
             for split in splits:
                 for order in self.orders:
                     candidate = self.make(split, checkpointing, order)

@@ -166,6 +166,11 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+def order_from_torch(schedule: Schedule) -> bool:
+    """Whether action_lists asks torch's schedule classes (importing torch.distributed.pipelining) for the order."""
+    return schedule not in (Schedule.ONE_F_ONE_B, Schedule.V_HALF, Schedule.V_MIN)
+
+
 def action_lists(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[list[Action]]:
     """Per-rank compute actions in execution order, taken from torch's own schedule so the simulator replays
     exactly what the runtime runs; 1F1B, VHalf and VMin are generated here, and the runtime runs VHalf and VMin

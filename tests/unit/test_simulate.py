@@ -1,7 +1,10 @@
 import dataclasses
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -321,3 +324,53 @@ def test_an_empty_cache_setting_keeps_no_graphs(tmp_path, monkeypatch):
     finally:
         action_graph._graph_folder.cache_clear()
         action_graph.compiled_graph.cache_clear()
+
+
+AHEAD_SCRIPT = """
+import json, sys
+from autotune import action_graph
+from autotune.costs import LayerCost, Profile
+from autotune.plan import plan
+
+if __name__ == "__main__":
+    if sys.argv[1] == "here":
+        action_graph.BUILT_AHEAD_FROM = 10**9
+    block = LayerCost(forward_ms=4.0, backward_input_ms=4.0, backward_weight_ms=4.0, saved_bytes=2 * 2**30,
+                      output_bytes=32 * 2**20, parameter_bytes=400 * 2**20)
+    head = LayerCost(forward_ms=6.0, backward_input_ms=6.0, backward_weight_ms=6.0, saved_bytes=3 * 2**30,
+                     output_bytes=4 * 2**20, parameter_bytes=500 * 2**20)
+    profile = Profile.from_layer_costs([block] * 23 + [head], input_bytes=2**15, device="cuda")
+    planned = plan(profile, gpus=32, batch_size=256, memory_limit_bytes=40 * 2**30, gpus_per_node=8)
+    print(json.dumps({"torch": "torch" in sys.modules,
+                      "planned": [[p.candidate.key, p.estimate.step_time_ms, p.estimate.feasible] for p in planned]}))
+"""
+
+
+def test_torch_orders_built_ahead_rank_the_same_without_importing_torch_here(tmp_path):
+    # A fresh process planning 32 ranks needs ~100 of torch's orders: workers build them (importing torch) while the
+    # planner simulates, which must change nothing but the time. Built here instead, the ranking is the same.
+    from autotune.devices import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("building ahead needs a second core")
+    script = tmp_path / "plan32.py"
+    script.write_text(AHEAD_SCRIPT)
+    results = {}
+    for mode in ("ahead", "here"):
+        cache = tmp_path / f"cache-{mode}"
+        done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "AUTOTUNE_CACHE_DIR": str(cache)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[mode] = json.loads(done.stdout)
+        assert not list(cache.rglob(".*.tmp")), "a stopped worker's temp file was left in the cache"
+    assert results["ahead"]["torch"] is False
+    assert results["here"]["torch"] is True
+    assert len(results["ahead"]["planned"]) > 100
+    assert results["ahead"]["planned"] == results["here"]["planned"]
+
+
+def test_a_graph_whose_worker_ends_without_it_is_built_here(tmp_path):
+    from autotune import action_graph
+
+    quit_early = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert action_graph._await_ahead(tmp_path / "never.pickle", quit_early) is None
