@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.errors import AutotuneError
-from autotune.files import atomic_write_bytes
+from autotune.files import atomic_write_bytes, ensure_writable
 from autotune.schedules import Action, ActionKind, Schedule, action_lists, order_from_torch
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,12 @@ def torch_orders_built_ahead(keys: Iterable[GraphKey]) -> Iterator[None]:
     ]
     workers = min(4, usable_cores() - 1, len(wanted))
     if folder is None or workers < 1 or len(wanted) < BUILT_AHEAD_FROM or "torch" in sys.modules:
+        yield
+        return
+    try:  # the workers hand their graphs over through the folder
+        ensure_writable(folder, folder=True)
+    except OSError as e:
+        logger.debug("building torch's orders here: %s", e)
         yield
         return
     started: list[subprocess.Popen[bytes]] = []
