@@ -149,8 +149,9 @@ def torch_orders_built_ahead(keys: Iterable[GraphKey]) -> Iterator[None]:
             worker.kill()
         for worker in started:
             worker.wait()
-        for torn in folder.glob(".*.tmp"):  # a worker stopped mid-write (atomic_write_bytes' temp files)
-            torn.unlink(missing_ok=True)
+        for key in wanted:  # a worker stopped mid-write leaves atomic_write_bytes' temp file
+            for torn in folder.glob(f".{_graph_name(*key)}.*.tmp"):
+                torn.unlink(missing_ok=True)
 
 
 def graph_ready(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> bool:

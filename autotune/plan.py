@@ -432,17 +432,17 @@ class _Point:
             probe = self.make(uniform_split(n_layers, self.n_stages), checkpointing)
             time = costs.time_checkpointed if checkpointing else costs.time
             splits = [costs.balanced(self.schedule, self.pp, self.n_stages, checkpointing)] if checkpointing else []
-            memory_split = self._memory_splits.get((checkpointing, memory_limit_bytes), ())
-            if memory_split == ():
+            memory_key = (checkpointing, memory_limit_bytes)
+            if memory_key not in self._memory_splits:
                 try:
-                    memory_split = balance_for_schedule(
+                    self._memory_splits[memory_key] = balance_for_schedule(
                         time, self.schedule, self.pp, self.n_stages,
                         stage_memory=costs.stage_memory(probe), memory_cap=memory_limit_bytes, explain=False,
                         kicks=MEMORY_SPLIT_KICKS,
                     )
                 except InfeasibleError:
-                    memory_split = None
-                self._memory_splits[(checkpointing, memory_limit_bytes)] = memory_split
+                    self._memory_splits[memory_key] = None
+            memory_split = self._memory_splits[memory_key]
             if memory_split is not None:
                 splits.append(memory_split)
             for split in splits:
