@@ -1,8 +1,10 @@
 """torch's private surface, behind one door: every private torch name autotune uses is named here and only here.
 
     what autotune needs                      private torch name (module)
-    a schedule's per-rank action lists       get_schedule_ops (pipelining._schedule_visualizer); _add_unshard_reshard
-                                             patched out while it runs (pipelining.schedules: FSDP actions, dropped)
+    a schedule's per-rank action lists       get_schedule_ops (pipelining._schedule_visualizer), with
+                                             _PipelineScheduleRuntime._prepare_schedule_with_comms and
+                                             _add_reduce_grad patched out while it runs (pipelining.schedules: the
+                                             runtime's lowering, dropped)
     running its own orders (VHalf, VMin)     _PipelineScheduleRuntime, _Action, _ComputationType,
                                              _prepare_schedule_with_comms (pipelining.schedules)
     V placement on torch 2.11 with gloo      PipelineStage._get_init_p2p_neighbors_ops (self-sends dropped)
@@ -93,11 +95,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
 )
 """Every private (module, name) autotune needs."""
 
-OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = (
-    (_PIPELINING_SCHEDULES, "_add_unshard_reshard"),
-    (_PIPELINING_SCHEDULES, "_add_reduce_grad"),
-    (_PIPELINING_SCHEDULES, "_add_send_recv"),
-)
+OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = ((_PIPELINING_SCHEDULES, "_add_reduce_grad"),)
 """Private names used only to go faster: without them autotune still works."""
 
 
@@ -143,23 +141,17 @@ def schedule_actions(
     # __init__): it checks the order, inserts FSDP unshard/reshard actions (a pass quadratic in the list length),
     # gradient reductions, and sends and receives (a replay of the whole schedule); together about 3/4 of the time
     # of a 128-node plan's schedules. The compute order (pipeline_order) is set before and is all that is read
-    # here (compile_graph checks it), so the lowering is skipped.
+    # here (compile_graph checks it), so the lowering is skipped; so are the gradient reductions the single-stage
+    # classes add to their order themselves (dropped below anyway).
     with contextlib.ExitStack() as stack:
-        runtime = getattr(schedules, "_PipelineScheduleRuntime", None)
-        if runtime is not None and hasattr(runtime, "_prepare_schedule_with_comms"):
-            stack.enter_context(mock.patch.object(runtime, "_prepare_schedule_with_comms", _no_lowering))
-        for name in _LOWERING_PASSES:
-            if hasattr(schedules, name):
-                stack.enter_context(mock.patch.object(schedules, name, _unchanged))
+        runtime = symbol(_PIPELINING_SCHEDULES, "_PipelineScheduleRuntime")
+        stack.enter_context(mock.patch.object(runtime, "_prepare_schedule_with_comms", _no_lowering))
+        if hasattr(schedules, "_add_reduce_grad"):
+            stack.enter_context(mock.patch.object(schedules, "_add_reduce_grad", _unchanged))
         if getattr(visualizer, "mock", None) is mock:
             stack.enter_context(mock.patch.object(visualizer, "mock", _REUSED_AUTOSPECS))
         ops = get_schedule_ops(schedule, pipeline_degree, n_microbatches, num_stages_per_rank=stages_per_rank)
     return [compute_actions(rank_ops) for rank_ops in ops]
-
-
-_LOWERING_PASSES = ("_add_unshard_reshard", "_add_reduce_grad", "_add_send_recv")
-"""torch's passes from a compute order to the runtime's (torch 2.11-2.14 schedules.py), each taking the actions
-first and returning them with its own added; the single-stage schedules call _add_reduce_grad themselves."""
 
 
 def _unchanged(actions: Any, *args: Any, **kwargs: Any) -> Any:

@@ -172,12 +172,13 @@ def plan(
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their
             # simulations and splits are memoized (_Costs.simulate, _Point), so the ranking is the one without it.
-            spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
-            while not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
-                ahead = next(spare, None)
-                if ahead is None:
-                    break
-                ahead.evaluate(memory_limit_bytes, limit)
+            if not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
+                spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
+                while not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
+                    ahead = next(spare, None)
+                    if ahead is None:
+                        break
+                    ahead.evaluate(memory_limit_bytes, limit)
             for entry in point.evaluate(memory_limit_bytes, limit):
                 planned.setdefault(entry.candidate.key, entry)
                 if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):
