@@ -54,8 +54,15 @@ class PlannedCandidate:
     """The configuration."""
     estimate: Estimate
     """Its simulated step time, bubble and memory (no timeline: re-simulate one candidate to draw it)."""
+    even_split_of: str | None = None
+    """Set by the ranking when this split is ranked at the speed of a faster split of the same configuration (the
+    key of that split): it is within EVEN_WITHIN of it and more even, see _even_first."""
+    ranked_throughput_samples_per_s: float | None = None
+    """The throughput the ranking sorted this candidate by: its own, or its configuration's fastest split's when
+    even_split_of is set."""
 
     def to_dict(self) -> dict[str, Any]:
+        ranked = self.ranked_throughput_samples_per_s
         return {
             **self.candidate.to_dict(),
             "predicted_step_time_ms": self.estimate.step_time_ms,
@@ -63,6 +70,11 @@ class PlannedCandidate:
             "predicted_bubble_fraction": self.estimate.bubble_fraction,
             "predicted_peak_memory_bytes": list(self.estimate.peak_memory_bytes),
             "feasible": self.estimate.feasible,
+            "ranked_throughput_samples_per_s": ranked if ranked is not None else self.estimate.throughput_samples_per_s,
+            "ranked_as": (
+                f"a more even split of {self.even_split_of}, predicted within {EVEN_WITHIN:.0%} of it: ranked at its "
+                "speed (the profile's noise cannot tell them apart)" if self.even_split_of else None
+            ),
         }
 
 
@@ -195,21 +207,29 @@ def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
     """Fastest first, candidates over the memory limit last; among splits of one configuration (same layout,
     schedule, B/M, checkpointing, wire dtype) predicted within EVEN_WITHIN of that configuration's fastest, the more
     even split first (fewer layers away from the uniform split): the profile's noise cannot tell them apart, a
-    person can."""
+    person can. Such a split is ranked at its configuration's fastest speed, so it may stand above a slightly faster
+    candidate of another configuration; each entry says what it was ranked by (ranked_throughput_samples_per_s, and
+    even_split_of where that is not its own)."""
     entries = list(planned)
-    best: dict[tuple[Any, ...], float] = {}
+    best: dict[tuple[Any, ...], PlannedCandidate] = {}
     for p in entries:
         group = (_configuration(p.candidate), p.estimate.feasible)
-        best[group] = max(best.get(group, 0.0), p.estimate.throughput_samples_per_s)
+        if group not in best or p.estimate.throughput_samples_per_s > best[group].estimate.throughput_samples_per_s:
+            best[group] = p
 
-    def rank(p: PlannedCandidate) -> tuple[Any, ...]:
+    ranked: list[tuple[tuple[Any, ...], PlannedCandidate]] = []
+    for p in entries:
         throughput = p.estimate.throughput_samples_per_s
         fastest = best[(_configuration(p.candidate), p.estimate.feasible)]
-        tied = throughput >= fastest / (1 + EVEN_WITHIN)
-        return (not p.estimate.feasible, -(fastest if tied else throughput), _unevenness(p.candidate),
-                -throughput, p.candidate.key)
-
-    return sorted(entries, key=rank)
+        fastest_throughput = fastest.estimate.throughput_samples_per_s
+        tied = throughput >= fastest_throughput / (1 + EVEN_WITHIN)
+        by = fastest_throughput if tied else throughput
+        lifted = tied and fastest is not p and fastest_throughput > throughput
+        entry = replace(p, ranked_throughput_samples_per_s=by,
+                        even_split_of=fastest.candidate.key if lifted else None)
+        ranked.append(((not p.estimate.feasible, -by, _unevenness(p.candidate), -throughput, p.candidate.key), entry))
+    ranked.sort(key=lambda pair: pair[0])
+    return [entry for _, entry in ranked]
 
 
 def _configuration(c: Candidate) -> tuple[Any, ...]:

@@ -69,9 +69,30 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    """--version: autotune's version and torch's, as a tuned config's `environment` records them; torch's is read
+    from its installed metadata (importing torch would take seconds)."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    import autotune
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    console.print(f"autotune {autotune.__version__} (torch {torch_version})", highlight=False)
+    raise typer.Exit()
+
+
 @app.callback()
 def _main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print autotune's and torch's version."),
+    ] = False,
 ) -> None:
     _debug.set(debug)
     logging.basicConfig(

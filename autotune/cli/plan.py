@@ -113,7 +113,9 @@ def plan_command(
 
     `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus
     predicted_step_time_ms, predicted_throughput_samples_per_s, predicted_peak_memory_bytes (one per pipeline rank;
-    every replica holds the same) and feasible.
+    every replica holds the same), feasible, and ranked_throughput_samples_per_s: the speed it is ranked by. A more
+    even split predicted within 3 % of its configuration's fastest is ranked at that speed and says so in
+    ranked_as (a `*` in the table), so it may stand above a slightly faster candidate.
 
     Several nodes (`--nodes N --gpus-per-node G`): sends between stages on different nodes and all-reduces over
     nodes take the inter-node link (`--inter-node-bandwidth`, `--inter-node-latency`), and layouts with a pipeline
@@ -288,12 +290,20 @@ def render_plan(
             str(c.n_microbatches),
             str(c.micro_batch_size),
             ",".join(map(str, c.layers_per_stage)),
-            f"{e.step_time_ms:.1f}",
+            f"{e.step_time_ms:.1f}" + ("*" if p.even_split_of else ""),
             f"{e.throughput_samples_per_s:.1f}",
             f"{e.bubble_fraction:.0%}",
             peak if e.feasible else f"[red]{peak}[/red]",
         )
     console.print(table)
+    if any(p.even_split_of for p in planned):
+        from autotune.partition import EVEN_WITHIN
+
+        console.print(
+            f"* a more even split of a configuration whose fastest split is predicted within {EVEN_WITHIN:.0%}: "
+            "ranked at that split's speed (the profile's noise cannot tell them apart; `--json` names the split).",
+            highlight=False,
+        )
     lo, hi = recommended
     span = f"{lo}" if lo == hi else f"{lo} to {hi}"
     console.print(

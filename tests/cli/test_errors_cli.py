@@ -74,3 +74,15 @@ def test_python_dash_m_autotune_runs_the_command():
                           "--batch-size", "8", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert json.loads(out.stdout)["exit_code"] == 2
+
+
+def test_version_prints_autotune_and_torch_as_a_config_records_them():
+    from importlib.metadata import version
+
+    import autotune
+
+    expected = f"autotune {autotune.__version__} (torch {version('torch')})"
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == expected
+    module = subprocess.run([sys.executable, "-m", "autotune", "--version"], capture_output=True, text=True, timeout=60)
+    assert module.returncode == 0 and module.stdout.strip() == expected

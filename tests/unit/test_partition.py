@@ -198,3 +198,33 @@ def test_equal_layers_within_noise_get_the_most_even_split():
                        layouts=[(8, 1)])
         n_stages = planned[0].candidate.n_stages
         assert planned[0].candidate.layers_per_stage == (96 // n_stages,) * n_stages
+
+
+def test_a_more_even_split_ranked_above_a_faster_candidate_says_why():
+    # Issue 26: `plan` lists a more even split of one configuration at that configuration's fastest speed, so it may
+    # stand above a slightly faster candidate of another configuration; the entry must say so.
+    from autotune.candidate import Candidate
+    from autotune.plan import PlannedCandidate, _even_first
+    from autotune.simulate import Estimate
+
+    def planned(schedule, split, step_ms):
+        candidate = Candidate(schedule=Schedule(schedule), pipeline_degree=2, global_batch_size=8, n_microbatches=2,
+                              layers_per_stage=split)
+        estimate = Estimate(step_time_ms=step_ms, throughput_samples_per_s=8000 / step_ms, bubble_fraction=0.1,
+                            peak_memory_bytes=(1, 1), feasible=True, pipeline_time_ms=step_ms, optimizer_ms=0.0,
+                            allreduce_ms=0.0)
+        return PlannedCandidate(candidate=candidate, estimate=estimate)
+
+    uneven_fast = planned("1F1B", (3, 1), 4.100)
+    even_slower = planned("1F1B", (2, 2), 4.191)  # within 3 % of (3, 1), and even
+    other = planned("GPipe", (3, 1), 4.159)       # faster than (2, 2), slower than (3, 1)
+    far = planned("1F1B", (1, 3), 5.000)          # not within 3 %: ranked by its own speed
+    ranked = _even_first([other, far, uneven_fast, even_slower])
+    assert [p.candidate.layers_per_stage for p in ranked] == [(2, 2), (3, 1), (3, 1), (1, 3)]
+    assert ranked[0].even_split_of == uneven_fast.candidate.key
+    assert ranked[0].ranked_throughput_samples_per_s == uneven_fast.estimate.throughput_samples_per_s
+    assert ranked[1].candidate.schedule is Schedule.ONE_F_ONE_B and ranked[1].even_split_of is None
+    assert ranked[2].candidate.schedule is Schedule.GPIPE
+    entries = [p.to_dict() for p in ranked]
+    assert "more even split of" in entries[0]["ranked_as"] and entries[2]["ranked_as"] is None
+    assert entries[3]["ranked_throughput_samples_per_s"] == far.estimate.throughput_samples_per_s
