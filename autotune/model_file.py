@@ -108,7 +108,7 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         path=path.resolve(),
         build_model=functions["build_model"],
         make_batch=functions["make_batch"],
-        loss_fn=functions["loss_fn"],
+        loss_fn=LossFn(path=path, fn=functions["loss_fn"], output_class=blocks.output_class),
         build_optimizer=build_optimizer,
         layer_names=blocks.block_types,
         parameter_bytes=tuple(b - s for b, s in zip(blocks.parameter_bytes(), shared_bytes)),
@@ -121,6 +121,58 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         layer_roles=blocks.roles,
         shared=blocks.shared_parameters(),
     )
+
+
+class LossFn:
+    """The user's loss_fn as every stage, check and profile calls it: (last stage's output, targets) -> loss.
+
+    The last stage ends with the logits tensor. A model that returns them in a class of its own (a Hugging Face
+    family's CausalLMOutputWithPast) may have a loss_fn written for that class (`out.logits`): on the first call,
+    when loss_fn fails on the tensor with the error such code raises on a tensor (AttributeError, KeyError,
+    TypeError, IndexError) and runs on the output class, that is what it gets from then on. A loss_fn that works
+    on neither raises one line saying what it receives."""
+
+    def __init__(self, *, path: Path, fn: Callable[[Any, torch.Tensor], torch.Tensor], output_class: type | None):
+        self.path = Path(path)
+        self.fn = fn
+        self.output_class = output_class
+        self.wraps: bool | None = None
+        """None until the first call decides; True: loss_fn takes output_class(logits=...)."""
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if self.wraps is None and isinstance(output, torch.Tensor):
+            try:
+                loss = self.fn(output, target)
+            except (AttributeError, KeyError, TypeError, IndexError) as exc:
+                loss = self._first_call_on_the_output_class(exc, output, target)
+            else:
+                self.wraps = False
+            return loss
+        if self.wraps and isinstance(output, torch.Tensor):
+            output = self.output_class(logits=output)  # type: ignore[misc]
+        return self.fn(output, target)
+
+    def _first_call_on_the_output_class(
+        self, failed: BaseException, output: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
+        if self.output_class is not None:
+            try:
+                loss = self.fn(self.output_class(logits=output), target)
+            except Exception:  # noqa: BLE001 - the user's code; the first error is the one to report
+                pass
+            else:
+                self.wraps = True
+                return loss
+        receives = f"the model's output tensor (the logits) of shape {tuple(output.shape)}"
+        if self.output_class is not None:
+            receives += f" (or, if it reads `.logits`, a {self.output_class.__name__} holding it)"
+        raise ModelFileError(
+            f"{_where(self.path, failed)}: loss_fn raised {_one_line(failed)}; loss_fn(output, target) receives "
+            f"{receives} and the targets of one micro-batch: write it for that"
+        ) from failed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "wraps": None}  # each process decides on its own first call
 
 
 def build_blocks(spec: ModelSpec, *, seed: int = SEED) -> BlockModel:

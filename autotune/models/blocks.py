@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -56,6 +58,23 @@ class BlockModel:
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def output_class(self) -> type | None:
+        """The class the user's model returns around its logits (a Hugging Face family's CausalLMOutputWithPast),
+        read from its forward's return annotation; None when it returns a tensor. The last stage ends with the
+        logits tensor, and loss_fn gets it in this class when it reads it that way (model_file.LossFn)."""
+        if isinstance(self.model, nn.Sequential):
+            return None
+        forward = type(self.model).forward
+        try:
+            annotation = typing.get_type_hints(forward).get("return")
+        except Exception:  # noqa: BLE001 - an annotation naming what this module cannot import: no class known
+            annotation = inspect.signature(forward).return_annotation
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            if "logits" in {f.name for f in dataclasses.fields(annotation)}:
+                return annotation
+        return None
 
     @property
     def block_types(self) -> tuple[str, ...]:

@@ -130,3 +130,32 @@ def test_split_at_is_not_advised_again_when_it_cannot_help(tmp_path):
     path.write_text(T5)
     text = one_line_error(trial(path, "--split-at", "encoder.block.*,decoder.block.*"))
     assert "--split-at 'NAME.*'" not in text
+
+
+def llama_with_loss(tmp_path, body: str):
+    """recipes/hf_llama.py with its loss_fn replaced by `def loss_fn(out, targets): <body>`."""
+    pytest.importorskip("transformers")
+    source = (RECIPES / "hf_llama.py").read_text()
+    head, _, _ = source.partition("def loss_fn(")
+    path = tmp_path / "llama_out.py"
+    path.write_text(head + f"def loss_fn(out, targets):\n    {body}\n")
+    return path
+
+
+@pytest.mark.dist
+def test_a_loss_fn_written_for_the_model_as_it_is_reads_out_logits(tmp_path):
+    """Issue 26: a Hugging Face user's loss reads `out.logits` (the model returns a CausalLMOutputWithPast): the
+    last stage hands loss_fn the family's own output class, in the model check, the profile and the trial ranks."""
+    path = llama_with_loss(tmp_path, "return nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), "
+                                     "targets.reshape(-1), ignore_index=-100)")
+    result = trial(path, "--steps", "2", "--warmup", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["status"] == "ok"
+
+
+def test_a_loss_fn_that_cannot_work_says_what_it_receives(tmp_path):
+    path = llama_with_loss(tmp_path, "return out.loss_of_my_own.mean()")
+    text = one_line_error(trial(path))
+    assert "llama_out.py" in text and "loss_fn raised AttributeError" in text
+    assert "receives the model's output tensor (the logits) of shape (2, 32, 512)" in text
+    assert "CausalLMOutputWithPast" in text
