@@ -8,19 +8,19 @@ from autotune.errors import AutotuneError
 from autotune.plan import PlannedCandidate, plan
 from autotune.records import SearchResult
 from autotune.schedules import Schedule
-from autotune.simulate import LinkModel, simulate
+from autotune.simulate import LinkModel, Predictor
 from autotune.units import format_bytes
 
 
 def best_one_f_one_b(
-    profile: Profile, *, gpus: int, batch_size: int, link: LinkModel | None = None
+    profile: Profile, *, gpus: int, batch_size: int, link: LinkModel | None = None, gpus_per_node: int | None = None
 ) -> PlannedCandidate | None:
     """What one would run without a memory limit: 1F1B over all GPUs as one pipeline (dp 1), no checkpointing,
     float32 between stages, at its fastest predicted B/M and split. None when no such pipeline runs."""
     try:
         planned = plan(
             profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=None, schedules=[Schedule.ONE_F_ONE_B],
-            layouts=[(gpus, 1)], link=link,
+            layouts=[(gpus, 1)], link=link, gpus_per_node=gpus_per_node,
         )
     except AutotuneError:
         return None
@@ -28,22 +28,22 @@ def best_one_f_one_b(
     return plain[0] if plain else None
 
 
-def memory_choice_reason(
-    result: SearchResult, profile: Profile, memory_limit_bytes: int | None, *, link: LinkModel | None = None
-) -> str | None:
+def memory_choice_reason(result: SearchResult, predict: Predictor) -> str | None:
     """One sentence for the report when the memory limit excluded 1F1B at its best B/M: which lower-memory choice
     won and what it saved (predicted peak bytes of the fullest rank). None when there is no limit, no chosen config,
     or 1F1B at its best B/M fits anyway."""
+    memory_limit_bytes = predict.memory_limit_bytes
     if memory_limit_bytes is None or result.best is None:
         return None
     chosen = result.best.candidate
-    baseline = best_one_f_one_b(profile, gpus=chosen.world_size, batch_size=chosen.global_batch_size, link=link)
+    baseline = best_one_f_one_b(predict.profile, gpus=chosen.world_size, batch_size=chosen.global_batch_size,
+                                link=predict.link, gpus_per_node=predict.gpus_per_node)
     if baseline is None:
         return None
     baseline_peak = max(baseline.estimate.peak_memory_bytes)
     if baseline_peak <= memory_limit_bytes:
         return None
-    estimate = simulate(profile, chosen, link=link, with_timeline=False)
+    estimate = predict(chosen)
     chosen_peak = max(estimate.peak_memory_bytes)
     saved = baseline_peak - chosen_peak
     measured = (

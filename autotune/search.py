@@ -44,7 +44,7 @@ from autotune.records import (
 from autotune.schedules import Schedule
 from autotune.search_space import SearchSpace
 from autotune.shared_study import SharedStudy, load_records, open_shared_study
-from autotune.simulate import Estimate, LinkModel, simulate
+from autotune.simulate import Estimate, LinkModel, Predictor
 from autotune.study_storage import (
     GRACE_PERIOD_S,
     HEARTBEAT_INTERVAL_S,
@@ -166,7 +166,8 @@ def run_search(
     """Run (or resume, or join) the study. Ctrl-C stops the running trial and returns what was found,
     interrupted=True. storage: a URL, or one opened already (open_storage)."""
     reporter = reporter or _Silent()
-    link = link or LinkModel.for_device(profile.device)
+    predict = Predictor(profile=profile, link=link or LinkModel.for_device(profile.device),
+                        memory_limit_bytes=options.memory_limit_bytes, gpus_per_node=options.gpus_per_node)
     space = SearchSpace(profile, options)
     opened = storage if isinstance(storage, StudyStorage) else open_search_storage(storage, options)
     setup = {
@@ -179,6 +180,7 @@ def run_search(
         "n_trials": options.n_trials,
         "seed": options.seed,
         **options.setup,
+        **predict.setup_entries(),
     }
     shared = open_shared_study(
         opened,
@@ -190,7 +192,7 @@ def run_search(
         profile=profile.to_dict(),
         stale_after_s=options.trial.timeout_s + options.grace_period_s + 60,
     )
-    engine = _Engine(spec, profile, space, options, shared, runner, reporter, link)
+    engine = _Engine(spec, profile, space, options, shared, runner, reporter, predict)
     started = time.time()
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
@@ -268,11 +270,11 @@ class _Engine:
         shared: SharedStudy,
         runner: TrialRunner,
         reporter: SearchReporter,
-        link: LinkModel,
+        predict: Predictor,
     ) -> None:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
         self.shared, self.study = shared, shared.study
-        self.runner, self.reporter, self.link = runner, reporter, link
+        self.runner, self.reporter, self.predict = runner, reporter, predict
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
@@ -296,14 +298,7 @@ class _Engine:
 
     def estimate(self, candidate: Candidate) -> Estimate:
         if candidate.key not in self._estimates:
-            self._estimates[candidate.key] = simulate(
-                self.profile,
-                candidate,
-                link=self.link,
-                memory_limit_bytes=self.options.memory_limit_bytes,
-                with_timeline=False,
-                gpus_per_node=self.options.gpus_per_node,
-            )
+            self._estimates[candidate.key] = self.predict(candidate)
         return self._estimates[candidate.key]
 
     def best_record(self) -> TrialRecord | None:
@@ -543,8 +538,8 @@ def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
     setup = dict(study.user_attrs.get("setup", {}))
     records, runs = load_records(study)
     summary = summarize(records, runs)
-    best, limit = summary.best, setup.get("memory_limit_bytes")
-    estimate = simulate(profile, best.candidate, memory_limit_bytes=limit, with_timeline=False) if best else None
+    best = summary.best
+    estimate = Predictor.of_setup(profile, setup)(best.candidate) if best else None
     result = SearchResult.of(
         summary,
         study_name=study_name,

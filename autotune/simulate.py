@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -219,6 +219,43 @@ def simulate(
         shared_parameters=profile.shared_parameters,
         gpus_per_node=gpus_per_node,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predictor:
+    """The one way a study predicts a candidate: its profile with the link, memory limit and nodes it was planned
+    with. The search, `load_search`, the report and its explanations all ask one, so a config's `predicted` block
+    and the report of its study agree by construction (multi-node included). A study stores what rebuilds it
+    (setup_entries) in its setup; of_setup reads it back."""
+
+    profile: Profile
+    link: LinkModel
+    memory_limit_bytes: int | None = None
+    gpus_per_node: int | None = None
+    """Ranks per node when the ranks span nodes; None: one node."""
+
+    @classmethod
+    def of_setup(
+        cls, profile: Profile, setup: Mapping[str, Any], *, memory_limit_bytes: int | None = None
+    ) -> Predictor:
+        """The predictor of a study from its setup (its link, gpus_per_node, memory_limit_bytes); a study written
+        before the link was stored gets the profile device's default link. memory_limit_bytes overrides the
+        setup's."""
+        known = {f.name for f in fields(LinkModel)}
+        stored = {k: v for k, v in (setup.get("link") or {}).items() if k in known}
+        link = LinkModel(**stored) if stored else LinkModel.for_device(profile.device)
+        limit = memory_limit_bytes if memory_limit_bytes is not None else setup.get("memory_limit_bytes")
+        per_node = setup.get("gpus_per_node")
+        return cls(profile=profile, link=link, memory_limit_bytes=int(limit) if limit is not None else None,
+                   gpus_per_node=int(per_node) if per_node else None)
+
+    def setup_entries(self) -> dict[str, Any]:
+        """What of_setup needs beside the setup's own keys (memory_limit_bytes, gpus_per_node)."""
+        return {"link": asdict(self.link)}
+
+    def __call__(self, candidate: Candidate, *, with_timeline: bool = False) -> Estimate:
+        return simulate(self.profile, candidate, link=self.link, memory_limit_bytes=self.memory_limit_bytes,
+                        with_timeline=with_timeline, gpus_per_node=self.gpus_per_node)
 
 
 def simulate_costs(

@@ -23,7 +23,7 @@ from autotune.report.measures import (
     ms_per_sample,
 )
 from autotune.report.reasons import ReportWarning, reproduce_commands, warnings_for, why_chosen
-from autotune.simulate import Estimate, simulate
+from autotune.simulate import Estimate, Predictor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,16 +100,15 @@ def gather_facts(
     device = str(setup.get("device") or profile.device)
     limit = memory_limit_bytes if memory_limit_bytes is not None else _int_or_none(setup.get("memory_limit_bytes"))
 
-    estimate = simulate(profile, chosen.candidate, memory_limit_bytes=limit) if chosen else None
-    default_estimate = (
-        simulate(profile, result.default, memory_limit_bytes=limit, with_timeline=False) if result.default else None
-    )
+    predict = Predictor.of_setup(profile, setup, memory_limit_bytes=limit)
+    estimate = predict(chosen.candidate, with_timeline=True) if chosen else None
+    default_estimate = predict(result.default) if result.default else None
     gain = compare_with_default(result, chosen, estimate, default_estimate)
     balance = balance_of(profile, chosen.candidate) if chosen and chosen.candidate.pipeline_degree > 1 else None
     default_balance = (
         balance_of(profile, result.default) if result.default and result.default.pipeline_degree > 1 else None
     )
-    curves, recommended = bm_curves(profile, gpus, batch, limit, chosen.candidate if chosen else None)
+    curves, recommended = bm_curves(predict, gpus, batch, chosen.candidate if chosen else None)
     rivals = leader_memory(result, chosen)
     chosen_runs = len(result.leaders[0].step_times_ms) if chosen and result.leaders else 0
     warnings = warnings_for(result, chosen, batchnorm_layers, config_candidate, config_path)
@@ -122,7 +121,7 @@ def gather_facts(
         per_sample,
     )
     if limit is not None and gpus:
-        reason = memory_choice_reason(result, profile, limit)
+        reason = memory_choice_reason(result, predict)
         if reason:  # the limit ruled out the usual choice: say so right after the speed and the gain
             why = (*why[:2], f"**Memory limit decided**: {reason}", *why[2:])
     commands = reproduce_commands(result, setup, model_name, gpus, batch, device, limit, report_dir)

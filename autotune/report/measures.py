@@ -14,7 +14,7 @@ from autotune.partition import balanced_split, part_costs
 from autotune.plan import PlannedCandidate, recommended_microbatch_range
 from autotune.records import SearchResult
 from autotune.schedules import Schedule, default_stages_per_rank, stage_ranks, validate_schedule
-from autotune.simulate import Estimate, simulate
+from autotune.simulate import Estimate, Predictor
 
 GainBasis = Literal["measured", "predicted"]
 
@@ -162,18 +162,18 @@ slowly (minutes at 8 ranks and B/M 2048), and by then the curve has long fallen.
 
 
 def bm_curves(
-    profile: Profile, gpus: int | None, batch: int | None, limit: int | None, chosen: Candidate | None
+    predict: Predictor, gpus: int | None, batch: int | None, chosen: Candidate | None
 ) -> tuple[tuple[Curve, ...], tuple[int, int] | None]:
     """Predicted throughput over B/M: each schedule with one pipeline over all ranks, at each valid B/M with its
     balanced split, plus the chosen schedule at the chosen layout when that one has dp > 1; and the recommended
-    B/M range over the one-pipeline points (plan.recommended_microbatch_range). Points over the memory limit are
-    left out when any point fits."""
+    B/M range over the one-pipeline points (plan.recommended_microbatch_range). Points over the predictor's memory
+    limit are left out when any point fits."""
     if not gpus or not batch:
         return (), None
     layouts: list[tuple[Schedule, int, int, WireDtype]] = [(schedule, gpus, 1, "float32") for schedule in Schedule]
     if chosen is not None and chosen.data_parallel_degree > 1:
         layouts.append((chosen.schedule, chosen.pipeline_degree, chosen.data_parallel_degree, chosen.wire_dtype))
-    simulated = [_simulated(profile, schedule, pp, dp, batch, wire, limit) for schedule, pp, dp, wire in layouts]
+    simulated = [_simulated(predict, schedule, pp, dp, batch, wire) for schedule, pp, dp, wire in layouts]
     one_pipeline = [p for points in simulated[: len(Schedule)] for p in points]
     feasible_only = any(p.estimate.feasible for points in simulated for p in points)
     curves = []
@@ -187,9 +187,10 @@ def bm_curves(
 
 
 def _simulated(
-    profile: Profile, schedule: Schedule, pp: int, dp: int, batch: int, wire: WireDtype, limit: int | None
+    predict: Predictor, schedule: Schedule, pp: int, dp: int, batch: int, wire: WireDtype
 ) -> list[PlannedCandidate]:
     """The schedule at every valid B/M of the layout, balanced split, increasing B/M."""
+    profile = predict.profile
     n_stages = pp * default_stages_per_rank(schedule)
     if n_stages > profile.n_layers or batch % dp:
         return []
@@ -205,7 +206,7 @@ def _simulated(
                 schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=batch,
                 n_microbatches=m, layers_per_stage=split, wire_dtype=wire,
             )
-            estimate = simulate(profile, candidate, memory_limit_bytes=limit, with_timeline=False)
+            estimate = predict(candidate)
         except AutotuneError:
             continue
         points.append(PlannedCandidate(candidate=candidate, estimate=estimate))

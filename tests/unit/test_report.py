@@ -28,6 +28,7 @@ from autotune.report.reasons import oom_neighbours, size_flag
 from autotune.report.writer import FIGURE_NAMES, batchnorm_layers
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, run_search
+from autotune.simulate import LinkModel, Predictor, simulate
 from autotune.tuned_config import SearchSummary, TunedConfig
 from tests.conftest import RECIPES
 from tests.fakes import SimulatedRunner, synthetic_profile
@@ -276,15 +277,19 @@ def test_size_flag_reads_back_exactly():
     assert size_flag(40 * 2**30) == "40GiB" and size_flag(512 * 2**20) == "512MiB" and size_flag(1000) == "1000"
 
 
+def predictor(profile):
+    return Predictor(profile=profile, link=LinkModel.for_device(profile.device))
+
+
 def test_bm_curves_follow_each_schedules_rules_and_add_the_chosen_layout():
-    curves, recommended = bm_curves(make_profile(), 2, 32, None, None)
+    curves, recommended = bm_curves(predictor(make_profile()), 2, 32, None)
     one_f_one_b = next(c for c in curves if c.schedule is Schedule.ONE_F_ONE_B)
     assert [m for m, _ in one_f_one_b.points] == [2, 4, 8, 16, 32]  # 1F1B needs B/M >= stages
     assert all(c.pipeline_degree == 2 and c.data_parallel_degree == 1 for c in curves)
     assert recommended is not None and recommended[0] <= recommended[1] and 32 % recommended[0] == 0
     chosen = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=2, global_batch_size=32,
                        n_microbatches=2, layers_per_stage=(8,))
-    with_layout, _ = bm_curves(make_profile(), 2, 32, None, chosen)
+    with_layout, _ = bm_curves(predictor(make_profile()), 2, 32, chosen)
     assert len(with_layout) == len(curves) + 1
     assert (with_layout[-1].pipeline_degree, with_layout[-1].data_parallel_degree) == (1, 2)
     assert [m for m, _ in with_layout[-1].points] == [1, 2, 4, 8, 16]  # divisors of the replica batch
@@ -306,3 +311,31 @@ def test_the_trial_table_folds_repeats_into_one_row_per_configuration(study):
     assert table_rows(plain) and len(table_rows(markdown)) == len(table_rows(plain)) + 1
     assert f"+40 asked again, not launched: #{start}, #{start + 1}," in markdown
     assert "+11 asked again" in markdown and "folded" in markdown
+
+
+def test_a_multi_node_reports_predictions_equal_its_configs_predicted_block(tmp_path):
+    """Issue 22: the report re-predicts the chosen config from the study (autotune report), with the link and nodes
+    the search predicted with, so it says what the config's `predicted` block says (result.best_estimate, which
+    tune._config_of writes)."""
+    from autotune.search import load_search
+
+    profile = make_profile()
+    link = LinkModel.for_device(profile.device).with_probe(inter_latency_s=5e-3, inter_bandwidth_bytes_per_s=2e7)
+    options = SearchOptions(gpus=4, batch_size=32, n_trials=4, seed=1, gpus_per_node=2,
+                            setup={"nodes": 2, "gpus_per_node": 2})
+    planned = plan(profile, gpus=4, batch_size=32, memory_limit_bytes=None, gpus_per_node=2, link=link)
+    spec = load_model_file(RECIPES / "mlp.py")
+    storage = f"sqlite:///{tmp_path / 'nodes.db'}"
+    searched = run_search(spec, profile, planned, options, study_name="nodes", storage=storage,
+                          runner=SimulatedRunner(profile), link=link)
+    assert searched.best is not None and searched.best_estimate is not None
+    predicted = searched.best_estimate  # the config's `predicted` block
+
+    loaded, stored_profile = load_search(storage, "nodes")
+    facts = gather_facts(loaded, profile=stored_profile, memory_limit_bytes=None, setup=loaded.setup)
+    for estimate in (loaded.best_estimate, facts.estimate):
+        assert estimate is not None
+        assert estimate.step_time_ms == predicted.step_time_ms
+        assert estimate.peak_memory_bytes == predicted.peak_memory_bytes
+    one_node = simulate(profile, searched.best.candidate, with_timeline=False)  # what the report said before
+    assert one_node.step_time_ms != predicted.step_time_ms

@@ -12,7 +12,7 @@ from autotune.model_file import load_model_file
 from autotune.plan import plan
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, run_search
-from autotune.simulate import simulate
+from autotune.simulate import LinkModel, Predictor, simulate
 from tests.conftest import RECIPES
 from tests.fakes import SimulatedRunner
 
@@ -119,12 +119,15 @@ def test_search_under_a_limit_below_1f1b_at_its_best_chooses_a_lower_memory_conf
     changes = lower_memory_changes(baseline.candidate, chosen)
     assert changes and all(any(kind in change for kind in LOWER_MEMORY) for change in changes), changes
 
-    reason = memory_choice_reason(result, profile, limit)
+    def predictor(limit):
+        return Predictor(profile=profile, link=LinkModel.for_device(profile.device), memory_limit_bytes=limit)
+
+    reason = memory_choice_reason(result, predictor(limit))
     assert reason is not None
     assert baseline.candidate.key in reason and chosen.key in reason and changes[0] in reason
     assert "less on the fullest rank" in reason
-    assert memory_choice_reason(result, profile, max(baseline.estimate.peak_memory_bytes)) is None  # it fits
-    assert memory_choice_reason(result, profile, None) is None
+    assert memory_choice_reason(result, predictor(max(baseline.estimate.peak_memory_bytes))) is None  # it fits
+    assert memory_choice_reason(result, predictor(None)) is None
 
     from autotune.report import write_search_report
 
