@@ -1,34 +1,19 @@
-"""Per-rank action lists compiled into a dependency graph the simulator replays: each action's previous action
+"""Pure: per-rank action lists compiled into a dependency graph the simulator replays: each action's previous action
 on its rank, the other stage's action whose tensor it needs, its own stage's earlier action, and one topological
-order (an action list that has none deadlocks). A schedule's own graph is kept on disk between runs
-(AUTOTUNE_CACHE_DIR)."""
+order (an action list that has none deadlocks). Keeping graphs on disk between runs is the edge's business
+(autotune.graph_cache, installed with graphs_from)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
-import hashlib
-import importlib.util
-import json
-import logging
-import os
-import pickle
-import subprocess
-import sys
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 from autotune.errors import AutotuneError
-from autotune.files import atomic_write_bytes, ensure_writable
-from autotune.schedules import Action, ActionKind, Schedule, action_lists, order_from_torch
-
-logger = logging.getLogger(__name__)
-
-CACHE_ENV = "AUTOTUNE_CACHE_DIR"
-"""Where compiled graphs are kept between runs (default $XDG_CACHE_HOME/autotune, else ~/.cache/autotune); set to
-an empty string to keep none."""
+from autotune.schedules import Action, ActionKind, Schedule, action_lists
 
 
 class DeadlockError(AutotuneError):
@@ -70,157 +55,62 @@ KINDS: tuple[ActionKind, ...] = ("F", "B", "I", "W")
 """The order of ActionGraph.slot's kind-major tables."""
 
 
+GraphKey = tuple[Schedule, int, int, int]
+"""(schedule, pipeline_degree, n_microbatches, n_stages): compiled_graph's arguments."""
+
+
+class GraphSource(Protocol):
+    """Where compiled graphs may come from besides building them: a store the caller hands in at the edge
+    (autotune.graph_cache keeps them on disk and builds torch's orders in worker processes). The planning code
+    itself starts no process and writes no file."""
+
+    def load(self, key: GraphKey) -> ActionGraph | None:
+        """The stored graph of key, waiting for one being built for it; None: build it here."""
+
+    def save(self, key: GraphKey, graph: ActionGraph) -> None:
+        """Keep a graph built here."""
+
+    def ready(self, key: GraphKey) -> bool:
+        """False while load(key) would wait."""
+
+    def built_ahead(self, keys: Iterable[GraphKey]) -> contextlib.AbstractContextManager[None]:
+        """While the caller works, build these keys' graphs elsewhere (the caller's most likely order)."""
+
+
+_source: contextvars.ContextVar[GraphSource | None] = contextvars.ContextVar("autotune_graph_source", default=None)
+
+
+def graph_source() -> GraphSource | None:
+    """The source graphs_from installed, if any."""
+    return _source.get()
+
+
+@contextlib.contextmanager
+def graphs_from(source: GraphSource | None) -> Iterator[None]:
+    """compiled_graph asks source for its graphs (and hands it the ones it builds) inside the block."""
+    token = _source.set(source)
+    try:
+        yield
+    finally:
+        _source.reset(token)
+
+
 @functools.lru_cache(maxsize=128)  # ~1 MB per plan of 10k actions
 def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> ActionGraph:
-    """The graph of a schedule's own action lists (cached: the planner simulates many candidates per schedule),
-    kept on disk between runs: building torch's orders needs torch.distributed.pipelining (~2 s to import) and
-    ~10 ms a schedule, a 128-node plan builds 120 of them, and a repeated plan then imports no torch at all. A graph
-    a worker of torch_orders_built_ahead is building is waited for."""
-    name = _graph_name(schedule, pipeline_degree, n_microbatches, n_stages)
-    folder = _graph_folder()
-    if folder is not None:
-        graph = _load_graph(folder / name)
-        if graph is None and name in _ahead:
-            graph = _await_ahead(folder / name, _ahead[name])
+    """The graph of a schedule's own action lists, cached in memory (the planner simulates many candidates per
+    schedule); from the installed GraphSource when it has it: building torch's orders needs
+    torch.distributed.pipelining (~2 s to import) and ~10 ms a schedule, and a 128-node plan builds 120 of them."""
+    key = (Schedule(schedule), pipeline_degree, n_microbatches, n_stages)
+    source = _source.get()
+    if source is not None:
+        graph = source.load(key)
         if graph is not None:
             return graph
     lists = action_lists(schedule, pipeline_degree, n_microbatches, n_stages)
     graph = compile_graph(tuple(tuple(rank) for rank in lists), n_stages, n_microbatches)
-    if folder is not None:
-        try:
-            atomic_write_bytes(folder / name, pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL), durable=False)
-        except OSError as e:  # a read-only or full disk costs speed, nothing else
-            logger.debug("not caching %s: %s", name, e)
+    if source is not None:
+        source.save(key, graph)
     return graph
-
-
-GraphKey = tuple[Schedule, int, int, int]
-"""(schedule, pipeline_degree, n_microbatches, n_stages): compiled_graph's arguments."""
-
-BUILT_AHEAD_FROM = 8
-"""torch_orders_built_ahead starts workers from this many uncached graphs of torch's orders on."""
-
-_ahead: dict[str, subprocess.Popen[bytes]] = {}
-"""Graph file names being built ahead, with the worker building each."""
-
-
-@contextlib.contextmanager
-def torch_orders_built_ahead(keys: Iterable[GraphKey]) -> Iterator[None]:
-    """While the caller works, worker processes build the uncached graphs of `keys` whose orders come from torch's
-    schedule classes, in that order, into the disk cache: this process then never imports
-    torch.distributed.pipelining (with torch 3-5 s, and ~1 s more to tear down at exit), and the builds run beside
-    its simulations. compiled_graph waits for a key's file while its worker lives and builds the graph itself
-    otherwise. Only with a disk cache, from BUILT_AHEAD_FROM such graphs on, with two or more usable cores and
-    torch not imported here (with torch loaded, importing its pipelining here is faster than a worker's start);
-    otherwise nothing happens. The workers (one per usable core but one, up to 4; each imports torch) are stopped
-    on exit: graphs of keys the caller never asked for (pruned candidates) are not waited for."""
-    from autotune.devices import usable_cores
-
-    folder = _graph_folder()
-    wanted = [] if folder is None else [
-        key for key in dict.fromkeys((Schedule(s), pp, m, n) for s, pp, m, n in keys)
-        if order_from_torch(key[0]) and not (folder / _graph_name(*key)).exists()
-    ]
-    workers = min(4, usable_cores() - 1, len(wanted))
-    if folder is None or workers < 1 or len(wanted) < BUILT_AHEAD_FROM or "torch" in sys.modules:
-        yield
-        return
-    try:  # the workers hand their graphs over through the folder
-        ensure_writable(folder, folder=True)
-    except OSError as e:
-        logger.debug("building torch's orders here: %s", e)
-        yield
-        return
-    started: list[subprocess.Popen[bytes]] = []
-    try:
-        for w in range(workers):
-            share = wanted[w::workers]
-            worker = subprocess.Popen(
-                [sys.executable, "-c", "from autotune.action_graph import _build_ahead; _build_ahead()",
-                 json.dumps([[s.value, pp, m, n] for s, pp, m, n in share])],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            started.append(worker)
-            _ahead.update((_graph_name(*key), worker) for key in share)
-        yield
-    finally:
-        _ahead.clear()
-        for worker in started:
-            worker.kill()
-        for worker in started:
-            worker.wait()
-        for key in wanted:  # a worker stopped mid-write leaves atomic_write_bytes' temp file
-            for torn in folder.glob(f".{_graph_name(*key)}.*.tmp"):
-                torn.unlink(missing_ok=True)
-
-
-def graph_ready(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> bool:
-    """False while a worker of torch_orders_built_ahead still builds this graph (compiled_graph would wait)."""
-    name = _graph_name(schedule, pipeline_degree, n_microbatches, n_stages)
-    if name not in _ahead or _ahead[name].poll() is not None:
-        return True
-    folder = _graph_folder()
-    return folder is None or (folder / name).exists()
-
-
-def _build_ahead() -> None:
-    """A worker of torch_orders_built_ahead: build the graphs named in argv[1] (JSON) into the disk cache."""
-    for schedule, pp, m, n in json.loads(sys.argv[1]):
-        compiled_graph(Schedule(schedule), pp, m, n)
-
-
-def _await_ahead(path: Path, worker: subprocess.Popen[bytes]) -> ActionGraph | None:
-    """The graph at path once its worker has written it; None when the worker ends without it."""
-    pause = 0.001
-    while True:
-        graph = _load_graph(path) if path.exists() else None
-        if graph is not None or worker.poll() is not None:
-            return graph
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-
-
-def _graph_name(schedule: Schedule | str, pipeline_degree: int, n_microbatches: int, n_stages: int) -> str:
-    return f"{Schedule(schedule).value}-pp{pipeline_degree}-m{n_microbatches}-s{n_stages}.pickle"
-
-
-def _load_graph(path: Path) -> ActionGraph | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    try:
-        graph = pickle.loads(data)
-    except Exception as e:  # noqa: BLE001 - a torn or foreign file is a miss, rebuilt and replaced
-        logger.debug("ignoring cached graph %s: %s", path, e)
-        return None
-    return graph if isinstance(graph, ActionGraph) else None
-
-
-@functools.cache
-def _graph_folder() -> Path | None:
-    """This torch's and this autotune's folder of cached graphs, or None without a cache. Keyed by the sources the
-    graphs come from (torch's schedules and autotune's schedule and graph code), read without importing torch:
-    another torch, an edited schedule or a new autotune gets a folder of its own."""
-    setting = os.environ.get(CACHE_ENV)
-    if setting == "":
-        return None
-    base = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotune"
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    torch_dir = Path(next(iter(spec.submodule_search_locations)))
-    here = Path(__file__).parent
-    sources = [torch_dir / "distributed/pipelining/schedules.py",
-               torch_dir / "distributed/pipelining/_schedule_visualizer.py",
-               here / "action_graph.py", here / "schedules.py", here / "vshape.py", here / "compat.py"]
-    digest = hashlib.sha256()
-    try:
-        for source in sources:
-            digest.update(source.read_bytes())
-    except OSError:
-        return None
-    return base / "graphs" / digest.hexdigest()[:16]
 
 
 def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> ActionGraph:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
-from autotune.action_graph import graph_ready, torch_orders_built_ahead
+from autotune.action_graph import graph_source
 from autotune.candidate import Candidate, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
@@ -78,22 +77,6 @@ class PlannedCandidate:
         }
 
 
-@contextlib.contextmanager
-def _cycle_collection_paused() -> Iterator[None]:
-    """Python's cycle collector off for the duration: the planner allocates millions of small acyclic objects
-    (action graphs, candidates, estimates) beside torch's modules, and each full collection walks them all; paused,
-    a 128-node plan took ~30 % less time. Its garbage is freed by reference counting; what cycles there are wait
-    for the next collection after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@_cycle_collection_paused()
 def plan(
     profile: Profile,
     *,
@@ -176,7 +159,13 @@ def plan(
     best: list[float] = []  # the best feasible step time so far, once there is one
     pruned = 0
     ordered = sorted(points, key=lambda p: p.bound)
-    with torch_orders_built_ahead((p.schedule, p.pp, p.m, p.n_stages) for p in ordered):
+    source = graph_source()  # the edge's store of graphs (graph_cache.planning), if any
+
+    def ready(point: _Point) -> bool:
+        return source is None or source.ready((point.schedule, point.pp, point.m, point.n_stages))
+
+    ahead = source.built_ahead([(p.schedule, p.pp, p.m, p.n_stages) for p in ordered]) if source else nullcontext()
+    with ahead:
         for i, point in enumerate(ordered):
             limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
             if point.bound > limit:
@@ -184,13 +173,13 @@ def plan(
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their
             # simulations and splits are memoized (_Costs.simulate, _Point), so the ranking is the one without it.
-            if not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
+            if not ready(point):
                 spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
-                while not graph_ready(point.schedule, point.pp, point.m, point.n_stages):
-                    ahead = next(spare, None)
-                    if ahead is None:
+                while not ready(point):
+                    later = next(spare, None)
+                    if later is None:
                         break
-                    ahead.evaluate(memory_limit_bytes, limit)
+                    later.evaluate(memory_limit_bytes, limit)
             for entry in point.evaluate(memory_limit_bytes, limit):
                 planned.setdefault(entry.candidate.key, entry)
                 if entry.estimate.feasible and (not best or entry.estimate.step_time_ms < best[0]):

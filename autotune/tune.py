@@ -213,6 +213,7 @@ def tune(
     """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
     runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
     from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
+    from autotune.graph_cache import planning
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.shared_study import check_study_name
@@ -243,7 +244,7 @@ def tune(
         latency, bandwidth = request.inter_node_link
         link = LinkModel.for_device(profile.device).with_probe(inter_latency_s=latency,
                                                                inter_bandwidth_bytes_per_s=bandwidth)
-    with reporter.planning(f"planning {request.gpus} ranks..."):
+    with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
                        gpus_per_node=request.gpus_per_node, link=link)
     ensure_feasible(planned)

@@ -48,9 +48,10 @@ def loss_fn(output, target):
 
 @pytest.fixture(scope="session", autouse=True)
 def graph_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The suite's own cache of compiled schedule graphs (action_graph.CACHE_ENV), for this process and the CLI and
+    """The suite's own cache of compiled schedule graphs (graph_cache.CACHE_ENV), for this process and the CLI and
     rank processes it starts: the user's ~/.cache stays untouched, and every session starts cold."""
-    from autotune.action_graph import CACHE_ENV, _graph_folder
+    from autotune.graph_cache import CACHE_ENV
+    from autotune.graph_cache import graph_folder as _graph_folder
 
     folder = tmp_path_factory.mktemp("graph-cache")
     saved = os.environ.get(CACHE_ENV)

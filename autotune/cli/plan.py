@@ -155,7 +155,9 @@ def plan_command(
                 reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus,
             )
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
-        with err_console.status(f"planning {gpus} ranks..."):
+        from autotune.graph_cache import planning
+
+        with err_console.status(f"planning {gpus} ranks..."), planning():
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
                            gpus_per_node=per_node)
         ensure_feasible(planned)

@@ -283,64 +283,111 @@ def test_link_model_defaults_and_overrides():
 
 
 def test_schedule_graphs_are_kept_on_disk_between_runs(tmp_path, monkeypatch):
-    from autotune import action_graph, schedules
+    from autotune import action_graph, graph_cache, schedules
 
-    monkeypatch.setenv(action_graph.CACHE_ENV, str(tmp_path))
-    action_graph._graph_folder.cache_clear()
+    monkeypatch.setenv(graph_cache.CACHE_ENV, str(tmp_path))
+    graph_cache.graph_folder.cache_clear()
     action_graph.compiled_graph.cache_clear()
     try:
-        built = action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4)
+        with graph_cache.planning():
+            built = action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4)
         (stored,) = tmp_path.glob("graphs/*/Interleaved1F1B-pp2-m4-s4.pickle")
         # A new run (empty in-memory cache) reads the file: torch's schedule code is not asked again.
         action_graph.compiled_graph.cache_clear()
         monkeypatch.setattr(action_graph, "action_lists", lambda *args: pytest.fail("rebuilt a cached graph"))
-        assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
+        with graph_cache.planning():
+            assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
         # A torn file is a miss: rebuilt from torch's lists and written whole again.
         stored.write_bytes(stored.read_bytes()[:100])
         action_graph.compiled_graph.cache_clear()
         monkeypatch.setattr(action_graph, "action_lists", schedules.action_lists)
-        assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
-        assert action_graph._load_graph(stored) == built
-        # Invalid combinations are refused as before, and nothing is stored for them.
-        with pytest.raises(InvalidCandidateError):
-            action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 5, 4)
+        with graph_cache.planning():
+            assert action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 4, 4) == built
+            # Invalid combinations are refused as before, and nothing is stored for them.
+            with pytest.raises(InvalidCandidateError):
+                action_graph.compiled_graph(Schedule.INTERLEAVED_1F1B, 2, 5, 4)
+        assert graph_cache.load_graph(stored) == built
         assert len(list(tmp_path.glob("graphs/*/*.pickle"))) == 1
     finally:
-        action_graph._graph_folder.cache_clear()
+        graph_cache.graph_folder.cache_clear()
         action_graph.compiled_graph.cache_clear()
 
 
 def test_an_empty_cache_setting_keeps_no_graphs(tmp_path, monkeypatch):
-    from autotune import action_graph
+    from autotune import action_graph, graph_cache
 
-    monkeypatch.setenv(action_graph.CACHE_ENV, "")
+    monkeypatch.setenv(graph_cache.CACHE_ENV, "")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    action_graph._graph_folder.cache_clear()
+    graph_cache.graph_folder.cache_clear()
     action_graph.compiled_graph.cache_clear()
     try:
-        assert action_graph._graph_folder() is None
-        action_graph.compiled_graph(Schedule.ONE_F_ONE_B, 2, 4, 2)
+        assert graph_cache.graph_folder() is None
+        with graph_cache.planning():
+            action_graph.compiled_graph(Schedule.ONE_F_ONE_B, 2, 4, 2)
         assert list(tmp_path.rglob("*")) == []
     finally:
-        action_graph._graph_folder.cache_clear()
+        graph_cache.graph_folder.cache_clear()
         action_graph.compiled_graph.cache_clear()
+
+
+PURE_PLANNER_SCRIPT = """
+import os, subprocess, sys
+sys.modules["torch"] = None  # the planning core imports no torch
+import autotune.plan, autotune.simulate
+from autotune.costs import LayerCost, Profile
+
+started = []
+real_popen = subprocess.Popen
+def no_process(*args, **kwargs):
+    started.append(args)
+    raise AssertionError("the planner started a process")
+subprocess.Popen = no_process
+real_open = open
+def no_write(file, mode="r", *args, **kwargs):
+    if any(flag in mode for flag in "wax+"):
+        raise AssertionError(f"the planner wrote {file}")
+    return real_open(file, mode, *args, **kwargs)
+import builtins
+builtins.open = no_write
+
+layer = LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=2**20,
+                  output_bytes=2**16, parameter_bytes=2**20)
+profile = Profile.from_layer_costs([layer] * 8, input_bytes=2**10, device="cuda")
+planned = autotune.plan.plan(profile, gpus=4, batch_size=16, memory_limit_bytes=None,
+                             schedules=["1F1B", "VHalf", "VMin"])
+assert planned and not started
+print(len(planned))
+"""
+
+
+def test_the_planning_core_imports_no_torch_starts_no_process_and_writes_no_file(tmp_path):
+    # Issue 22: the disk cache, the workers and the paused collector are the edge's (graph_cache.planning); plan()
+    # alone, on schedules autotune generates itself, runs with torch unimportable and without any file or process.
+    script = tmp_path / "pure.py"
+    script.write_text(PURE_PLANNER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) > 0
+    assert not (tmp_path / "cache").exists()
 
 
 AHEAD_SCRIPT = """
 import json, sys
-from autotune import action_graph
+from autotune import graph_cache
 from autotune.costs import LayerCost, Profile
 from autotune.plan import plan
 
 if __name__ == "__main__":
     if sys.argv[1] == "here":
-        action_graph.BUILT_AHEAD_FROM = 10**9
+        graph_cache.BUILT_AHEAD_FROM = 10**9
     block = LayerCost(forward_ms=4.0, backward_input_ms=4.0, backward_weight_ms=4.0, saved_bytes=2 * 2**30,
                       output_bytes=32 * 2**20, parameter_bytes=400 * 2**20)
     head = LayerCost(forward_ms=6.0, backward_input_ms=6.0, backward_weight_ms=6.0, saved_bytes=3 * 2**30,
                      output_bytes=4 * 2**20, parameter_bytes=500 * 2**20)
     profile = Profile.from_layer_costs([block] * 23 + [head], input_bytes=2**15, device="cuda")
-    planned = plan(profile, gpus=32, batch_size=256, memory_limit_bytes=40 * 2**30, gpus_per_node=8)
+    with graph_cache.planning():
+        planned = plan(profile, gpus=32, batch_size=256, memory_limit_bytes=40 * 2**30, gpus_per_node=8)
     print(json.dumps({"torch": "torch" in sys.modules,
                       "planned": [[p.candidate.key, p.estimate.step_time_ms, p.estimate.feasible] for p in planned]}))
 """
@@ -370,7 +417,7 @@ def test_torch_orders_built_ahead_rank_the_same_without_importing_torch_here(tmp
 
 
 def test_a_graph_whose_worker_ends_without_it_is_built_here(tmp_path):
-    from autotune import action_graph
+    from autotune import graph_cache
 
     quit_early = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert action_graph._await_ahead(tmp_path / "never.pickle", quit_early) is None
+    assert graph_cache._await_ahead(tmp_path / "never.pickle", quit_early) is None
