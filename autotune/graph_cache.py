@@ -183,7 +183,8 @@ def graph_folder() -> Path | None:
     here = Path(__file__).parent
     sources = [torch_dir / "distributed/pipelining/schedules.py",
                torch_dir / "distributed/pipelining/_schedule_visualizer.py",
-               here / "action_graph.py", here / "schedules.py", here / "vshape.py", here / "compat.py"]
+               here / "action_graph.py", here / "actions.py", here / "schedules.py", here / "vshape.py",
+               here / "compat.py"]
     digest = hashlib.sha256()
     try:
         for source in sources:

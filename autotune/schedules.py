@@ -8,11 +8,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from autotune.actions import Action, ActionKind  # noqa: F401 - ActionKind re-exported beside Action
 from autotune.errors import InvalidCandidateError, UsageError
 
 Placement = Literal["single", "loop", "v"]
-ActionKind = Literal["F", "B", "I", "W"]
-"""F forward; B full backward; I backward for inputs only; W backward for weights only (zero-bubble split)."""
 
 
 class Schedule(str, enum.Enum):
@@ -152,18 +151,6 @@ def schedules_for(pipeline_degree: int, schedules: Iterable[Schedule]) -> list[S
     if Schedule.ONE_F_ONE_B in single:
         return [s for s in single if s is not Schedule.GPIPE]
     return single
-
-
-@dataclass(frozen=True)
-class Action:
-    """One compute action of a rank: run `kind` for micro-batch `microbatch` of stage `stage`."""
-
-    stage: int
-    kind: ActionKind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
 
 
 def order_from_torch(schedule: Schedule) -> bool:

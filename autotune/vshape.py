@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Literal
 
-from autotune.schedules import Action, ActionKind
+from autotune.actions import Action, ActionKind
 
 MemorySetup = Literal["half", "min"]
 """half: V-Half, about 1/2 of 1F1B's activations; min: V-Min, about 1/3."""
