@@ -171,7 +171,7 @@ class Measurement:
     """What a real multi-process run of one candidate measured."""
 
     candidate: Candidate
-    status: Literal["ok", "oom", "timeout", "error"]
+    status: TrialStatus
     step_time_ms: float | None = None
     """Median of the measured steps' wall time (the slowest rank's, per step)."""
     step_times_ms: tuple[float, ...] = ()

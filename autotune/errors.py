@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_INFEASIBLE = 3
+EXIT_LAUNCH = 4
+EXIT_INTERRUPTED = 130
+
+STATUS_EXIT_CODES = {
+    "ok": EXIT_OK,
+    "oom": EXIT_INFEASIBLE,
+    "timeout": EXIT_INTERNAL,
+    "error": EXIT_INTERNAL,
+    "regressed": EXIT_INTERNAL,
+    "failed": EXIT_INTERNAL,
+}
+"""The exit code of `trial` for a trial's status and of `check` for a check's: out of memory 3, any other failure 1."""
+
 
 class AutotuneError(Exception):
     """Base of every error autotune raises on purpose; the CLI prints its message in one line."""
 
-    exit_code: int = 1
+    exit_code: int = EXIT_INTERNAL
 
 
 class UsageError(AutotuneError):
     """Bad flags, a bad config or a candidate that cannot run as asked (exit 2)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class ModelFileError(UsageError):
@@ -34,7 +51,7 @@ class StorageError(UsageError):
 class InfeasibleError(AutotuneError):
     """Nothing fits the memory limit (exit 3)."""
 
-    exit_code = 3
+    exit_code = EXIT_INFEASIBLE
 
 
 class HangError(AutotuneError):
@@ -47,22 +64,10 @@ class HangError(AutotuneError):
 class LaunchError(AutotuneError):
     """Rank processes could not be started or the device is missing (exit 4)."""
 
-    exit_code = 4
+    exit_code = EXIT_LAUNCH
 
 
 class ClusterError(LaunchError):
     """A multi-node run that cannot start or go on: a node did not join, disagrees, or stopped answering (exit 4)."""
 
 
-class RegressionError(AutotuneError):
-    """`autotune check`: the config still runs but is slower than recorded (exit 1)."""
-
-    exit_code = 1
-
-
-EXIT_OK = 0
-EXIT_INTERNAL = 1
-EXIT_USAGE = 2
-EXIT_INFEASIBLE = 3
-EXIT_LAUNCH = 4
-EXIT_INTERRUPTED = 130

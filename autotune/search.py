@@ -506,7 +506,6 @@ class _Engine:
                 self._one_trial(params, phase="remeasure")
             if self.launched == launched and not self._running_elsewhere(top):
                 break  # none of them can be re-run here (outside the space, or pruned), and no other search runs one
-                break
 
     def _running_elsewhere(self, top: list[Candidate]) -> bool:
         """Another search of the study is running one of these candidates now."""

@@ -9,7 +9,7 @@ import typer
 
 from autotune.cli.app import app, console, err_console, errors_to_exit_codes, print_json, start_fork_server
 from autotune.cli.options import DeviceChoice, JsonOpt
-from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
+from autotune.errors import STATUS_EXIT_CODES
 
 
 @app.command(
@@ -84,6 +84,5 @@ def check(
         else:
             colour = "green" if result.status == "ok" else "red"
             console.print(f"[{colour}]{result.status}[/{colour}]: {result.message}", highlight=False)
-        codes = {"ok": 0, "regressed": EXIT_INTERNAL, "failed": EXIT_INTERNAL, "oom": EXIT_INFEASIBLE}
-        if codes[result.status]:
-            raise typer.Exit(codes[result.status])
+        if STATUS_EXIT_CODES[result.status]:
+            raise typer.Exit(STATUS_EXIT_CODES[result.status])

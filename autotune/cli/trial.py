@@ -29,7 +29,7 @@ from autotune.cli.options import (
     parse_split,
     parse_split_at,
 )
-from autotune.errors import EXIT_INFEASIBLE, EXIT_INTERNAL
+from autotune.errors import STATUS_EXIT_CODES
 
 
 @app.command(epilog=EXIT_CODES_HELP)
@@ -131,8 +131,8 @@ def trial(
             print_json(measurement.to_dict())
         else:
             render_measurement(measurement)
-        if measurement.status != "ok":
-            raise typer.Exit(EXIT_INFEASIBLE if measurement.status == "oom" else EXIT_INTERNAL)
+        if STATUS_EXIT_CODES[measurement.status]:
+            raise typer.Exit(STATUS_EXIT_CODES[measurement.status])
 
 
 def render_measurement(m: Any) -> None:
