@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autotune.errors import InvalidCandidateError
+from autotune.errors import InvalidCandidateError, UsageError
 from autotune.placement import RANK_ORDERS, RankOrder
 from autotune.schedules import Schedule, parse_schedule, validate_schedule
 
@@ -145,7 +145,14 @@ def pipeline_layouts(gpus: int, batch_size: int, n_layers: int) -> list[tuple[in
 
 
 def uniform_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
-    """Layers spread as evenly as possible; earlier stages take the remainder."""
+    """Layers spread as evenly as possible; earlier stages take the remainder. A stage needs a layer."""
+    if n_stages < 1:
+        raise UsageError(f"cannot split into {n_stages} stages; ask for at least one")
+    if n_stages > n_layers:
+        raise InvalidCandidateError(
+            f"{n_stages} stages need at least {n_stages} layers but the model has {n_layers}; "
+            f"use fewer GPUs or a schedule with fewer stages per rank"
+        )
     base, extra = divmod(n_layers, n_stages)
     return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
 

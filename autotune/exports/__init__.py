@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from autotune.candidate import stage_bounds
 from autotune.errors import UsageError
-from autotune.exports.common import stage_boundaries
 from autotune.exports.deepspeed import export_deepspeed
 from autotune.exports.megatron import export_megatron
 from autotune.exports.roles import LayerPlan, layer_plan, model_file_hints
@@ -25,7 +25,7 @@ __all__ = [
     "layer_plan",
     "parse_format",
     "resolve_target",
-    "stage_boundaries",
+    "stage_bounds",
     "validate_export",
 ]
 

@@ -17,14 +17,9 @@ V_MEMORY = {Schedule.V_HALF: "1/2", Schedule.V_MIN: "1/3"}
 """Controllable-memory V schedules and their activation memory relative to 1F1B."""
 
 
-def stage_boundaries(layers_per_stage: Sequence[int]) -> list[int]:
-    """[3, 2, 2, 3] -> [0, 3, 5, 7, 10]: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
-    return stage_bounds(layers_per_stage)
-
-
 def ranges(split: Sequence[int]) -> list[tuple[int, int]]:
     """[3, 2] -> [(0, 3), (3, 5)]: each stage's first layer and one past its last."""
-    return list(itertools.pairwise(stage_boundaries(split)))
+    return list(itertools.pairwise(stage_bounds(split)))
 
 
 def v_memory_lacking(c: TunedConfig, who: str) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 
-from autotune.candidate import uniform_split
-from autotune.exports.common import V_MEMORY, header, ranges, stage_boundaries, v_memory_lacking
+from autotune.candidate import stage_bounds, uniform_split
+from autotune.exports.common import V_MEMORY, header, ranges, v_memory_lacking
 from autotune.exports.roles import LayerPlan
 from autotune.exports.targets import TargetVersion
 from autotune.schedules import SCHEDULES, Schedule
@@ -114,7 +114,7 @@ def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why
             "would make the whole model bf16, which is not what was measured"
         )
     cannot += [f"layer roles: {problem}" for problem in plan.problems]
-    parts = stage_boundaries(split)
+    parts = stage_bounds(split)
     interval = max(split) if c.activation_checkpointing else 0
     pipeline: dict[str, object] = {}
     if c.activation_checkpointing:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.exports.common import stage_boundaries
+from autotune.candidate import stage_bounds
 from autotune.exports.deepspeed import deepspeed_split
 from autotune.exports.megatron import megatron_plan
 from autotune.exports.roles import LayerPlan
@@ -301,7 +301,7 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
     dual = SCHEDULES[c.schedule].placement == "v"
     parts, phases = _deepspeed_parts(doc, c.pipeline_degree, c.model_layers, dual)
     read["parts"] = parts
-    want_parts = stage_boundaries(deepspeed_split(c))
+    want_parts = stage_bounds(deepspeed_split(c))
     want: dict[str, Any] = {
         "train_batch_size": c.global_batch_size,
         "micro-batches": c.num_microbatches,

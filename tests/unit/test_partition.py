@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from autotune.candidate import uniform_split as uniform
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.partition import (
     additive_memory,
@@ -13,7 +14,6 @@ from autotune.partition import (
     min_memory_cap,
     part_costs,
     rank_loads,
-    uniform,
 )
 from autotune.schedules import Schedule
 
