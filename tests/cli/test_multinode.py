@@ -39,8 +39,10 @@ def build_model():
             raise ValueError("boom from global rank 1")
         if turn == 1 and {faults}:
             time.sleep(600)
-        if not {faults}:
-            time.sleep(1)  # a trial on node 1 is running while the test looks
+        if not {faults}:  # held inside a trial on node 1 until the test has looked (it writes "release")
+            deadline = time.time() + 120
+            while not (marks.parent / "release").exists() and time.time() < deadline:
+                time.sleep(0.05)
     return _build_model()
 """
 
@@ -136,13 +138,16 @@ def test_killing_node_1_ends_node_0_with_one_line_a_resumable_study_and_no_orpha
     agent = min(descendants(nodes[1].pid))  # node 1's autotune process: the torchrun agent's child
     os.kill(agent, signal.SIGKILL)
     killed_at = time.time()
+    (tmp_path / "release").write_text("")  # node 1's ranks may go on now (and those of the resumed search)
     outputs = [p.communicate(timeout=120) for p in nodes]
     assert nodes[0].returncode != 0 and time.time() - killed_at < 30
     assert "node 1 stopped answering" in outputs[0][1] and "--resume continues it" in outputs[0][1]
     err = outputs[0][1]  # autotune's one line, then torchrun's own report of a failed worker (its traceback)
     assert err.index("node 1 stopped answering") < err.find("Traceback") and "autotune/" not in err.split(
         "Traceback", 1)[1]
-    time.sleep(1)
+    deadline = time.time() + 30  # the killed tree's processes are reaped by now or shortly
+    while [pid for pid in tree if alive(pid)] and time.time() < deadline:
+        time.sleep(0.1)
     assert [pid for pid in tree if alive(pid)] == []
     lost = [r for r in records(tmp_path) if r.launched and r.outcome == "error"]
     assert lost and "node 1 stopped answering" in lost[-1].reason
