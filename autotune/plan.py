@@ -13,6 +13,7 @@ from autotune.action_graph import graph_source
 from autotune.candidate import Candidate, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
+from autotune.layouts import layout_choices
 from autotune.memory_model import stage_memory_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
@@ -21,9 +22,7 @@ from autotune.schedules import (
     default_stages_per_rank,
     order_from_torch,
     parse_schedule,
-    schedules_for,
     stage_ranks,
-    validate_schedule,
 )
 from autotune.simulate import (
     Estimate,
@@ -123,18 +122,11 @@ def plan(
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
     chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, n_layers)
-    for pp, dp in chosen_layouts:
-        if pp * dp != gpus or batch_size % dp:
-            raise UsageError(f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}")
-        for schedule in schedules_for(pp, chosen):  # at pp = 1: single-stage ones, GPipe folded into 1F1B
+    space = layout_choices(gpus, batch_size, n_layers, schedules=chosen, layouts=chosen_layouts)
+    for (pp, dp), per_schedule in space.items():
+        for schedule, counts in per_schedule.items():
             n_stages = pp * default_stages_per_rank(schedule)
-            if n_stages > n_layers:
-                continue
-            for m in _divisors(batch_size // dp):
-                try:
-                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
-                except InvalidCandidateError:
-                    continue
+            for m in counts:
                 micro = batch_size // (m * dp)
                 costs = costs_at.get(micro) or costs_at.setdefault(
                     micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
@@ -239,22 +231,9 @@ def largest_micro_batch(
     """The largest micro-batch size any candidate of plan() (or the search) can have: over every layout, B/dp cut
     into the fewest micro-batches a schedule accepts there. Profiling beyond it measures sizes nothing uses (at
     B 4096 over 1024 GPUs a 96-layer model has dp >= 16, so micro-batches of 256 at most)."""
-    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
-    largest = 0
-    for pp, dp in pipeline_layouts(gpus, batch_size, n_layers):
-        per_replica = batch_size // dp
-        for schedule in schedules_for(pp, chosen):
-            n_stages = pp * default_stages_per_rank(schedule)
-            if n_stages > n_layers:
-                continue
-            for m in _divisors(per_replica):  # fewest micro-batches first
-                try:
-                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
-                except InvalidCandidateError:
-                    continue
-                largest = max(largest, per_replica // m)
-                break
-    return largest or batch_size
+    space = layout_choices(gpus, batch_size, n_layers, schedules=schedules)
+    fewest = [(dp, counts[0]) for (_, dp), per_schedule in space.items() for counts in per_schedule.values()]
+    return max((batch_size // dp // m for dp, m in fewest), default=batch_size)
 
 
 def recommended_microbatch_range(planned: Sequence[PlannedCandidate], within: float = 0.05) -> tuple[int, int]:
@@ -309,11 +288,6 @@ def _checkpointed_variants(
             have.add(twin.key)
             twins.append(PlannedCandidate(candidate=twin, estimate=costs.simulate(twin, memory_limit_bytes)))
     return twins
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 class _Costs:

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import optuna
 
-from autotune.candidate import Candidate, WireDtype, pipeline_layouts, stage_bounds, uniform_split
+from autotune.candidate import Candidate, WireDtype, stage_bounds, uniform_split
 from autotune.costs import Profile
 from autotune.errors import InvalidCandidateError
+from autotune.layouts import layout_choices
 from autotune.partition import balanced_split
-from autotune.schedules import Schedule, default_stages_per_rank, schedules_for, validate_schedule
+from autotune.schedules import Schedule, default_stages_per_rank
 
 if TYPE_CHECKING:
     from autotune.search import SearchOptions
@@ -37,35 +38,16 @@ class SearchSpace:
         self.profile = profile
         self.options = options
         self.n_layers = profile.n_layers
-        layouts = list(options.layouts or pipeline_layouts(options.gpus, options.batch_size, self.n_layers))
-        self.choices = {(pp, dp): self._valid(pp, dp) for pp, dp in layouts}
+        self.choices = layout_choices(options.gpus, options.batch_size, self.n_layers, schedules=options.schedules,
+                                      layouts=options.layouts or None)
         """Per layout: the schedules that can run there, each with the micro-batch counts it accepts there."""
-        self.layouts = [layout for layout in layouts if self.choices[layout]]
+        self.layouts = list(self.choices)
         if not self.layouts:
             raise InvalidCandidateError(
                 f"no pipeline x data-parallel layout of {options.gpus} GPUs fits a {self.n_layers}-layer model with "
                 f"batch size {options.batch_size}; use --gpus {min(options.gpus, self.n_layers)}"
             )
         self._balanced: dict[tuple[Schedule, int, int, int, bool], tuple[int, ...]] = {}
-
-    def _valid(self, pp: int, dp: int) -> dict[Schedule, list[int]]:
-        per_replica = self.options.batch_size // dp
-        counts = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
-        valid: dict[Schedule, list[int]] = {}
-        for schedule in schedules_for(pp, self.options.schedules):
-            n_stages = pp * default_stages_per_rank(schedule)
-            if n_stages > self.n_layers:
-                continue
-            ok = []
-            for m in counts:
-                try:
-                    validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
-                except InvalidCandidateError:
-                    continue
-                ok.append(m)
-            if ok:
-                valid[schedule] = ok
-        return valid
 
     @staticmethod
     def _layout_name(pp: int, dp: int) -> str:

@@ -1,0 +1,71 @@
+"""Pure: the layout space, defined once. Which pipeline x data-parallel layouts a run of `gpus` ranks over a model
+of `n_layers` blocks and a global batch allows, which schedules each layout runs, and which micro-batch counts (B/M
+per replica) each schedule accepts there. The planner, the search space and `largest_micro_batch` all ask it, so a
+new dimension of the space is taught here (and to the simulator and the runtime), nowhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from autotune.candidate import pipeline_layouts
+from autotune.errors import InvalidCandidateError, UsageError
+from autotune.schedules import Schedule, default_stages_per_rank, parse_schedule, schedules_for, validate_schedule
+
+Layout = tuple[int, int]
+"""(pp, dp): pipeline degree, data-parallel degree."""
+LayoutChoices = dict[Layout, dict[Schedule, list[int]]]
+"""Per layout, per schedule that runs there, the micro-batch counts it accepts, fewest first."""
+
+
+def layout_choices(
+    gpus: int,
+    batch_size: int,
+    n_layers: int,
+    *,
+    schedules: Iterable[Schedule | str] | None = None,
+    layouts: Iterable[Layout] | None = None,
+) -> LayoutChoices:
+    """Every valid (layout, schedule, B/M) of the run. Layouts are candidate.pipeline_layouts (every pp x dp = gpus
+    whose dp divides the batch and whose pp has a layer per rank, pp = 1 included) or the given ones, which must
+    cover the ranks with a dp dividing the batch (UsageError otherwise). A schedule runs at a layout when its stages
+    (pp x its stages per rank) have a layer each; at pp = 1 only single-stage schedules, GPipe folded into 1F1B
+    (schedules.schedules_for). B/M counts are the divisors of B/dp the schedule accepts (validate_schedule). Layouts
+    and schedules with no valid count are left out; the order is the layouts', then the schedules' given order."""
+    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
+    if layouts is None:
+        candidates = pipeline_layouts(gpus, batch_size, n_layers)
+    else:
+        candidates = list(layouts)
+        for pp, dp in candidates:
+            if pp * dp != gpus or batch_size % dp:
+                raise UsageError(
+                    f"layout pp {pp} x dp {dp} does not cover {gpus} GPUs with a dp dividing {batch_size}"
+                )
+    space: LayoutChoices = {}
+    for pp, dp in candidates:
+        counts = divisors(batch_size // dp)
+        per_layout: dict[Schedule, list[int]] = {}
+        for schedule in schedules_for(pp, chosen):
+            n_stages = pp * default_stages_per_rank(schedule)
+            if n_stages > n_layers:
+                continue
+            valid = [m for m in counts if _accepts(schedule, pp, m, n_stages)]
+            if valid:
+                per_layout[schedule] = valid
+        if per_layout:
+            space[(pp, dp)] = per_layout
+    return space
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, increasing."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _accepts(schedule: Schedule, pp: int, m: int, n_stages: int) -> bool:
+    try:
+        validate_schedule(schedule, pipeline_degree=pp, n_microbatches=m, n_stages=n_stages)
+    except InvalidCandidateError:
+        return False
+    return True
