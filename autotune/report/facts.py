@@ -9,7 +9,6 @@ from typing import Any
 
 from autotune.candidate import Candidate, Measurement
 from autotune.costs import Profile
-from autotune.explain import memory_choice_reason
 from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
@@ -22,7 +21,7 @@ from autotune.report.measures import (
     leader_memory,
     ms_per_sample,
 )
-from autotune.report.reasons import ReportWarning, reproduce_commands, warnings_for, why_chosen
+from autotune.report.reasons import ReportWarning, memory_choice_reason, reproduce_commands, warnings_for, why_chosen
 from autotune.simulate import Estimate, Predictor
 
 

@@ -62,8 +62,9 @@ def test_stored_records_by_state():
 def test_the_data_layer_imports_neither_torch_nor_optuna():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['optuna'] = None\n"
-        "import autotune.plan, autotune.simulate, autotune.records, autotune.report, autotune.explain\n"
+        "import autotune.plan, autotune.simulate, autotune.records, autotune.report, autotune.report.reasons\n"
         "import autotune.tuned_config, autotune.config_file, autotune.exports, autotune.memory_model\n"
+        "import autotune.layouts\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

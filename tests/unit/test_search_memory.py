@@ -7,9 +7,9 @@ import pytest
 
 from autotune.candidate import Candidate, pipeline_layouts
 from autotune.costs import LayerProfile, Profile
-from autotune.explain import best_one_f_one_b, lower_memory_changes, memory_choice_reason
 from autotune.model_file import load_model_file
 from autotune.plan import plan
+from autotune.report.reasons import best_one_f_one_b, lower_memory_changes, memory_choice_reason
 from autotune.schedules import Schedule
 from autotune.search import SearchOptions, run_search
 from autotune.simulate import LinkModel, Predictor, simulate
