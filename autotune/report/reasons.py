@@ -54,28 +54,50 @@ def why_chosen(
     if chosen is None or estimate is None:
         return ()
     c = chosen.candidate
-    why = []
     runs = f"median of {chosen_runs} run{'s' if chosen_runs != 1 else ''}"
-    why.append(
+    bullets = [
         f"**Fastest measured**: {chosen.throughput_samples_per_s or 0:.0f} samples/s, "
-        f"{chosen.step_time_ms or 0:.1f} ms per step ({runs}) of {result.feasible} successful trials."
+        f"{chosen.step_time_ms or 0:.1f} ms per step ({runs}) of {result.feasible} successful trials.",
+        _gain_bullet(c, gain),
+        _bubble_bullet(c, result.default, estimate, default_estimate, per_sample),
+        _balance_bullet(c, balance, default_balance),
+        _layout_bullet(c, estimate),
+        _memory_bullet(chosen, estimate, limit),
+        _microbatch_bullet(c, recommended),
+        _extras_bullet(c),
+        _runner_up_bullet(result, c),
+        _prediction_bullet(chosen, estimate),
+    ]
+    return tuple(b for b in bullets if b)
+
+
+def _gain_bullet(c: Candidate, gain: Gain | None) -> str | None:
+    """Against the rule-of-thumb default."""
+    if gain is None:
+        return None
+    d = gain.default
+    default_text = f"`{d.key}` (1F1B, B/M {d.n_microbatches}, uniform split {list(d.layers_per_stage)})"
+    if gain.ratio is None:
+        return f"**Against the rule-of-thumb default** {default_text}: {gain.note}; the chosen config runs."
+    if c == d:
+        return f"**The rule-of-thumb default itself won**: nothing the search tried beat {default_text}."
+    basis = "measured, median over each config's runs" if gain.basis == "measured" else gain.note
+    return (
+        f"**{percent(gain.ratio - 1.0, signed=True)} throughput over the rule-of-thumb default** "
+        f"{default_text}: {gain.chosen_samples_per_s:.0f} vs {gain.default_samples_per_s:.0f} samples/s "
+        f"({basis})."
     )
-    if gain is not None:
-        d = gain.default
-        default_text = f"`{d.key}` (1F1B, B/M {d.n_microbatches}, uniform split {list(d.layers_per_stage)})"
-        if gain.ratio is None:
-            why.append(f"**Against the rule-of-thumb default** {default_text}: {gain.note}; the chosen config runs.")
-        elif c == d:
-            why.append(f"**The rule-of-thumb default itself won**: nothing the search tried beat {default_text}.")
-        else:
-            basis = "measured, median over each config's runs" if gain.basis == "measured" else gain.note
-            why.append(
-                f"**{percent(gain.ratio - 1.0, signed=True)} throughput over the rule-of-thumb default** "
-                f"{default_text}: {gain.chosen_samples_per_s:.0f} vs {gain.default_samples_per_s:.0f} samples/s "
-                f"({basis})."
-            )
+
+
+def _bubble_bullet(
+    c: Candidate,
+    default: Candidate | None,
+    estimate: Estimate,
+    default_estimate: Estimate | None,
+    per_sample: tuple[float, float] | None,
+) -> str:
+    """The simulated idle time, against the default's, and why a bigger bubble may pay."""
     bubble = f"**Bubble**: the simulator puts idle time at {percent(estimate.bubble_fraction)} of rank-time"
-    default = result.default
     if default_estimate is not None and default is not None and c != default:
         bubble += f" (the default: {percent(default_estimate.bubble_fraction)})"
         if (estimate.bubble_fraction > default_estimate.bubble_fraction and per_sample is not None
@@ -86,7 +108,11 @@ def why_chosen(
             )
     if c.pipeline_degree == 1:
         bubble += "; with one rank per pipeline there is no pipeline bubble to fill"
-    why.append(bubble + ".")
+    return bubble + "."
+
+
+def _balance_bullet(c: Candidate, balance: StageBalance | None, default_balance: StageBalance | None) -> str:
+    """How even the split's ranks are, against the uniform split."""
     if balance is not None:
         chosen_imb = StageBalance.imbalance(balance.chosen_ms)
         uniform_imb = StageBalance.imbalance(balance.uniform_ms)
@@ -99,32 +125,43 @@ def why_chosen(
             text += f" (the uniform split {list(balance.uniform_split)}: {percent(uniform_imb)} above)"
             if chosen_imb > uniform_imb + 0.02:
                 text += "; balance is not what won here, the measured step time is"
-        why.append(text + ".")
-    else:
-        text = "**Stage balance**: one rank runs every stage of its pipeline, so no rank waits on a slower one"
-        if default_balance is not None:
-            text += (
-                f" (the default's uniform split {list(default_balance.uniform_split)} leaves its slowest rank "
-                f"{percent(StageBalance.imbalance(default_balance.uniform_ms))} above the mean at micro-batch "
-                f"{default_balance.micro_batch_size})"
-            )
-        why.append(text + ".")
-    if c.data_parallel_degree > 1:
-        why.append(
-            f"**Layout**: {c.data_parallel_degree} data-parallel replicas of a {c.pipeline_degree}-rank pipeline; each "
-            f"replica runs {c.replica_batch_size} samples per step and the gradients are all-reduced (the simulator "
-            f"charges {estimate.allreduce_ms:.1f} ms for it)."
+        return text + "."
+    text = "**Stage balance**: one rank runs every stage of its pipeline, so no rank waits on a slower one"
+    if default_balance is not None:
+        text += (
+            f" (the default's uniform split {list(default_balance.uniform_split)} leaves its slowest rank "
+            f"{percent(StageBalance.imbalance(default_balance.uniform_ms))} above the mean at micro-batch "
+            f"{default_balance.micro_batch_size})"
         )
+    return text + "."
+
+
+def _layout_bullet(c: Candidate, estimate: Estimate) -> str | None:
+    """The data-parallel replicas and their all-reduce."""
+    if c.data_parallel_degree == 1:
+        return None
+    return (
+        f"**Layout**: {c.data_parallel_degree} data-parallel replicas of a {c.pipeline_degree}-rank pipeline; each "
+        f"replica runs {c.replica_batch_size} samples per step and the gradients are all-reduced (the simulator "
+        f"charges {estimate.allreduce_ms:.1f} ms for it)."
+    )
+
+
+def _memory_bullet(chosen: Measurement, estimate: Estimate, limit: int | None) -> str:
+    """The fullest rank's peak against the limit."""
     peak = max(chosen.peak_memory_bytes) if chosen.peak_memory_bytes else max(estimate.peak_memory_bytes)
     source = "measured" if chosen.peak_memory_bytes else "predicted"
-    if limit:
-        spare = f"{percent(1 - peak / limit)} to spare" if peak <= limit else f"{percent(peak / limit - 1)} OVER it"
-        why.append(
-            f"**Memory headroom**: peak {format_bytes(peak)} ({source}, fullest rank) of the {format_bytes(limit)} "
-            f"limit: {spare}."
-        )
-    else:
-        why.append(f"**Memory**: peak {format_bytes(peak)} ({source}, fullest rank); no memory limit was set.")
+    if not limit:
+        return f"**Memory**: peak {format_bytes(peak)} ({source}, fullest rank); no memory limit was set."
+    spare = f"{percent(1 - peak / limit)} to spare" if peak <= limit else f"{percent(peak / limit - 1)} OVER it"
+    return (
+        f"**Memory headroom**: peak {format_bytes(peak)} ({source}, fullest rank) of the {format_bytes(limit)} "
+        f"limit: {spare}."
+    )
+
+
+def _microbatch_bullet(c: Candidate, recommended: tuple[int, int] | None) -> str | None:
+    """The chosen B/M against the simulator's recommended range."""
     span = ""
     if recommended is not None:
         lo, hi = recommended
@@ -136,39 +173,50 @@ def why_chosen(
                 f"smaller and slower per sample")
         if span:
             text += f"; for one pipeline over all ranks the simulator recommends B/M {span}"
-        why.append(text + ".")
-    elif span:
-        inside = recommended is not None and recommended[0] <= c.n_microbatches <= recommended[1]
-        if inside and "to" not in span:
-            where = "is the B/M the simulator recommends"
-        else:
-            where = f"lies {'inside' if inside else 'outside'} the recommended range {span}"
-        layout_note = " (the range is for one pipeline over all ranks)" if c.data_parallel_degree > 1 else ""
-        why.append(
-            f"{bm} {where}{layout_note}: fewer micro-batches leave a longer bubble, more make each one too small to "
-            f"run the device well."
-        )
+        return text + "."
+    if not span:
+        return None
+    inside = recommended is not None and recommended[0] <= c.n_microbatches <= recommended[1]
+    if inside and "to" not in span:
+        where = "is the B/M the simulator recommends"
+    else:
+        where = f"lies {'inside' if inside else 'outside'} the recommended range {span}"
+    layout_note = " (the range is for one pipeline over all ranks)" if c.data_parallel_degree > 1 else ""
+    return (
+        f"{bm} {where}{layout_note}: fewer micro-batches leave a longer bubble, more make each one too small to "
+        f"run the device well."
+    )
+
+
+def _extras_bullet(c: Candidate) -> str | None:
+    """The wire dtype and activation checkpointing, when used."""
     extras = []
     if c.wire_dtype == "bfloat16" and c.pipeline_degree > 1:
         extras.append("sends bfloat16 between stages (half the bytes on the wire)")
     if c.activation_checkpointing:
         extras.append("recomputes each stage's forward in its backward (activation checkpointing) to save memory")
-    if extras:
-        why.append("**Also**: it " + " and ".join(extras) + ".")
-    if len(result.leaders) > 1 and result.leaders[0].candidate == c:
-        runner_up = result.leaders[1]
-        margin = runner_up.step_time_ms / result.leaders[0].step_time_ms - 1.0
-        why.append(
-            f"**Runner-up** `{runner_up.candidate.key}`: {runner_up.step_time_ms:.1f} ms per step, "
-            f"{percent(margin)} slower" + (" — within measurement noise" if result.too_noisy else "") + "."
-        )
-    if chosen.step_time_ms:
-        error = estimate.step_time_ms / chosen.step_time_ms - 1.0
-        why.append(
-            f"**Prediction check**: the simulator predicted {estimate.step_time_ms:.1f} ms per step, "
-            f"{percent(abs(error))} {'above' if error >= 0 else 'below'} the measurement."
-        )
-    return tuple(why)
+    return "**Also**: it " + " and ".join(extras) + "." if extras else None
+
+
+def _runner_up_bullet(result: SearchResult, c: Candidate) -> str | None:
+    if len(result.leaders) < 2 or result.leaders[0].candidate != c:
+        return None
+    runner_up = result.leaders[1]
+    margin = runner_up.step_time_ms / result.leaders[0].step_time_ms - 1.0
+    return (
+        f"**Runner-up** `{runner_up.candidate.key}`: {runner_up.step_time_ms:.1f} ms per step, "
+        f"{percent(margin)} slower" + (" — within measurement noise" if result.too_noisy else "") + "."
+    )
+
+
+def _prediction_bullet(chosen: Measurement, estimate: Estimate) -> str | None:
+    if not chosen.step_time_ms:
+        return None
+    error = estimate.step_time_ms / chosen.step_time_ms - 1.0
+    return (
+        f"**Prediction check**: the simulator predicted {estimate.step_time_ms:.1f} ms per step, "
+        f"{percent(abs(error))} {'above' if error >= 0 else 'below'} the measurement."
+    )
 
 
 # --- warnings ----------------------------------------------------------------------------------------------------
