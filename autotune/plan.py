@@ -117,12 +117,30 @@ def plan(
         raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
     chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
     link = link or LinkModel.for_device(profile.device)
-    n_layers = profile.n_layers
+    chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, profile.n_layers)
     costs_at: dict[int, _Costs] = {}
+    points = _points(profile, gpus, batch_size, chosen, chosen_layouts, link, gpus_per_node, costs_at)
+    planned = _simulated(points, costs_at, memory_limit_bytes, prune_within)
+    ranked = _even_first(planned.values())
+    return ranked[:top] if top is not None else ranked
+
+
+def _points(
+    profile: Profile,
+    gpus: int,
+    batch_size: int,
+    schedules: list[Schedule],
+    layouts: list[tuple[int, int]],
+    link: LinkModel,
+    gpus_per_node: int | None,
+    costs_at: dict[int, _Costs],
+) -> list[_Point]:
+    """One point per valid (layout, schedule, B/M) of the layout space, their costs per micro-batch size filled in
+    costs_at; an InvalidCandidateError that says what would run when there is none."""
+    n_layers = profile.n_layers
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
-    chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, n_layers)
-    space = layout_choices(gpus, batch_size, n_layers, schedules=chosen, layouts=chosen_layouts)
+    space = layout_choices(gpus, batch_size, n_layers, schedules=schedules, layouts=layouts)
     for (pp, dp), per_schedule in space.items():
         for schedule, counts in per_schedule.items():
             n_stages = pp * default_stages_per_rank(schedule)
@@ -135,18 +153,26 @@ def plan(
                                batch_size=batch_size)
                 if point.first:
                     points.append(point)
-    if not points:
-        if not chosen_layouts:
-            raise InvalidCandidateError(
-                f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "
-                f"one layer), and no data-parallel degree dividing both {gpus} and batch size {batch_size} leaves a "
-                f"pipeline that short; use --gpus {n_layers} or fewer, or a batch size that is a multiple of {gpus}"
-            )
-        names = ", ".join(s.value for s in chosen)
+    if points:
+        return points
+    if not layouts:
         raise InvalidCandidateError(
-            f"none of {names} runs {n_layers} layers over {gpus} pipeline ranks with any micro-batch count dividing "
-            f"batch size {batch_size}; use a larger batch size (a multiple of {gpus}) or add GPipe"
+            f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "
+            f"one layer), and no data-parallel degree dividing both {gpus} and batch size {batch_size} leaves a "
+            f"pipeline that short; use --gpus {n_layers} or fewer, or a batch size that is a multiple of {gpus}"
         )
+    names = ", ".join(s.value for s in schedules)
+    raise InvalidCandidateError(
+        f"none of {names} runs {n_layers} layers over {gpus} pipeline ranks with any micro-batch count dividing "
+        f"batch size {batch_size}; use a larger batch size (a multiple of {gpus}) or add GPipe"
+    )
+
+
+def _simulated(
+    points: list[_Point], costs_at: dict[int, _Costs], memory_limit_bytes: int | None, prune_within: float | None
+) -> dict[str, PlannedCandidate]:
+    """The points simulated cheapest lower bound first, pruned against the best feasible step so far, then the
+    checkpointed twins of the fastest; torch's orders built ahead by the edge's graph source while it works."""
     planned: dict[str, PlannedCandidate] = {}
     best: list[float] = []  # the best feasible step time so far, once there is one
     pruned = 0
@@ -180,8 +206,7 @@ def plan(
         for entry in _checkpointed_variants(list(planned.values()), costs_at, memory_limit_bytes, limit):
             planned.setdefault(entry.candidate.key, entry)
     logger.debug("planned %d candidates at %d points, pruned %d points", len(planned), len(points), pruned)
-    ranked = _even_first(planned.values())
-    return ranked[:top] if top is not None else ranked
+    return planned
 
 
 def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
