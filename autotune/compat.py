@@ -276,13 +276,25 @@ COMMS_ERROR_TEXTS = (
 )
 """What gloo / NCCL errors say when a peer is gone: a rank that failed only so is a victim, not the culprit."""
 
-OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "CUDA out of memory")
-"""What torch's CPU and CUDA allocators say when an allocation fails (beside torch.OutOfMemoryError)."""
+OUT_OF_MEMORY_TEXT = re.compile(
+    r"CUDA out of memory"  # torch's CUDA caching allocator (torch.OutOfMemoryError)
+    r"|can't allocate memory|not enough memory: you tried to allocate"  # torch's CPU allocator (POSIX, Windows)
+    r"|Cuda failure (?:\d+ )?'out of memory'"  # NCCL's "Last error:" when a CUDA call it made ran out
+    r"|Failed to CUDA [cm]alloc \d+ bytes"  # NCCL's own buffers (its ncclCudaCalloc / ncclCudaMalloc)
+    r"|CUBLAS_STATUS_ALLOC_FAILED"  # cuBLAS could not allocate its workspace
+)
+"""What torch's CPU and CUDA allocators, NCCL (as torch's DistBackendError carries it) and cuBLAS say when an
+allocation fails (beside torch.OutOfMemoryError and MemoryError). NCCL's reads, e.g.:
+"NCCL error in: .../ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL
+version 2.21.5 / ncclUnhandledCudaError: Call to CUDA function failed. / Last error: / Cuda failure 2 'out of memory'"
+(older NCCL: "Cuda failure 'out of memory'")."""
 
 ALLOCATION_BYTES = re.compile(
-    r"(?:tried to allocate|allocate memory: you tried to allocate)\s+([0-9.]+)\s*(bytes|[KMGT]iB)?"
+    r"(?i:tried to allocate)\s+(?P<number>[0-9.]+)\s*(?P<unit>bytes|[KMGT]iB)?"
+    r"|Failed to CUDA [cm]alloc (?P<nccl_bytes>[0-9]+) bytes"
 )
-"""The refused allocation in torch's out-of-memory messages: group 1 the number, group 2 the unit."""
+"""The refused allocation in an out-of-memory message: CUDA's "Tried to allocate 2.00 GiB", the CPU allocator's
+"you tried to allocate 123456 bytes" (number and unit), NCCL's "Failed to CUDA calloc 6291456 bytes" (nccl_bytes)."""
 
 TORCH_DISTRIBUTED_PATH = "torch/distributed"
 """In a stack frame's file name: the frame is inside torch.distributed (a rank waiting on its peers)."""

@@ -50,13 +50,30 @@ def cpu_oversubscription(ranks: int, device: str) -> str | None:
     )
 
 
+CUDA_RESERVED_BYTES = 2 * 2**30
+"""GPU memory a rank uses outside torch's caching allocator, which max_memory_allocated does not see: the CUDA
+context (~0.5 GiB on an H100 with lazy module loading), cuBLAS / cuDNN workspaces, NCCL's buffers (NCCL_BUFFSIZE,
+4 MiB, per channel and peer, for each of the pipeline and data-parallel groups: a few hundred MiB)."""
+
+CUDA_FRAGMENTATION = 0.05
+"""The share of what remains that the caching allocator holds reserved but cannot hand out (split blocks)."""
+
+
+def cuda_memory_budget_bytes(total_bytes: int) -> int:
+    """The default per-rank memory limit on a GPU of total_bytes: its total less CUDA_RESERVED_BYTES (at most a
+    quarter of a small card) and CUDA_FRAGMENTATION of the rest. 73.3 GiB of an 80 GB H100's 79.2 GiB."""
+    reserved = min(CUDA_RESERVED_BYTES, total_bytes // 4)
+    return int((total_bytes - reserved) * (1 - CUDA_FRAGMENTATION))
+
+
 def device_memory_bytes(device: str) -> int | None:
-    """The memory one rank has on this device: the first GPU's total for cuda, None (no limit) for cpu."""
+    """The memory one rank may use on this device by default: the first GPU's total less the headroom of
+    cuda_memory_budget_bytes for cuda, None (no limit) for cpu."""
     if device != "cuda":
         return None
     import torch
 
-    return int(torch.cuda.get_device_properties(0).total_memory)
+    return cuda_memory_budget_bytes(int(torch.cuda.get_device_properties(0).total_memory))
 
 
 CPU_MMAP_THRESHOLD_BYTES = 32 * 2**20

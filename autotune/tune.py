@@ -52,7 +52,8 @@ class TuneRequest:
     timeout_s: float | None = None
     """Stop launching trials after this long; None: no limit."""
     memory_limit_bytes: int | None = None
-    """Per-rank memory cap; None: the device's memory (no cap on CPU)."""
+    """Per-rank memory cap; None: the device's memory less a headroom (devices.cuda_memory_budget_bytes; no cap on
+    CPU)."""
     storage: str | None = None
     """Optuna storage URL; None: SQLite under .autotune/ named after the study."""
     study_name: str | None = None

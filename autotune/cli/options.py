@@ -36,7 +36,11 @@ GpusOpt = Annotated[
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Global batch size B per optimizer step.")]
 MemoryOpt = Annotated[
     str | None,
-    typer.Option("--memory-limit", help="Per-rank memory cap, e.g. 40GiB. Default: the GPU's memory (none on CPU)."),
+    typer.Option(
+        "--memory-limit",
+        help="Per-rank memory cap, e.g. 40GiB. Default: the GPU's memory less 2 GiB for the CUDA context and NCCL "
+        "buffers and 5 % of the rest for fragmentation (none on CPU).",
+    ),
 ]
 DeviceOpt = Annotated[
     DeviceChoice, typer.Option("--device", help="cuda: one GPU per rank (NCCL). cpu: one process per rank (gloo).")

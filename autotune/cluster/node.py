@@ -4,8 +4,9 @@ gpus_per_node + local rank; the trial's process group meets under a per-trial pr
 
 Keys, under autotune/<run id>/:
   nodes/<n>/hello              agent -> node 0, once: host, pid, gpus per node
-  nodes/<n>/beat               every node, a counter bumped every BEAT_S from a thread with its own client; a node
-                               whose counter stays still for NODE_TIMEOUT_S by the reader's clock is gone
+  nodes/<n>/beat               every node, a counter bumped every BEAT_S from a thread with its own client (store
+                               errors retried); a node whose counter stays still for node_timeout_s(nodes) by the
+                               reader's clock is gone
   trial/<k>/job                node 0: model path, candidate, trial options, gpus per node
   trial/<k>/pg/...             the trial's process group
   trial/<k>/failed             counter: a rank failed on some node (every node gives its ranks the failure grace)
@@ -24,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,8 +40,12 @@ from autotune.trial.launch import LIVE, RanksOutcome, TrialOptions, measure, run
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5
+"""How often each node bumps its beat, and how often a reader looks at the beats."""
 NODE_TIMEOUT_S = 5.0
-"""A node whose beat has not moved for this long is gone."""
+NODE_TIMEOUT_PER_NODE_S = 0.1
+"""A node whose beat has not moved for node_timeout_s(n_nodes) = NODE_TIMEOUT_S + NODE_TIMEOUT_PER_NODE_S x n_nodes
+is gone (5.2 s for 2 nodes, 17.8 s for 128): one store server serves every node's beats and node 0 reads them one
+round trip per node, so a look at every beat takes longer, and one slow host is likelier, as nodes are added."""
 JOIN_TIMEOUT_S = 120.0
 OUTCOME_MARGIN_S = 15.0
 """How long after the trial timeout node 0 waits for the other nodes' outcomes."""
@@ -71,45 +77,81 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-class Beat(threading.Thread):
-    """Bumps this node's beat counter on a client of its own; `lost` says why once the store is unreachable."""
+def node_timeout_s(n_nodes: int) -> float:
+    """Seconds without a beat before a node of an n_nodes run counts as gone."""
+    return NODE_TIMEOUT_S + NODE_TIMEOUT_PER_NODE_S * n_nodes
 
-    def __init__(self, env: ClusterEnv, root: str) -> None:
+
+class Beat(threading.Thread):
+    """Bumps this node's beat counter on a client of its own. A store error is retried, on a new client, every beat
+    (a slow or restarting store server, a reset connection); `lost` says why once the store has been unreachable
+    for the whole node timeout (by then the other nodes count this one as gone anyway)."""
+
+    def __init__(self, env: ClusterEnv, root: str, connect: Callable[[], dist.Store] | None = None,
+                 beat_s: float = BEAT_S, timeout_s: float | None = None) -> None:
         super().__init__(daemon=True, name="autotune-beat")
         self.key = f"{root}/nodes/{env.node}/beat"
-        self.store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                   timeout=timedelta(seconds=NODE_TIMEOUT_S))
+        self.timeout_s = node_timeout_s(env.n_nodes) if timeout_s is None else timeout_s
+        # One request may take a quarter of the timeout, so a stuck one still leaves time to retry.
+        request = timedelta(seconds=max(1.0, self.timeout_s / 4))
+        self.connect = connect or (lambda: dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                                         timeout=request))
+        self.beat_s = beat_s
+        self.store: dist.Store | None = self.connect()
         self.lost: str | None = None
+        self.failures = 0
+        """Store errors retried so far."""
         self.start()
 
     def run(self) -> None:
+        failing_since: float | None = None
         while True:
             try:
+                if self.store is None:
+                    self.store = self.connect()
                 self.store.add(self.key, 1)
-            except Exception as exc:  # noqa: BLE001 - the store is gone: the reader decides what that means
-                self.lost = f"{type(exc).__name__}: {exc}"
-                return
-            time.sleep(BEAT_S)
+                if failing_since is not None:
+                    log.info("heartbeat: the store answers again after %.1f s", time.monotonic() - failing_since)
+                failing_since = None
+            except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError / DistNetworkError / RuntimeError
+                self.failures += 1
+                self.store = None  # a client whose request failed may be out of step with the server: a new one
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("heartbeat: store error, retrying every %g s: %s: %s", self.beat_s,
+                                type(exc).__name__, exc)
+                if now - failing_since > self.timeout_s:
+                    self.lost = f"{type(exc).__name__}: {exc} (no beat for {now - failing_since:.0f} s)"
+                    return
+            time.sleep(self.beat_s)
 
 
 class Watch:
-    """Which other nodes stopped beating, by this process's own clock (no comparison of clocks across hosts)."""
+    """Which other nodes stopped beating, by this process's own clock (no comparison of clocks across hosts). The
+    beats are read at most every BEAT_S; a read that fails is no news (a node's beat must move within the timeout)."""
 
-    def __init__(self, store: dist.Store, root: str, nodes: list[int]) -> None:
-        self.store, self.root = store, root
+    def __init__(self, store: dist.Store, root: str, nodes: list[int], timeout_s: float = NODE_TIMEOUT_S,
+                 every_s: float = BEAT_S) -> None:
+        self.store, self.root, self.timeout_s, self.every_s = store, root, timeout_s, every_s
         now = time.monotonic()
         self.seen = {n: (-1, now) for n in nodes}
+        self.read_at = -float("inf")
 
     def gone(self) -> list[tuple[int, float]]:
-        """(node, seconds since its beat last moved) of every node silent for NODE_TIMEOUT_S."""
-        now, out = time.monotonic(), []
-        for n, (value, since) in self.seen.items():
-            current = self.store.add(f"{self.root}/nodes/{n}/beat", 0)
-            if current != value:
-                self.seen[n] = (current, now)
-            elif now - since > NODE_TIMEOUT_S:
-                out.append((n, now - since))
-        return out
+        """(node, seconds since its beat last moved) of every node silent for the timeout."""
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:
+            self.read_at = now
+            for n, (value, _) in self.seen.items():
+                try:
+                    current = self.store.add(f"{self.root}/nodes/{n}/beat", 0)
+                except Exception as exc:  # noqa: BLE001 - see Beat.run
+                    log.debug("reading the beats: %s: %s", type(exc).__name__, exc)
+                    break
+                if current != value:
+                    self.seen[n] = (current, now)
+        return [(n, now - since) for n, (_, since) in self.seen.items() if now - since > self.timeout_s]
 
 
 def _trial_watch(store: dist.Store, prefix: str, abort: Any) -> Any:
@@ -154,7 +196,7 @@ class Cluster:
                     f"node {n} ({hello['host']}) has {hello['gpus_per_node']} ranks per node, node 0 has "
                     f"{self.gpus_per_node}: pass the same --gpus-per-node everywhere"
                 )
-        self.watch = Watch(self.store, self.root, self.others)
+        self.watch = Watch(self.store, self.root, self.others, timeout_s=node_timeout_s(self.env.n_nodes))
 
     def __call__(self, spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> Measurement:
         """Run one trial on every node; ClusterError when a node stops answering (the trial counts as failed)."""
@@ -247,7 +289,7 @@ def serve(env: ClusterEnv, gpus_per_node: int, say: Any = print) -> int:
     store.set(f"{root}/nodes/{env.node}/hello",
               json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "gpus_per_node": gpus_per_node}))
     say(f"node {env.node} of {env.n_nodes}: joined {env.master_addr}:{env.master_port}, waiting for node 0's trials")
-    watch = Watch(store, root, [0])
+    watch = Watch(store, root, [0], timeout_s=node_timeout_s(env.n_nodes))
     k = 1
     try:
         while True:

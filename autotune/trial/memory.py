@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.compat import ALLOCATION_BYTES, OUT_OF_MEMORY_TEXTS, TorchDispatchMode, tree_flatten, view_base
+from autotune.compat import ALLOCATION_BYTES, OUT_OF_MEMORY_TEXT, TorchDispatchMode, tree_flatten, view_base
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -152,9 +152,8 @@ _UNITS = {None: 1, "bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    text = str(exc)
-    return isinstance(exc, (MemoryLimitExceeded, torch.OutOfMemoryError, MemoryError)) or any(
-        marker in text for marker in OUT_OF_MEMORY_TEXTS
+    return isinstance(exc, (MemoryLimitExceeded, torch.OutOfMemoryError, MemoryError)) or bool(
+        OUT_OF_MEMORY_TEXT.search(str(exc))
     )
 
 
@@ -165,4 +164,6 @@ def requested_bytes(exc: BaseException) -> int | None:
     match = ALLOCATION_BYTES.search(str(exc))
     if not match:
         return None
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    if match["nccl_bytes"] is not None:
+        return int(match["nccl_bytes"])
+    return int(float(match["number"]) * _UNITS[match["unit"]])

@@ -79,6 +79,18 @@ def test_allocation_failure_is_oom_on_rank_1_with_bytes(model_file):
     assert_no_rank_left(path)
 
 
+def test_nccl_out_of_memory_is_oom_on_rank_1_with_bytes(model_file):
+    # What ProcessGroupNCCL raises when NCCL cannot allocate its buffers (it gave `error` before).
+    nccl = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "
+            "NCCL version 2.21.5\\nncclUnhandledCudaError: Call to CUDA function failed.\\nLast error:\\n"
+            "Failed to CUDA calloc 6291456 bytes")
+    path = model_file(ON_LAST_RANK.format(f"raise torch.distributed.DistBackendError('{nccl}')"))
+    m = trial(path)
+    assert m.status == "oom", m.error
+    assert m.error.rank == 1 and m.error.bytes_requested == 6291456
+    assert_no_rank_left(path)
+
+
 def test_tracked_peak_over_the_memory_limit_is_oom(model_file):
     path = model_file()
     m = trial(path, memory_limit_bytes=4096)

@@ -4,7 +4,9 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from autotune.devices import cuda_memory_budget_bytes, device_memory_bytes
 from autotune.trial.memory import LiveTensorBytes, MemoryLimitExceeded, is_out_of_memory, requested_bytes
 
 
@@ -35,6 +37,56 @@ def test_cpu_allocator_failure_is_oom_with_bytes():
         pytest.skip("this machine allocated 4 PiB")
 
 
+# The literal texts of each allocator's failure (torch 2.x CUDA caching allocator, torch's CPU allocator, NCCL as
+# torch's ProcessGroupNCCL raises it, cuBLAS), with the refused size each states (None: the message has none).
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
+    "free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory 76.50 GiB "
+    "is allocated by PyTorch, and 1.10 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory "
+    "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+    "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+NCCL_PREFIX = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+    "Last error:\n"
+)
+OUT_OF_MEMORY_MESSAGES = [
+    (torch.OutOfMemoryError, CUDA_OOM, 2 * 2**30),
+    (RuntimeError, "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.56 GiB "
+                   "already allocated; 3.75 MiB free; 14.77 GiB reserved in total by PyTorch)", 20 * 2**20),
+    (RuntimeError, "[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                   "tried to allocate 123456 bytes. Error code 12 (Cannot allocate memory)", 123456),
+    (RuntimeError, "[enforce fail at C:\\actions-runner\\_work\\pytorch\\c10\\core\\impl\\alloc_cpu.cpp:81] data. "
+                   "DefaultCPUAllocator: not enough memory: you tried to allocate 1981808640 bytes.", 1981808640),
+    (dist.DistBackendError, NCCL_PREFIX + "Cuda failure 2 'out of memory'", None),
+    (dist.DistBackendError, NCCL_PREFIX + "Cuda failure 'out of memory'", None),
+    (dist.DistBackendError, NCCL_PREFIX + "Failed to CUDA calloc 6291456 bytes", 6291456),
+    (dist.DistBackendError,
+     "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled system error (run with "
+     "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, malloc) or "
+     "external library call failed or device error. \nLast error:\nCuda failure 'out of memory'", None),
+    (RuntimeError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", None),
+]
+
+
+@pytest.mark.parametrize(("kind", "message", "size"), OUT_OF_MEMORY_MESSAGES)
+def test_allocator_messages_are_oom_with_the_refused_size(kind, message, size):
+    exc = kind(message)
+    assert is_out_of_memory(exc)
+    assert requested_bytes(exc) == size
+
+
+@pytest.mark.parametrize("message", [
+    NCCL_PREFIX + "Cuda failure 1 'invalid argument'",
+    "NCCL error: remote process exited or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call "
+    "failed possibly due to a network error or a remote process exiting prematurely.",
+    "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!",
+])
+def test_other_failures_are_not_oom(message):
+    assert not is_out_of_memory(RuntimeError(message))
+
+
 _FREE_24_MIB = """
 import os, sys, torch
 from autotune.devices import keep_freed_cpu_memory
@@ -63,3 +115,19 @@ def test_cpu_stand_in_keeps_freed_memory_for_reuse():
 
     assert kept("keep") > 16 * 2**20
     assert kept("default") < 8 * 2**20
+
+
+def test_default_cuda_limit_leaves_headroom_for_context_nccl_and_fragmentation(monkeypatch):
+    h100 = 85_031_714_816  # an 80 GB H100's total_memory (79.19 GiB)
+    budget = cuda_memory_budget_bytes(h100)
+    assert budget == int((h100 - 2 * 2**30) * 0.95)
+    assert 73 * 2**30 < budget < 74 * 2**30
+    small = 4 * 2**30  # a small card keeps at least 3/4 of its memory less fragmentation
+    assert cuda_memory_budget_bytes(small) == int(3 * 2**30 * 0.95)
+
+    class Properties:
+        total_memory = h100
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
+    assert device_memory_bytes("cuda") == budget
+    assert device_memory_bytes("cpu") is None
