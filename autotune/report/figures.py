@@ -212,19 +212,24 @@ def throughput_vs_microbatches(
 
 
 def memory_per_rank(rivals: Sequence[RunMemory], limit: int | None) -> FigureImage:
-    """Measured peak memory per global rank for the chosen config and the next leaders, against the limit."""
+    """Measured peak memory per global rank for the chosen config and the next leaders, against the limit; past
+    MAX_ROWS ranks, per group of consecutive ranks (the fullest of each group), so a 1024-rank run stays legible."""
     figure, width, height = _new(4.9)
     ax = figure.add_axes((0.08, 0.25, 0.9, 0.67))
     top = max([max(r.peak_memory_bytes) for r in rivals] + ([limit] if limit else [1]))
     scale, unit = _byte_unit(top)
     n_ranks = max(len(r.peak_memory_bytes) for r in rivals) if rivals else 1
+    groups = _rank_groups(n_ranks)
     bar = 0.8 / max(1, len(rivals))
     for i, rival in enumerate(rivals):
-        xs = [rank - 0.4 + bar * (i + 0.5) for rank in range(len(rival.peak_memory_bytes))]
-        label = ("chosen: " if i == 0 else f"#{i + 1}: ") + f"{rival.candidate.key} ({rival.step_time_ms:.1f} ms)"
+        peaks = [max(rival.peak_memory_bytes[r] for r in g if r < len(rival.peak_memory_bytes)) for g in groups
+                 if g.start < len(rival.peak_memory_bytes)]
+        xs = [g - 0.4 + bar * (i + 0.5) for g in range(len(peaks))]
+        name = _short(rival.candidate.key)
+        label = ("chosen: " if i == 0 else f"#{i + 1}: ") + f"{name} ({rival.step_time_ms:.1f} ms)"
         ax.bar(
             xs,
-            [b / scale for b in rival.peak_memory_bytes],
+            [b / scale for b in peaks],
             width=bar * 0.92,
             label=label,
             color=_PALETTE[i % len(_PALETTE)],
@@ -236,20 +241,61 @@ def memory_per_rank(rivals: Sequence[RunMemory], limit: int | None) -> FigureIma
             limit / scale, color="#d62728", linestyle="--", linewidth=1.6, label=f"limit {limit / scale:.1f} {unit}"
         )
         ax.set_ylim(0, max(top, limit) / scale * 1.1)
-    ax.set_xticks(range(n_ranks))
-    ax.set_xticklabels([f"rank {r}" for r in range(n_ranks)])
+    grouped = len(groups) < n_ranks
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{g.start}-{g.stop - 1}" if grouped else f"rank {g.start}" for g in groups],
+                       rotation=90 if grouped else 0, fontsize=7 if grouped else None)
     ax.set_ylabel(f"peak memory ({unit})")
-    ax.set_xlabel("global rank")
+    ax.set_xlabel(f"global ranks (the fullest of each group of {len(groups[0])})" if grouped else "global rank")
     limit_text = "the limit" if limit else "no limit set"
     ax.set_title(f"Peak memory per rank, measured: chosen config and its nearest rivals vs {limit_text}")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, frameon=False, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13 - (0.08 if grouped else 0)), fontsize=8, frameon=False,
+              ncol=2)
     caption = (
         "Measured peak memory of each rank (the highest over a config's runs) for the chosen config (outlined) and "
         "the next fastest ones, with their median step time; the dashed red line is the per-rank memory limit. On "
         "CPU the peak is the live tensor bytes the trial tracked, on CUDA the allocator's peak."
+        + (f" {n_ranks} ranks are drawn in {len(groups)} groups of consecutive ranks, each bar the fullest rank of "
+           f"its group." if grouped else "")
     )
     return _image("memory_per_rank", "Peak memory per rank", caption, figure, width, height)
+
+
+MAX_ROWS = 32
+"""Most ranks a figure draws one by one: past it, memory is drawn per group of ranks and the timeline shows a sample
+of the pipeline ranks (first and last included)."""
+
+
+def _short(key: str, most: int = 48) -> str:
+    """A candidate key cut to fit a legend (a 64-stage split is hundreds of characters)."""
+    return key if len(key) <= most else key[: most - 1] + "…"
+
+
+def _split_text(split: Sequence[int]) -> str:
+    """[3, 2, 2, 2, 3] as it reads, runs of a repeated count folded past 8 stages: [3, 2×3, 3]."""
+    if len(split) <= 8:
+        return str(list(split))
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "[" + ", ".join(f"{n}×{k}" if k > 1 else str(n) for n, k in runs) + "]"
+
+
+def _rank_groups(n_ranks: int, most: int = MAX_ROWS) -> list[range]:
+    """n_ranks split into at most `most` runs of consecutive ranks of one size (the last may be shorter)."""
+    size = -(-n_ranks // most)
+    return [range(start, min(start + size, n_ranks)) for start in range(0, n_ranks, size)]
+
+
+def _sampled_ranks(n_ranks: int, most: int = MAX_ROWS) -> list[int]:
+    """All ranks, or `most` of them evenly spaced, the first and the last included."""
+    if n_ranks <= most:
+        return list(range(n_ranks))
+    return sorted({round(i * (n_ranks - 1) / (most - 1)) for i in range(most)})
 
 
 def _byte_unit(top: float) -> tuple[float, str]:
@@ -272,7 +318,9 @@ def pipeline_timeline(
 ) -> FigureImage:
     """Each rank's simulated actions over one step: F, B (or I and W) blocks, idle gaps in grey, micro-batch
     numbers inside the blocks wide enough to hold them."""
-    height_in = min(9.0, 1.9 + 0.55 * pipeline_degree)
+    shown = _sampled_ranks(pipeline_degree)
+    row = {rank: i for i, rank in enumerate(shown)}
+    height_in = min(9.0, 1.9 + 0.55 * len(shown))
     figure, width, height = _new(height_in)
     ax = figure.add_axes((0.07, 0.7 / height_in, 0.73, 1 - 1.25 / height_in))
     end = max((e.end_ms for e in timeline), default=pipeline_time_ms) or 1.0
@@ -282,20 +330,21 @@ def pipeline_timeline(
         stages_per_rank.setdefault(e.rank, [])
         if e.stage not in stages_per_rank[e.rank]:
             stages_per_rank[e.rank].append(e.stage)
-    for rank in range(pipeline_degree):
-        ax.broken_barh([(0, end)], (rank - 0.4, 0.8), facecolors=IDLE_COLOUR, edgecolor="none", zorder=1)
-    font = 7 if pipeline_degree <= 8 else 6
-    for e in timeline:
+    for i in range(len(shown)):
+        ax.broken_barh([(0, end)], (i - 0.4, 0.8), facecolors=IDLE_COLOUR, edgecolor="none", zorder=1)
+    font = 7 if len(shown) <= 8 else 6
+    blocks: dict[tuple[int, tuple[float, float, float]], list[tuple[float, float]]] = {}
+    for e in timeline:  # one artist per row and colour, not per action
+        if e.rank not in row:
+            continue
         chunk = sorted(stages_per_rank[e.rank]).index(e.stage)
         colour = _lighter(KIND_COLOURS[e.kind], 0.45 * chunk)
         duration = e.end_ms - e.start_ms
-        ax.broken_barh(
-            [(e.start_ms, duration)], (e.rank - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.4, zorder=2
-        )
+        blocks.setdefault((row[e.rank], colour), []).append((e.start_ms, duration))
         if duration / end * axis_px >= 7 * len(str(e.microbatch)) + 3:
             ax.text(
                 e.start_ms + duration / 2,
-                e.rank,
+                row[e.rank],
                 str(e.microbatch),
                 ha="center",
                 va="center",
@@ -303,14 +352,16 @@ def pipeline_timeline(
                 color="white",
                 zorder=3,
             )
-    ax.set_ylim(pipeline_degree - 0.5, -0.5)
-    ax.set_yticks(range(pipeline_degree))
-    ax.set_yticklabels([f"rank {r}" for r in range(pipeline_degree)])
+    for (i, colour), spans in blocks.items():
+        ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.4, zorder=2)
+    ax.set_ylim(len(shown) - 0.5, -0.5)
+    ax.set_yticks(range(len(shown)))
+    ax.set_yticklabels([f"rank {r}" for r in shown])
     ax.set_xlim(0, end)
     ax.set_xlabel("time within one step (ms, simulated)")
     ax.set_title(
         f"Pipeline timeline of the chosen config: {candidate.schedule.value}, B/M {candidate.n_microbatches}, "
-        f"split {list(candidate.layers_per_stage)}; idle {bubble_fraction:.0%}"
+        f"split {_split_text(candidate.layers_per_stage)}; idle {bubble_fraction:.0%}"
     )
     kinds = sorted({e.kind for e in timeline}, key="FBIW".index)
     handles = [Patch(color=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
@@ -322,6 +373,8 @@ def pipeline_timeline(
         "The simulator's replay of the chosen schedule with profiled layer costs: one row per pipeline rank, one block "
         "per action, numbered by micro-batch where it fits. Grey is idle time (the bubble). After the pipeline each "
         "rank still all-reduces gradients (dp > 1) and steps its optimizer, not drawn here."
+        + (f" {len(shown)} of the {pipeline_degree} pipeline ranks are drawn, evenly spaced, the first and the last "
+           f"included." if len(shown) < pipeline_degree else "")
     )
     return _image("timeline", "Pipeline timeline", caption, figure, width, height)
 

@@ -339,3 +339,30 @@ def test_a_multi_node_reports_predictions_equal_its_configs_predicted_block(tmp_
         assert estimate.peak_memory_bytes == predicted.peak_memory_bytes
     one_node = simulate(profile, searched.best.candidate, with_timeline=False)  # what the report said before
     assert one_node.step_time_ms != predicted.step_time_ms
+
+
+def test_figures_of_a_thousand_ranks_stay_legible():
+    # Issue 30: one bar per rank and one row per pipeline rank are unreadable past ~100 ranks: ranks are grouped
+    # (memory) or sampled (timeline), and the caption says so.
+    from autotune.report.figures import MAX_ROWS, _rank_groups, _sampled_ranks, memory_per_rank, pipeline_timeline
+    from autotune.report.measures import RunMemory
+    from autotune.simulate import TimelineEvent
+
+    groups = _rank_groups(1000)
+    assert len(groups) <= MAX_ROWS and [r for g in groups for r in g] == list(range(1000))
+    assert _rank_groups(8) == [range(r, r + 1) for r in range(8)]
+    sampled = _sampled_ranks(128)
+    assert len(sampled) == MAX_ROWS and sampled[0] == 0 and sampled[-1] == 127 and sampled == sorted(set(sampled))
+    assert _sampled_ranks(5) == [0, 1, 2, 3, 4]
+
+    candidate = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=64, data_parallel_degree=16,
+                          global_batch_size=1024, n_microbatches=64, layers_per_stage=(1,) * 64)
+    peaks = tuple(2**30 + 2**20 * (rank % 64) for rank in range(1024))
+    image = memory_per_rank([RunMemory(candidate=candidate, peak_memory_bytes=peaks, step_time_ms=10.0)], 2**31)
+    assert image.png.startswith(b"\x89PNG") and "1024 ranks are drawn in 32 groups" in image.caption
+    events = [TimelineEvent(rank=r, stage=r, kind=k, microbatch=i, start_ms=(r + 2 * i + (k == "B")) * 1.0,
+                            end_ms=(r + 2 * i + (k == "B")) * 1.0 + 0.9)
+              for r in range(64) for i in range(64) for k in ("F", "B")]
+    timeline = pipeline_timeline(events, pipeline_degree=64, candidate=candidate, bubble_fraction=0.5,
+                                 pipeline_time_ms=200.0)
+    assert timeline.png.startswith(b"\x89PNG") and "32 of the 64 pipeline ranks are drawn" in timeline.caption
