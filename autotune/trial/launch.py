@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -39,6 +40,18 @@ from autotune.trial.job import RankJob, start_rank
 
 log = logging.getLogger(__name__)
 
+TRIAL_TIMEOUT_FLOOR_S = 300.0
+"""The shortest bound a search gives a trial (the old fixed one): set-up the prediction does not see (a slow
+build_model, a cold file cache, NCCL's start-up at scale) always has this long."""
+TRIAL_SETUP_S = 120.0
+"""Set-up on top of the predicted steps: the ranks' rendezvous, building their stages, the batch."""
+STEP_TIME_SAFETY = 3.0
+"""Each step may take this many times its prediction (first steps infer shapes and fill caches and the allocator;
+the simulator's error) before the trial counts as hung."""
+PROCESS_GROUP_MARGIN_S = 60.0
+"""torch.distributed's own timeout (NCCL's watchdog) is the trial's plus this: the launcher, which dumps every
+rank's stack and names the hung one, acts first; the watchdog only reaps what it could not."""
+
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long its peers get to notice and exit before they are killed."""
 STACK_DUMP_WAIT_S = 0.5
@@ -52,8 +65,11 @@ class TrialOptions:
     """Measured steps (the step time is their median)."""
     warmup: int = 2
     """Unmeasured steps first (at least 1: shapes, optimizer state; the last one measures memory)."""
-    timeout_s: float = 300.0
-    """The whole trial, start-up included."""
+    timeout_s: float = TRIAL_TIMEOUT_FLOOR_S
+    """The whole trial, start-up included (a search derives it per trial: trial_timeout_s)."""
+    process_group_timeout_s: float | None = None
+    """torch.distributed's timeout of one collective or receive (NCCL's watchdog aborts a rank past it); None:
+    timeout_s + PROCESS_GROUP_MARGIN_S."""
     memory_limit_bytes: int | None = None
     device: str = "cpu"
     keep_run_dir: bool = False
@@ -61,6 +77,28 @@ class TrialOptions:
     measure_wire_error: bool = False
     """For a bfloat16-wire candidate: also run one forward/backward of a float32-wire twin and report the gradients'
     relative error (Measurement.wire_grad_rel_error)."""
+
+
+def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:
+    """How long a trial of a step predicted at predicted_step_s may take before it counts as hung:
+
+        max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_SETUP_S + STEP_TIME_SAFETY x steps x predicted_step_s)
+
+    where steps counts what a rank runs: the warm-up steps (the last one, memory-tracked, twice: on CPU it runs
+    every operator through Python), one more untracked step, the measured steps, and for a bfloat16 wire with
+    measure_wire_error the float32 twin's forward/backward (two). The defaults (2 warm-up, 5 measured) give 9 steps:
+    a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A prediction that is not a finite number gets the
+    floor: a hang is always bounded."""
+    steps = max(options.warmup, 1) + 1 + 1 + options.steps + (2 if options.measure_wire_error else 0)
+    if not math.isfinite(predicted_step_s) or predicted_step_s < 0:
+        return TRIAL_TIMEOUT_FLOOR_S
+    return max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_SETUP_S + STEP_TIME_SAFETY * steps * predicted_step_s)
+
+
+def process_group_timeout_s(options: TrialOptions) -> float:
+    """torch.distributed's timeout for the trial's ranks: options.process_group_timeout_s, else the trial's bound +
+    PROCESS_GROUP_MARGIN_S."""
+    return options.process_group_timeout_s or options.timeout_s + PROCESS_GROUP_MARGIN_S
 
 
 class TrialRunner(Protocol):
@@ -146,10 +184,12 @@ def run_ranks(
                 memory_limit_bytes=options.memory_limit_bytes,
                 run_dir=str(run_dir),
                 timeout_s=options.timeout_s,
+                process_group_timeout_s=process_group_timeout_s(options),
                 launched_at=started,
                 parent_pid=server_pid,
                 measure_wire_error=options.measure_wire_error,
                 local_rank=local_rank,
+                local_world_size=len(ranks),
                 store=store,
                 kind=kind,
             )
