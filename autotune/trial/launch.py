@@ -8,8 +8,9 @@ Who is to blame when a trial fails:
   1. a rank that raised an error of its own (not a broken connection), the earliest such;
   2. else a rank that died without writing an error (killed, segfault, os._exit);
   3. else the earliest rank with a communication error.
-On a timeout, every live rank dumps its Python stack (faulthandler, SIGUSR1); a rank stuck outside
-torch.distributed is the culprit, the ranks waiting in torch.distributed are its victims.
+On a timeout, the culprit is the rank the others wait on by their progress (the schedule actions each completed:
+trial.progress); where progress cannot tell, every live rank dumps its Python stack (faulthandler, SIGUSR1) and a
+rank stuck outside torch.distributed is the culprit, the ranks waiting in torch.distributed its victims.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
 from autotune.trial import server
 from autotune.trial.job import RankJob, start_rank
+from autotune.trial.progress import hang_culprit, read_progress
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class RanksOutcome:
     """The deadline (or the coordinator's timeout abort) ended the wait."""
     log_tails: dict[int, str]
     """Last line of output of each rank that exited non-zero without an error file."""
+    progress: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """(runs, inside, done) of each rank that ran its schedule (trial.progress), read at the end."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,7 +148,7 @@ class RanksOutcome:
         ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are strings
         return cls(node=data["node"], results=ints(data["results"]), errors=ints(data["errors"]),
                    exitcodes=ints(data["exitcodes"]), stuck=ints(data["stuck"]), timed_out=data["timed_out"],
-                   log_tails=ints(data["log_tails"]))
+                   log_tails=ints(data["log_tails"]), progress=ints(data.get("progress", {})))
 
 
 def run_ranks(
@@ -215,6 +219,7 @@ def run_ranks(
             timed_out=timed_out,
             log_tails={r: _log_tail(run_dir, r) for r, p in by_rank.items()
                        if p.exitcode not in (0, None) and not errors.get(r)},
+            progress={r: list(p) for r in ranks if (p := read_progress(run_dir, r)) is not None},
         )
     finally:
         if options.keep_run_dir:
@@ -333,7 +338,7 @@ def measure(
             wall_time_s=wall_time_s,
             device=options.device,
         )
-    error = _blame(outcomes, options.timeout_s)
+    error = _blame(outcomes, options.timeout_s, candidate)
     return Measurement(
         status=error.kind, error=error, candidate=candidate, wall_time_s=wall_time_s, device=options.device,
         rank_nodes=_rank_nodes(outcomes),
@@ -348,7 +353,7 @@ def _rank_nodes(outcomes: list[RanksOutcome]) -> tuple[int, ...]:
     return tuple(int(node_of[r] or 0) for r in sorted(node_of))
 
 
-def _blame(outcomes: list[RanksOutcome], timeout_s: float) -> TrialError:
+def _blame(outcomes: list[RanksOutcome], timeout_s: float, candidate: Candidate | None = None) -> TrialError:
     errors: dict[int, dict[str, Any]] = {r: e for o in outcomes for r, e in o.errors.items() if e}
     node_of = {r: o.node for o in outcomes for r in o.exitcodes}
     name = (lambda r: f"rank {r}") if all(o.node is None for o in outcomes) else (
@@ -366,11 +371,20 @@ def _blame(outcomes: list[RanksOutcome], timeout_s: float) -> TrialError:
         )
     if any(o.timed_out for o in outcomes):
         stuck = {r: v for o in outcomes for r, v in o.stuck.items()}
+        progress = {r: (p[0], p[1], p[2]) for o in outcomes for r, p in o.progress.items() if r in stuck}
+        # By progress first: under NCCL a waiting rank's stack is outside torch.distributed too (it waits in
+        # torch.cuda.synchronize); the stacks decide only where progress cannot.
+        by_progress = hang_culprit(candidate, progress) if candidate is not None and progress else None
         culprits = [rank for rank, outside in sorted(stuck.items()) if outside]
-        rank = culprits[0] if culprits else None
+        rank = by_progress.rank if by_progress is not None else culprits[0] if culprits else None
         label = str if all(o.node is None for o in outcomes) else name
         waiting = ", ".join(label(r) for r in sorted(stuck) if r != rank) or "none"
-        what = f"{name(rank)} hung outside torch.distributed" if rank is not None else "every live rank waits on a peer"
+        if by_progress is not None:
+            what = f"{name(rank)} hung: by every rank's progress, it {by_progress.why}"
+        elif rank is not None:
+            what = f"{name(rank)} hung outside torch.distributed"
+        else:
+            what = "every live rank waits on a peer"
         return TrialError(
             rank=rank, node=node_of.get(rank) if rank is not None else None, kind="timeout",
             message=f"no result within {timeout_s:g} s: {what}; waiting ranks: {waiting}",

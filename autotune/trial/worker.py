@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
-from autotune.compat import COMMS_ERROR_TEXTS, TORCH_PATH
+from autotune.compat import COMMS_ERROR_TEXTS, STAGE_COMPUTE_METHODS, TORCH_PATH
 from autotune.devices import keep_freed_cpu_memory, rank_threads, usable_cores
 from autotune.files import atomic_write_json
 from autotune.model_file import ModelSpec, input_tensors, load_model_file, make_batch, map_inputs
@@ -34,6 +34,7 @@ from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_grou
 from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
+from autotune.trial.progress import RankProgress, progress_path, track
 
 
 def run_rank(job: RankJob) -> None:
@@ -113,6 +114,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     spec = load_model_file(job.model_path, split_at=job.split_at)
     pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
+    track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
     inputs, targets = make_batch(spec, candidate.global_batch_size)
     phases["setup"] = time.perf_counter() - t0
 
