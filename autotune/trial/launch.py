@@ -374,7 +374,8 @@ def _blame(outcomes: list[RanksOutcome], timeout_s: float, candidate: Candidate 
         progress = {r: (p[0], p[1], p[2]) for o in outcomes for r, p in o.progress.items() if r in stuck}
         # By progress first: under NCCL a waiting rank's stack is outside torch.distributed too (it waits in
         # torch.cuda.synchronize); the stacks decide only where progress cannot.
-        by_progress = hang_culprit(candidate, progress) if candidate is not None and progress else None
+        by_progress = (hang_culprit(candidate, progress, prefer=lambda r: stuck.get(r, False))
+                       if candidate is not None and progress else None)
         culprits = [rank for rank, outside in sorted(stuck.items()) if outside]
         rank = by_progress.rank if by_progress is not None else culprits[0] if culprits else None
         label = str if all(o.node is None for o in outcomes) else name

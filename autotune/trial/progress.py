@@ -113,8 +113,12 @@ class HangCulprit:
     1F0, has its inputs)" or "had not started step 3, which the others wait in (...)"."""
 
 
-def hang_culprit(candidate: Candidate, progress: Mapping[int, tuple[int, int, int]]) -> HangCulprit | None:
-    """The rank the others wait on, by progress (module docstring); None when progress cannot tell."""
+def hang_culprit(
+    candidate: Candidate, progress: Mapping[int, tuple[int, int, int]], prefer: Callable[[int], bool] = lambda r: False
+) -> HangCulprit | None:
+    """The rank the others wait on, by progress (module docstring); None when progress cannot tell. Where chains
+    end at several ranks (one may wait on a send to another that is stuck), the lowest one `prefer`s (the launcher:
+    stuck outside torch.distributed by its stack), else the lowest."""
     pp, dp, order = candidate.pipeline_degree, candidate.data_parallel_degree, candidate.rank_order
     lists = action_lists(candidate.schedule, pp, candidate.n_microbatches, candidate.n_stages)
     where = _positions(tuple(tuple(a) for a in lists))
@@ -135,7 +139,7 @@ def hang_culprit(candidate: Candidate, progress: Mapping[int, tuple[int, int, in
                 found.setdefault(ranks[q], why)
     if not found:
         return None
-    rank = min(found)
+    rank = min(found, key=lambda r: (not prefer(r), r))
     return HangCulprit(rank=rank, why=found[rank])
 
 

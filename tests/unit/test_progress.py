@@ -42,6 +42,13 @@ def test_the_hung_replica_is_found_while_the_other_waits_in_the_all_reduce():
     assert culprit is not None and culprit.rank == 3
 
 
+def test_where_chains_end_at_two_ranks_the_stacks_break_the_tie():
+    # Both replicas stuck in their own work (ranks 1 and 3): the lowest, unless the stacks point at the other.
+    progress = {0: (2, 1, 2), 1: (2, 1, 0), 2: (2, 1, 2), 3: (2, 1, 0)}
+    assert hang_culprit(PP2_DP2, progress).rank == 1
+    assert hang_culprit(PP2_DP2, progress, prefer=lambda r: r == 3).rank == 3
+
+
 def test_progress_cannot_tell_before_the_first_action_nor_between_steps():
     assert hang_culprit(PP2, {0: (1, 1, 0), 1: (1, 1, 0)}) is None  # set-up and shape inference: the stacks decide
     assert hang_culprit(PP2, {0: (3, 0, 4), 1: (3, 0, 4)}) is None  # all-reduce, optimizer, barrier
