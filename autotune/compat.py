@@ -12,6 +12,8 @@
     saved activations that are parameters    Tensor._base
     BatchNorm anywhere in a layer            _BatchNorm (nn.modules.batchnorm)
     reading torch's failures                 its error texts (broken connections, out of memory) and source paths
+    a rank's completed compute actions       PipelineStage.forward_one_chunk, backward_one_chunk,
+                                             backward_weight_one_chunk (what torch's schedules call per action)
 
 Importing this module checks the torch version against the tested range (a TorchVersionWarning outside it, no
 more); a symbol is looked up when first needed, and a missing one is a TorchAPIError (exit 4) that names it, the
@@ -295,6 +297,10 @@ ALLOCATION_BYTES = re.compile(
 )
 """The refused allocation in an out-of-memory message: CUDA's "Tried to allocate 2.00 GiB", the CPU allocator's
 "you tried to allocate 123456 bytes" (number and unit), NCCL's "Failed to CUDA calloc 6291456 bytes" (nccl_bytes)."""
+
+STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+"""The PipelineStage methods torch's schedules call once per compute action (F; B or I; W): wrapped to count a
+rank's progress (autotune.trial.progress)."""
 
 TORCH_DISTRIBUTED_PATH = "torch/distributed"
 """In a stack frame's file name: the frame is inside torch.distributed (a rank waiting on its peers)."""

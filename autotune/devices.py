@@ -36,6 +36,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def rank_threads(device: str, cores: int, ranks_here: int) -> int:
+    """CPU threads for one rank: 1 for the CPU stand-in (one process, one thread, as one GPU); on CUDA, the rank's
+    share of the machine's cores (at least 1), for the CPU-side work of building its stages and its batch."""
+    if device != "cuda":
+        return 1
+    return max(1, cores // max(1, ranks_here))
+
+
 def cpu_oversubscription(ranks: int, device: str) -> str | None:
     """A warning when CPU ranks outnumber the cores this process may use: ranks sharing a core time each other's
     contention, not the candidate. None when they fit (or on CUDA)."""

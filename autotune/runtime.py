@@ -155,6 +155,8 @@ class RankPipeline:
     them: their gradients are summed over it before the data-parallel average."""
     split_inputs: Callable[[Any], tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]] | None = None
     """make_batch's inputs -> (first stage's arguments, side inputs every stage gets); None: one tensor."""
+    stages: list[PipelineStage] = field(default_factory=list)
+    """torch's stage of each held stage, in stage_indices order (the schedule runs them)."""
 
     @property
     def holds_first(self) -> bool:
@@ -319,6 +321,7 @@ def build_pipeline(
         parameter_names=names,
         shared_groups=groups,
         split_inputs=split,
+        stages=stages,
     )
 
 

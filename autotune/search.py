@@ -56,6 +56,7 @@ from autotune.study_storage import (
     storage_error,
 )
 from autotune.trial import TrialOptions, TrialRunner, run_trial
+from autotune.trial.launch import trial_timeout_s
 from autotune.units import format_bytes
 
 __all__ = ["SearchOptions", "SearchReporter", "load_records", "load_search", "rule_of_thumb", "run_search"]
@@ -94,6 +95,9 @@ class SearchOptions:
     incumbent: Candidate | None = None
     """An existing config's candidate, re-measured beside the leaders (refresh without churn)."""
     trial: TrialOptions = field(default_factory=TrialOptions)
+    trial_timeout_s: float | None = None
+    """Every trial's bound; None: each trial's own, from its predicted step time (trial.launch.trial_timeout_s),
+    in place of trial.timeout_s."""
     worker: str | None = None
     """This search's name among the searches sharing the study; its budget counts its own launches. None: the host
     name (and CUDA_VISIBLE_DEVICES)."""
@@ -420,6 +424,8 @@ class _Engine:
             return record
         bf16 = candidate.wire_dtype == "bfloat16"  # measure its gradient error against float32 between stages
         options = replace(self.options.trial, measure_wire_error=True) if bf16 else self.options.trial
+        bound = self.options.trial_timeout_s or trial_timeout_s(options, self.estimate(candidate).step_time_ms / 1000)
+        options = replace(options, timeout_s=bound)
         try:
             with Heartbeat(self.shared.storage, trial._trial_id):
                 measurement = self.runner(self.spec, candidate, options)

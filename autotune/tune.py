@@ -66,8 +66,9 @@ class TuneRequest:
     """Measured steps per trial."""
     warmup: int = 2
     """Unmeasured steps per trial."""
-    trial_timeout_s: float = 300.0
-    """Seconds before one trial counts as hung."""
+    trial_timeout_s: float | None = None
+    """Seconds before one trial counts as hung; None: each trial's own bound from its predicted step time, at least
+    300 s (trial.launch.trial_timeout_s)."""
     output: Path | None = Path("autotune.yaml")
     """Where the tuned config goes; None: write none (and keep none)."""
     min_improvement: float = 0.03
@@ -220,6 +221,7 @@ def tune(
     from autotune.shared_study import check_study_name
     from autotune.study_storage import default_worker, open_storage
     from autotune.trial import TrialOptions, run_trial
+    from autotune.trial.launch import TRIAL_TIMEOUT_FLOOR_S
 
     reporter = reporter or SilentReporter()
     device = resolve_device(request.device)
@@ -232,7 +234,8 @@ def tune(
     # The storage first: a bad URL or a study name in use fails in a second, not after profiling.
     storage = open_storage(request.storage or default_storage(name))
     check_study_name(storage, name, resume=request.resume)
-    bound = min(request.trial_timeout_s, request.timeout_s or request.trial_timeout_s)
+    trial_bound = request.trial_timeout_s or TRIAL_TIMEOUT_FLOOR_S
+    bound = min(trial_bound, request.timeout_s or trial_bound)
     spec, profile = load_and_profile(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
         timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
@@ -267,10 +270,11 @@ def tune(
         gpus_per_node=request.gpus_per_node,
         setup={"nodes": request.gpus // request.gpus_per_node, "gpus_per_node": request.gpus_per_node}
         if request.gpus_per_node else {},
+        trial_timeout_s=request.trial_timeout_s,
         trial=TrialOptions(
             steps=request.steps,
             warmup=request.warmup,
-            timeout_s=request.trial_timeout_s,
+            timeout_s=trial_bound,
             memory_limit_bytes=limit,
             device=device,
         ),

@@ -63,7 +63,16 @@ def search(
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
     warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
-    trial_timeout: Annotated[float, typer.Option(min=1, help="Seconds before one trial counts as hung.")] = 300.0,
+    trial_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=1,
+            help="Seconds before one trial counts as hung, the same for every trial. Default: each trial's own "
+            "bound from its predicted step time: max(300, 120 + 3 x predicted step x (warm-up + measured steps + 2, "
+            "+2 for a bfloat16 wire)); a 60 s step gets 1740 s. torch.distributed's own timeout (NCCL's "
+            "watchdog) is the trial's + 60 s.",
+        ),
+    ] = None,
     worker: Annotated[
         str | None,
         typer.Option(

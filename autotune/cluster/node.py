@@ -92,8 +92,8 @@ class Beat(threading.Thread):
         super().__init__(daemon=True, name="autotune-beat")
         self.key = f"{root}/nodes/{env.node}/beat"
         self.timeout_s = node_timeout_s(env.n_nodes) if timeout_s is None else timeout_s
-        # One request may take a quarter of the timeout, so a stuck one still leaves time to retry.
-        request = timedelta(seconds=max(1.0, self.timeout_s / 4))
+        # One request may take half the timeout (at least 2 s), so a stuck one still leaves time to retry.
+        request = timedelta(seconds=max(2.0, self.timeout_s / 2))
         self.connect = connect or (lambda: dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                                          timeout=request))
         self.beat_s = beat_s

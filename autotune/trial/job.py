@@ -24,6 +24,9 @@ class RankJob:
     run_dir: str
     """Folder of the store file, result, error, log and stack files."""
     timeout_s: float
+    """The whole trial's bound (the launcher enforces it)."""
+    process_group_timeout_s: float
+    """torch.distributed's timeout of one collective or receive (init_process_group)."""
     launched_at: float
     """time.time() when the launcher started the trial."""
     parent_pid: int | None
@@ -34,6 +37,8 @@ class RankJob:
     """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
     local_rank: int | None = None
     """This rank's index on its machine (its GPU); None: the global rank (one machine)."""
+    local_world_size: int | None = None
+    """The trial's ranks on this machine (CUDA ranks share its cores); None: world_size."""
     store: str | None = None
     """The trial's rendezvous: "host:port/prefix" on the launcher's TCPStore (multi-node); None: a file in run_dir."""
     kind: str = "run"

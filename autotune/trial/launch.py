@@ -8,8 +8,9 @@ Who is to blame when a trial fails:
   1. a rank that raised an error of its own (not a broken connection), the earliest such;
   2. else a rank that died without writing an error (killed, segfault, os._exit);
   3. else the earliest rank with a communication error.
-On a timeout, every live rank dumps its Python stack (faulthandler, SIGUSR1); a rank stuck outside
-torch.distributed is the culprit, the ranks waiting in torch.distributed are its victims.
+On a timeout, the culprit is the rank the others wait on by their progress (the schedule actions each completed:
+trial.progress); where progress cannot tell, every live rank dumps its Python stack (faulthandler, SIGUSR1) and a
+rank stuck outside torch.distributed is the culprit, the ranks waiting in torch.distributed its victims.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,8 +38,21 @@ from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
 from autotune.trial import server
 from autotune.trial.job import RankJob, start_rank
+from autotune.trial.progress import hang_culprit, read_progress
 
 log = logging.getLogger(__name__)
+
+TRIAL_TIMEOUT_FLOOR_S = 300.0
+"""The shortest bound a search gives a trial (the old fixed one): set-up the prediction does not see (a slow
+build_model, a cold file cache, NCCL's start-up at scale) always has this long."""
+TRIAL_SETUP_S = 120.0
+"""Set-up on top of the predicted steps: the ranks' rendezvous, building their stages, the batch."""
+STEP_TIME_SAFETY = 3.0
+"""Each step may take this many times its prediction (first steps infer shapes and fill caches and the allocator;
+the simulator's error) before the trial counts as hung."""
+PROCESS_GROUP_MARGIN_S = 60.0
+"""torch.distributed's own timeout (NCCL's watchdog) is the trial's plus this: the launcher, which dumps every
+rank's stack and names the hung one, acts first; the watchdog only reaps what it could not."""
 
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long its peers get to notice and exit before they are killed."""
@@ -52,8 +67,11 @@ class TrialOptions:
     """Measured steps (the step time is their median)."""
     warmup: int = 2
     """Unmeasured steps first (at least 1: shapes, optimizer state; the last one measures memory)."""
-    timeout_s: float = 300.0
-    """The whole trial, start-up included."""
+    timeout_s: float = TRIAL_TIMEOUT_FLOOR_S
+    """The whole trial, start-up included (a search derives it per trial: trial_timeout_s)."""
+    process_group_timeout_s: float | None = None
+    """torch.distributed's timeout of one collective or receive (NCCL's watchdog aborts a rank past it); None:
+    timeout_s + PROCESS_GROUP_MARGIN_S."""
     memory_limit_bytes: int | None = None
     device: str = "cpu"
     keep_run_dir: bool = False
@@ -61,6 +79,28 @@ class TrialOptions:
     measure_wire_error: bool = False
     """For a bfloat16-wire candidate: also run one forward/backward of a float32-wire twin and report the gradients'
     relative error (Measurement.wire_grad_rel_error)."""
+
+
+def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:
+    """How long a trial of a step predicted at predicted_step_s may take before it counts as hung:
+
+        max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_SETUP_S + STEP_TIME_SAFETY x steps x predicted_step_s)
+
+    where steps counts what a rank runs: the warm-up steps (the last one, memory-tracked, twice: on CPU it runs
+    every operator through Python), one more untracked step, the measured steps, and for a bfloat16 wire with
+    measure_wire_error the float32 twin's forward/backward (two). The defaults (2 warm-up, 5 measured) give 9 steps:
+    a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A prediction that is not a finite number gets the
+    floor: a hang is always bounded."""
+    steps = max(options.warmup, 1) + 1 + 1 + options.steps + (2 if options.measure_wire_error else 0)
+    if not math.isfinite(predicted_step_s) or predicted_step_s < 0:
+        return TRIAL_TIMEOUT_FLOOR_S
+    return max(TRIAL_TIMEOUT_FLOOR_S, TRIAL_SETUP_S + STEP_TIME_SAFETY * steps * predicted_step_s)
+
+
+def process_group_timeout_s(options: TrialOptions) -> float:
+    """torch.distributed's timeout for the trial's ranks: options.process_group_timeout_s, else the trial's bound +
+    PROCESS_GROUP_MARGIN_S."""
+    return options.process_group_timeout_s or options.timeout_s + PROCESS_GROUP_MARGIN_S
 
 
 class TrialRunner(Protocol):
@@ -97,6 +137,8 @@ class RanksOutcome:
     """The deadline (or the coordinator's timeout abort) ended the wait."""
     log_tails: dict[int, str]
     """Last line of output of each rank that exited non-zero without an error file."""
+    progress: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """(runs, inside, done) of each rank that ran its schedule (trial.progress), read at the end."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,7 +148,7 @@ class RanksOutcome:
         ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 - JSON keys are strings
         return cls(node=data["node"], results=ints(data["results"]), errors=ints(data["errors"]),
                    exitcodes=ints(data["exitcodes"]), stuck=ints(data["stuck"]), timed_out=data["timed_out"],
-                   log_tails=ints(data["log_tails"]))
+                   log_tails=ints(data["log_tails"]), progress=ints(data.get("progress", {})))
 
 
 def run_ranks(
@@ -146,10 +188,12 @@ def run_ranks(
                 memory_limit_bytes=options.memory_limit_bytes,
                 run_dir=str(run_dir),
                 timeout_s=options.timeout_s,
+                process_group_timeout_s=process_group_timeout_s(options),
                 launched_at=started,
                 parent_pid=server_pid,
                 measure_wire_error=options.measure_wire_error,
                 local_rank=local_rank,
+                local_world_size=len(ranks),
                 store=store,
                 kind=kind,
             )
@@ -175,6 +219,7 @@ def run_ranks(
             timed_out=timed_out,
             log_tails={r: _log_tail(run_dir, r) for r, p in by_rank.items()
                        if p.exitcode not in (0, None) and not errors.get(r)},
+            progress={r: list(p) for r in ranks if (p := read_progress(run_dir, r)) is not None},
         )
     finally:
         if options.keep_run_dir:
@@ -293,7 +338,7 @@ def measure(
             wall_time_s=wall_time_s,
             device=options.device,
         )
-    error = _blame(outcomes, options.timeout_s)
+    error = _blame(outcomes, options.timeout_s, candidate)
     return Measurement(
         status=error.kind, error=error, candidate=candidate, wall_time_s=wall_time_s, device=options.device,
         rank_nodes=_rank_nodes(outcomes),
@@ -308,7 +353,7 @@ def _rank_nodes(outcomes: list[RanksOutcome]) -> tuple[int, ...]:
     return tuple(int(node_of[r] or 0) for r in sorted(node_of))
 
 
-def _blame(outcomes: list[RanksOutcome], timeout_s: float) -> TrialError:
+def _blame(outcomes: list[RanksOutcome], timeout_s: float, candidate: Candidate | None = None) -> TrialError:
     errors: dict[int, dict[str, Any]] = {r: e for o in outcomes for r, e in o.errors.items() if e}
     node_of = {r: o.node for o in outcomes for r in o.exitcodes}
     name = (lambda r: f"rank {r}") if all(o.node is None for o in outcomes) else (
@@ -326,11 +371,21 @@ def _blame(outcomes: list[RanksOutcome], timeout_s: float) -> TrialError:
         )
     if any(o.timed_out for o in outcomes):
         stuck = {r: v for o in outcomes for r, v in o.stuck.items()}
+        progress = {r: (p[0], p[1], p[2]) for o in outcomes for r, p in o.progress.items() if r in stuck}
+        # By progress first: under NCCL a waiting rank's stack is outside torch.distributed too (it waits in
+        # torch.cuda.synchronize); the stacks decide only where progress cannot.
+        by_progress = (hang_culprit(candidate, progress, prefer=lambda r: stuck.get(r, False))
+                       if candidate is not None and progress else None)
         culprits = [rank for rank, outside in sorted(stuck.items()) if outside]
-        rank = culprits[0] if culprits else None
+        rank = by_progress.rank if by_progress is not None else culprits[0] if culprits else None
         label = str if all(o.node is None for o in outcomes) else name
         waiting = ", ".join(label(r) for r in sorted(stuck) if r != rank) or "none"
-        what = f"{name(rank)} hung outside torch.distributed" if rank is not None else "every live rank waits on a peer"
+        if by_progress is not None:
+            what = f"{name(rank)} hung: by every rank's progress, it {by_progress.why}"
+        elif rank is not None:
+            what = f"{name(rank)} hung outside torch.distributed"
+        else:
+            what = "every live rank waits on a peer"
         return TrialError(
             rank=rank, node=node_of.get(rank) if rank is not None else None, kind="timeout",
             message=f"no result within {timeout_s:g} s: {what}; waiting ranks: {waiting}",

@@ -16,7 +16,8 @@ PRELOAD = ["torch", "torch.distributed.pipelining", "autotune.trial.worker"]
 def context() -> Any:
     """The multiprocessing context ranks start from."""
     ctx = multiprocessing.get_context("forkserver")
-    # torchrun's default too: one OpenMP thread per rank. Read by the fork server when it starts.
+    # torchrun's default too: one OpenMP thread per rank. Read by the fork server when it starts; a CUDA rank sets
+    # its own share of the cores (devices.rank_threads).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

@@ -26,14 +26,15 @@ import torch.distributed as dist
 import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
-from autotune.compat import COMMS_ERROR_TEXTS, TORCH_PATH
-from autotune.devices import keep_freed_cpu_memory
+from autotune.compat import COMMS_ERROR_TEXTS, STAGE_COMPUTE_METHODS, TORCH_PATH
+from autotune.devices import keep_freed_cpu_memory, rank_threads, usable_cores
 from autotune.files import atomic_write_json
 from autotune.model_file import ModelSpec, input_tensors, load_model_file, make_batch, map_inputs
 from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
 from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
+from autotune.trial.progress import RankProgress, progress_path, track
 
 
 def run_rank(job: RankJob) -> None:
@@ -78,7 +79,7 @@ def _probe(job: RankJob) -> dict[str, Any]:
     device = torch.device("cuda", local) if job.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return probe(job.rank, _store(job), device, job.timeout_s)
+    return probe(job.rank, _store(job), device, job.process_group_timeout_s)
 
 
 def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
@@ -92,6 +93,11 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         device = torch.device("cuda", job.rank if job.local_rank is None else job.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        # The fork server runs with OMP_NUM_THREADS=1 (for the CPU stand-in); a GPU rank builds its stages and its
+        # batch on the CPU, with its share of the machine's cores.
+        threads = rank_threads("cuda", usable_cores(), job.local_world_size or job.world_size)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
         if job.memory_limit_bytes is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, job.memory_limit_bytes / total), device)
@@ -101,13 +107,14 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         store=store,
         rank=job.rank,
         world_size=job.world_size,
-        timeout=datetime.timedelta(seconds=max(job.timeout_s, 1.0)),
+        timeout=datetime.timedelta(seconds=max(job.process_group_timeout_s, 1.0)),
         device_id=device if device.type == "cuda" else None,
     )
     candidate = Candidate.from_dict(job.candidate)
     spec = load_model_file(job.model_path, split_at=job.split_at)
     pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
+    track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
     inputs, targets = make_batch(spec, candidate.global_batch_size)
     phases["setup"] = time.perf_counter() - t0
 

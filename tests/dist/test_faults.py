@@ -71,6 +71,42 @@ def test_hanging_layer_times_out_on_rank_1(model_file):
     assert_no_rank_left(path)
 
 
+def test_a_hang_in_a_later_step_is_blamed_by_progress(model_file):
+    # Rank 1's last layer hangs on its 5th call: after the first steps, while rank 0 waits for its gradient.
+    hang = "_calls = globals().setdefault('_calls', [0])\n    _calls[0] += 1\n    if _calls[0] >= 5:\n        time.sleep(600)"
+    path = model_file(ON_LAST_RANK.format(hang))
+    m = trial(path, timeout_s=15)
+    assert m.status == "timeout"
+    assert m.error.rank == 1
+    assert "rank 1 hung: by every rank's progress, it was stuck in its own work" in m.error.message, m.error
+    assert_no_rank_left(path)
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), [
+    (Schedule.INTERLEAVED_ZERO_BUBBLE, 4),  # two stages per rank, backward split into I and W
+    (Schedule.ZBV_ZERO_BUBBLE, 2),  # V placement
+])
+def test_every_rank_counts_each_action_of_its_schedule(model_file, tmp_path, monkeypatch, schedule, microbatches):
+    # What hang blame by progress reads: after a healthy trial, each rank ran the schedule once per step and
+    # completed every action of its list in the last run.
+    import tempfile
+
+    from autotune.schedules import action_lists
+    from autotune.trial.progress import read_progress
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))
+    path = model_file()
+    candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=8, n_microbatches=microbatches,
+                          layers_per_stage=(1, 1, 1, 1))
+    m = run_trial(load_model_file(path), candidate, TrialOptions(steps=2, warmup=1, keep_run_dir=True))
+    assert m.status == "ok", m.error
+    (run_dir,) = runs.glob("autotune-trial-*")
+    lists = action_lists(schedule, 2, microbatches, 4)
+    assert [read_progress(run_dir, r) for r in (0, 1)] == [(1 + 1 + 2, 0, len(lists[r])) for r in (0, 1)]
+
+
 def test_allocation_failure_is_oom_on_rank_1_with_bytes(model_file):
     path = model_file(ON_LAST_RANK.format("torch.empty(2**50)"))
     m = trial(path)

@@ -45,6 +45,9 @@ def test_signatures_autotune_calls():
     base = torch.ones(4)
     assert compat.view_base(base[:2]) is base and compat.view_base(base) is None
     assert compat.is_batch_norm(torch.nn.LazyBatchNorm1d()) and not compat.is_batch_norm(torch.nn.GroupNorm(1, 2))
+    from torch.distributed.pipelining import PipelineStage
+
+    assert all(callable(getattr(PipelineStage, name, None)) for name in compat.STAGE_COMPUTE_METHODS)
 
 
 @pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV_ZERO_BUBBLE, Schedule.DUAL_PIPE_V,

@@ -308,3 +308,44 @@ def test_a_worker_joining_a_study_chooses_by_its_own_side_by_side_reruns(spec, t
     assert second.best.candidate != fastest  # on b's machine another leader is faster
     b_runs = {r.candidate.key: r.step_time_ms for r in remeasured}
     assert second.best.step_time_ms == min(b_runs.values())  # its step time is b's own measurement
+
+
+class _RecordingRunner(SimulatedRunner):
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self.options = []
+
+    def __call__(self, spec, candidate, options):
+        self.options.append(options)
+        return super().__call__(spec, candidate, options)
+
+
+def test_each_trial_gets_a_bound_from_its_prediction_unless_one_is_given(spec, tmp_path):
+    from autotune.costs import LayerCost
+    from autotune.trial.launch import TRIAL_TIMEOUT_FLOOR_S, trial_timeout_s
+
+    # The synthetic model 2000 times slower: steps of tens of seconds, as a large batch on CPU.
+    slow = Profile.from_layer_costs(
+        [LayerCost(forward_ms=2000 * c, backward_input_ms=2000 * c, backward_weight_ms=2000 * c, saved_bytes=1000,
+                   output_bytes=100, parameter_bytes=400) for c in COSTS],
+        micro_batch_size=4, input_bytes=100,
+    )
+
+    def run(folder, **options):
+        (tmp_path / folder).mkdir()
+        runner = _RecordingRunner(slow)
+        opts = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1, **options)
+        run_search(spec, slow, plan(slow, gpus=2, batch_size=32, memory_limit_bytes=None), opts, study_name="s",
+                   storage=f"sqlite:///{tmp_path / folder / 's.db'}", runner=runner)
+        return runner
+
+    derived = run("derived", wire_dtypes=("bfloat16",))
+    assert any(c.wire_dtype == "bfloat16" for c in derived.calls)
+    for candidate, options in zip(derived.calls, derived.options):
+        assert options.measure_wire_error == (candidate.wire_dtype == "bfloat16")
+        predicted_s = simulate(slow, candidate, with_timeline=False).step_time_ms / 1000
+        assert predicted_s > 10
+        assert options.timeout_s == trial_timeout_s(options, predicted_s) > TRIAL_TIMEOUT_FLOOR_S
+
+    fixed = run("fixed", trial_timeout_s=42.0)
+    assert fixed.options and all(o.timeout_s == 42.0 for o in fixed.options)
