@@ -141,6 +141,8 @@ def plan(
                 except InvalidCandidateError:
                     continue
                 micro = batch_size // (m * dp)
+                if not profile.fits_micro_batch(micro):
+                    continue  # a block alone ran out of memory at this micro-batch size while profiling
                 costs = costs_at.get(micro) or costs_at.setdefault(
                     micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
                 )
@@ -149,6 +151,12 @@ def plan(
                 if point.first:
                     points.append(point)
     if not points:
+        if profile.infeasible_micro_batch_sizes:
+            raise InfeasibleError(
+                f"every candidate over {gpus} ranks needs micro-batches of {profile.infeasible_micro_batch_sizes[0]} "
+                f"or more samples, which ran out of memory for a single block while profiling; use a smaller batch "
+                f"size, more GPUs (more data parallelism) or a device with more memory"
+            )
         if not chosen_layouts:
             raise InvalidCandidateError(
                 f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "

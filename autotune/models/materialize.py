@@ -109,9 +109,9 @@ def materialize(
     for p in _unique(p for block in blocks for p in block.parameters()):
         params_of.setdefault(home[id(p)], []).append(p)
     for group in groups:
-        fresh = [p for p in params_of.get(group, []) if p.device.type == "meta"]
+        fresh = [p for p in params_of.get(group, []) if _is_released(p)]
         for p in fresh:
-            _swap_data(p, torch.empty_like(p, device=device))
+            _give_storage(p, device)
         if not fresh:
             continue
         rng_devices = [device] if device.type == "cuda" else []
@@ -131,9 +131,35 @@ def materialize(
 
 
 def release(p: torch.Tensor) -> None:
-    """Free a parameter's (or buffer's) storage: it goes back to the meta device, keeping its identity."""
-    if p.device.type != "meta":
+    """Free a parameter's (or buffer's) storage: it goes back to the meta device, keeping its identity. When autograd
+    still holds it (swap_tensors refuses), it keeps its device with an empty storage and its shape is remembered:
+    materialize() gives it storage again."""
+    if p.device.type == "meta" or _RELEASED_SHAPE in p.__dict__:
+        return
+    try:
         _swap_data(p, torch.empty_like(p, device="meta"))
+    except RuntimeError:
+        shape = tuple(p.shape)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        setattr(p, _RELEASED_SHAPE, shape)
+
+
+_RELEASED_SHAPE = "_autotune_released_shape"
+
+
+def _is_released(p: torch.Tensor) -> bool:
+    return p.device.type == "meta" or _RELEASED_SHAPE in p.__dict__
+
+
+def _give_storage(p: torch.Tensor, device: torch.device) -> None:
+    if p.device.type == "meta":
+        _swap_data(p, torch.empty_like(p, device=device))
+        return
+    shape = p.__dict__.pop(_RELEASED_SHAPE)
+    if p.device == device:
+        p.data = torch.empty(shape, dtype=p.dtype, device=device)
+    else:
+        _swap_data(p, torch.empty(shape, dtype=p.dtype, device=device))
 
 
 def _swap_data(p: torch.Tensor, data: torch.Tensor) -> None:
