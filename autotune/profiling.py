@@ -136,7 +136,7 @@ def profile_model(
         checkpoint_recompute_ratio=tuple(r[1] for r in ratios),
         optimizer_step_ms=sum(r.optimizer_ms for r in measured),
         optimizer_state_bytes=sum(r.optimizer_state_bytes for r in measured),
-        optimizer_peak_bytes=sum(r.optimizer_peak_bytes for r in measured),
+        optimizer_peak_bytes=_whole_step_peak(measured),
         device="cuda" if cuda else "cpu",
         model=str(spec.path),
         batch_size=batch_size,
@@ -145,6 +145,16 @@ def profile_model(
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
         infeasible_micro_batch_sizes=tuple(walk.infeasible),
     )
+
+
+def _whole_step_peak(measured: Sequence[_BlockResult]) -> int:
+    """A whole-model step's temporaries from the blocks' steps: a foreach or fused step (torch's default on CUDA)
+    makes temporaries for all its tensors at once, so they add up; a per-tensor step (torch's default on CPU) makes
+    them one tensor at a time, so the largest block's stands for the model's."""
+    peaks = [r.optimizer_peak_bytes for r in measured]
+    if not peaks:
+        return 0
+    return sum(peaks) if any(r.optimizer_grouped for r in measured) else max(peaks)
 
 
 def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockResult:
@@ -205,6 +215,8 @@ class _BlockResult:
     optimizer_ms: float
     optimizer_state_bytes: int
     optimizer_peak_bytes: int
+    optimizer_grouped: bool
+    """The step works on all its tensors at once (foreach or fused)."""
 
 
 class _Walk:
@@ -283,7 +295,7 @@ class _Walk:
             stage.train()
             unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1)
             own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
-            optimizer_ms, state_bytes, peak_bytes = self._optimizer(index, own, unit)
+            optimizer_ms, state_bytes, peak_bytes, grouped = self._optimizer(index, own, unit)
             samples: dict[int, _SizeSamples] = {}
             outputs: dict[int, tuple[torch.Tensor, ...]] = {}
             for m in list(self.sizes):
@@ -312,6 +324,7 @@ class _Walk:
                 optimizer_ms=optimizer_ms,
                 optimizer_state_bytes=state_bytes,
                 optimizer_peak_bytes=peak_bytes,
+                optimizer_grouped=grouped,
             )
             kept = {m: tuple(t.detach() for t in outputs[m]) for m in self.sizes}
             del samples, outputs, unit, stage
@@ -324,8 +337,8 @@ class _Walk:
                 torch.cuda.empty_cache()
         return result, kept
 
-    def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int]:
-        """The block's optimizer step: median time, state bytes, temporaries. With a memory limit on CPU, the
+    def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int, bool]:
+        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a memory limit on CPU, the
         block's parameters, gradients and state must fit under it (on CUDA the allocator enforces it)."""
         try:
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
@@ -718,15 +731,18 @@ def _saved_bytes(
 
 def _profile_optimizer(
     spec: ModelSpec, params: list[nn.Parameter], unit: _Unit, clock: _Clock, repeats: int, *, limit: int | None
-) -> tuple[float, int, int]:
+) -> tuple[float, int, int, bool]:
     """Median time of one optimizer step over the parameters, the state it keeps, and the most bytes a step
     allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes). With `limit`, the
     parameters, their gradients and the state must fit under it (live-tensor tracker)."""
     if not params:
-        return 0.0, 0, 0
+        return 0.0, 0, 0, False
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(spec, params)
+    foreach = optimizer.defaults.get("foreach")
+    grouped = bool(optimizer.defaults.get("fused")) or bool(foreach) or (foreach is None
+                                                                          and params[0].device.type == "cuda")
     if limit is not None:
         from autotune.trial.memory import LiveTensorBytes
 
@@ -746,7 +762,7 @@ def _profile_optimizer(
     unit.zero_grad(set_to_none=True)
     for p in params:
         p.grad = None
-    return statistics.median(times), state, transient
+    return statistics.median(times), state, transient, grouped
 
 
 def _step_transient_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
