@@ -125,6 +125,9 @@ class Profile:
     """Parameters held by several layers (tied embeddings): (the layers holding it, its bytes). A layer's
     parameter_bytes count it in the first holder only; a stage holding a later holder but not the first keeps a
     copy of its own (shared_copy_bytes)."""
+    infeasible_micro_batch_sizes: tuple[int, ...] = ()
+    """Sizes the profiler was asked for that ran out of device memory (or past --memory-limit) for a block on its
+    own, increasing: no candidate can use them or anything larger. Not in micro_batch_sizes."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -141,6 +144,12 @@ class Profile:
         ]
         if any(len(series) != len(sizes) for series in per_size):
             raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
+        if set(self.infeasible_micro_batch_sizes) & set(sizes):
+            raise UsageError("a micro-batch size cannot be both profiled and infeasible")
+
+    def fits_micro_batch(self, micro_batch_size: float) -> bool:
+        """False when the profiler found micro-batches this large run out of memory on one block."""
+        return not self.infeasible_micro_batch_sizes or micro_batch_size < self.infeasible_micro_batch_sizes[0]
 
     @property
     def n_layers(self) -> int:
@@ -260,6 +269,7 @@ class Profile:
             "shared_parameters": [
                 {"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.shared_parameters
             ],
+            "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
                  "parameter_groups": layer.parameter_groups,
@@ -313,6 +323,7 @@ class Profile:
                 batch_size=None if data.get("batch_size") is None else int(data["batch_size"]),
                 repeats=int(data.get("repeats", 0)),
                 torch_version=str(data.get("torch_version", "")),
+                infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"cannot read profile: {type(exc).__name__}: {exc}; profile the model again") from exc

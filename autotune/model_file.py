@@ -6,7 +6,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -19,10 +19,14 @@ from autotune.compat import is_batch_norm
 from autotune.errors import ModelFileError
 from autotune.models import BlockModel, Role, SharedParameter, check_blocks, check_cut, cut_model, split_points_from
 from autotune.models.check import head_rows
+from autotune.models.materialize import materialize, parameters_on_meta
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
+HOOKS = ("build_optimizer", "init_weights", "load_state")
+"""Optional functions of a model file."""
 SEED = 0
-"""Every rank builds the model with this seed, so the slices of all ranks come from one model."""
+"""Each block's initialisation is seeded from this and the block's name, so every rank, the profiler and a
+reference get the same values for it (autotune.models.materialize)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +58,12 @@ class ModelSpec:
     """embedding | block | head | other, per block."""
     shared: tuple[SharedParameter, ...] = ()
     """Parameters held by more than one block (tied embeddings): trained as one, counted once."""
+    init_weights: Callable[[nn.Module], Any] | None = None
+    """The file's init_weights(module), called on each module after its own initialiser when a block is
+    materialised (autotune.models.materialize); None: the module's own initialiser alone."""
+    load_state: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None
+    """The file's load_state(names) -> {name: tensor}: real weights for the parameters and buffers a rank holds
+    (names as in model.state_dict()); setup_pipeline calls it, trials do not. None: initialised weights."""
 
     @property
     def n_layers(self) -> int:
@@ -86,9 +96,10 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
                 f"loss_fn(output, target) (build_optimizer(params) is optional); add {name}"
             )
         functions[name] = fn
-    build_optimizer = getattr(module, "build_optimizer", None)
-    if build_optimizer is not None and not callable(build_optimizer):
-        raise ModelFileError(f"{path}: build_optimizer is not a function; define build_optimizer(params) or remove it")
+    hooks = {name: getattr(module, name, None) for name in HOOKS}
+    for name, hook in hooks.items():
+        if hook is not None and not callable(hook):
+            raise ModelFileError(f"{path}: {name} is not a function; define it as a function or remove it")
 
     with torch.device("meta"):
         model = _call_user(path, "build_model", functions["build_model"])
@@ -109,7 +120,9 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         build_model=functions["build_model"],
         make_batch=functions["make_batch"],
         loss_fn=LossFn(path=path, fn=functions["loss_fn"], output_class=blocks.output_class),
-        build_optimizer=build_optimizer,
+        build_optimizer=hooks["build_optimizer"],
+        init_weights=hooks["init_weights"],
+        load_state=hooks["load_state"],
         layer_names=blocks.block_types,
         parameter_bytes=tuple(b - s for b, s in zip(blocks.parameter_bytes(), shared_bytes)),
         batchnorm_layers=tuple(
@@ -175,10 +188,29 @@ class LossFn:
         return {**self.__dict__, "wraps": None}  # each process decides on its own first call
 
 
-def build_blocks(spec: ModelSpec, *, seed: int = SEED) -> BlockModel:
-    """Build the model for real, seeded, and cut it into the blocks the spec describes."""
-    torch.manual_seed(seed)
-    model = _call_user(spec.path, "build_model", spec.build_model)
+def build_blocks(
+    spec: ModelSpec, *, only: Collection[int] | None = None, device: torch.device | str = "cpu"
+) -> BlockModel:
+    """Build the model with its parameters on the meta device (buffers real, on the CPU), cut it into the blocks
+    the spec describes, and materialise the blocks in `only` (default: all) on `device`, each initialised on its
+    own and deterministically (autotune.models.materialize): a rank, the profiler and a reference agree."""
+    blocks = build_skeleton(spec)
+    indices = range(blocks.n_blocks) if only is None else only
+    try:
+        materialize(blocks.model, blocks.blocks, blocks.names, indices, device=device,
+                    init_weights=spec.init_weights, seed=SEED)
+    except ModelFileError:
+        raise
+    except Exception as exc:  # the model's own initialisers and the file's init_weights can raise anything
+        raise ModelFileError(f"{_where(spec.path, exc)}: initialising the model's blocks failed: "
+                             f"{_one_line(exc)}; define init_weights(module) in the model file") from exc
+    return blocks
+
+
+def build_skeleton(spec: ModelSpec) -> BlockModel:
+    """The model cut into blocks, every parameter on the meta device (no storage), buffers real."""
+    with parameters_on_meta():
+        model = _call_user(spec.path, "build_model", spec.build_model)
     blocks = _cut(spec.path, model, spec.split_at, spec.make_batch)
     if blocks.n_blocks != spec.n_layers:
         raise ModelFileError(

@@ -146,6 +146,8 @@ def _points(
             n_stages = pp * default_stages_per_rank(schedule)
             for m in counts:
                 micro = batch_size // (m * dp)
+                if not profile.fits_micro_batch(micro):
+                    continue  # a block alone ran out of memory at this micro-batch size while profiling
                 costs = costs_at.get(micro) or costs_at.setdefault(
                     micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
                 )
@@ -155,6 +157,12 @@ def _points(
                     points.append(point)
     if points:
         return points
+    if profile.infeasible_micro_batch_sizes:
+        raise InfeasibleError(
+            f"every candidate over {gpus} ranks needs micro-batches of {profile.infeasible_micro_batch_sizes[0]} "
+            f"or more samples, which ran out of memory for a single block while profiling; use a smaller batch "
+            f"size, more GPUs (more data parallelism) or a device with more memory"
+        )
     if not layouts:
         raise InvalidCandidateError(
             f"the model has {n_layers} layers, too few for a pipeline over {gpus} ranks (a stage needs at least "

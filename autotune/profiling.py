@@ -1,12 +1,14 @@
-"""Measure a model's per-layer costs on one device (autotune.costs.Profile): every layer timed in place with hooks,
-saved bytes counted with saved-tensor hooks, the optimizer step timed, at several micro-batch sizes."""
+"""Measure a model's per-block costs on one device (autotune.costs.Profile), block by block: each block made real on
+its own, timed with hooks, its saved bytes counted with saved-tensor hooks and its optimizer step timed, at several
+micro-batch sizes; blocks that are the same measured once. Nothing needs the whole model on the device."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,9 +18,13 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune.costs import LayerProfile, Profile
 from autotune.devices import keep_freed_cpu_memory
-from autotune.errors import ModelFileError, UsageError
-from autotune.model_file import ModelSpec, build_blocks, build_optimizer, make_batch, map_inputs
-from autotune.trial.memory import is_out_of_memory
+from autotune.errors import InfeasibleError, ModelFileError, UsageError
+from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
+from autotune.models.hf import Layer as HFLayer
+from autotune.models.materialize import home_blocks, materialize, release
+from autotune.models.signature import TensorSpec, block_signature
+from autotune.trial.memory import is_out_of_memory, requested_bytes
+from autotune.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +32,7 @@ MAX_DEFAULT_SIZES = 6
 
 
 class ProgressFn(Protocol):
-    """Told after each profiled micro-batch size: how many of how many are done, and which size."""
+    """Told after each block: how many of how many are done, and which."""
 
     def __call__(self, completed: int, total: int, description: str) -> None: ...
 
@@ -50,13 +56,28 @@ def profile_model(
     device: str = "cpu",
     repeats: int = 5,
     progress: ProgressFn | None = None,
+    every_block: bool = False,
+    memory_limit_bytes: int | None = None,
 ) -> Profile:
-    """Measure every layer in place (hooks inside one pass of the whole model) at each micro-batch size.
+    """Measure every block on its own (a one-block stage, as a pipeline stage runs it) at each micro-batch size.
 
-    Per repeat: a forward and a full backward, then a forward and a backward that asks only for the gradient of the
-    first float activation (autograd then skips the weight-grad work); weight-grad time is the difference. One
-    untimed pass with saved_tensors_hooks counts saved bytes. On CPU torch runs one thread (one thread per rank is
-    the stand-in); the caller's thread count is restored afterwards."""
+    The model is built with its parameters on the meta device; one block at a time is materialised on the device
+    (autotune.models.materialize), measured and released, so at most one block's parameters, gradients, optimizer
+    state and activations are there at once. The first block gets make_batch's inputs; a later block gets the
+    previous block's outputs, or, after a block that was not run, tensors of the shapes and dtypes it gave (random
+    floats, zero integers). Side inputs (masks) and what a stage derives from them come from the model's own code.
+    Blocks with the same signature (autotune.models.signature: class, structure, parameter shapes and dtypes,
+    cost-changing attributes such as a sliding window, input shapes) are measured once; every_block measures all.
+
+    Per block and size: a forward and a full backward, then a forward and a backward that asks only for the input
+    gradients (autograd skips the weight-grad work); weight-grad time is the difference. Saved bytes come from an
+    untimed pass with saved_tensors_hooks; the optimizer step's time, state and temporaries from the block's own
+    parameters. Whole-model figures (optimizer, checkpointing ratios) are sums over the blocks.
+
+    Out of memory (a CUDA allocation, or on CPU the live-tensor tracker passing memory_limit_bytes) at a size makes
+    that size and the larger ones infeasible (Profile.infeasible_micro_batch_sizes); at every size, or for a block's
+    parameters, gradients and optimizer state alone, it raises InfeasibleError. On CPU torch runs one thread (one
+    thread per rank is the stand-in); the caller's thread count is restored afterwards."""
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
     sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
@@ -66,91 +87,312 @@ def profile_model(
         raise UsageError(f"micro-batch sizes must be at least 1, got {sizes[0]}; pass --micro-batch-size 1 or more")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"cannot profile on device {device!r}; use cpu or cuda")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise UsageError(f"memory limit must be positive, got {memory_limit_bytes} bytes")
     threads = torch.get_num_threads()
+    cuda = device.startswith("cuda")
     if device == "cpu":
         torch.set_num_threads(1)
         keep_freed_cpu_memory()  # as the ranks do: without it, times swing with the allocator's history
+    elif memory_limit_bytes is not None:
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_bytes / total), torch.device(device))
     try:
-        layers = _Whole(spec, device)
-        clock: _Clock = _CudaClock() if device.startswith("cuda") else _CpuClock()
-        total = len(sizes) + repeats
-        samples = []
-        for done, m in enumerate(sizes):
-            inputs, targets = make_batch(spec, m)
-            try:
-                samples.append(_SizeSamples(spec, layers, map_inputs(inputs, lambda t: t.to(device)),
-                                            targets.to(device), clock))
-            except (ModelFileError, UsageError):
-                raise
-            except Exception as exc:  # the user's model can raise anything
-                if is_out_of_memory(exc):
-                    raise
-                text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-                raise ModelFileError(
-                    f"{spec.path}: a training step at micro-batch size {m} failed ({text}); profile sizes the model "
-                    f"can run, e.g. --micro-batch-size {','.join(str(x) for x in sizes if x != m) or 'N'}"
-                ) from exc
-            if progress is not None:
-                progress(done + 1, total, f"warm-up at micro-batch size {m}")
-        # Round-robin over the sizes, so that a stretch of interference on a shared machine slows every size a
-        # little rather than one size a lot (that would bend the cost curve in M, and with it the choice of B/M).
-        checkpoint_rounds = max(2, (repeats + 1) // 2)
-        for round_ in range(repeats):
-            for size in samples:
-                size.sample(with_checkpoint=round_ < checkpoint_rounds)
-            if progress is not None:
-                progress(len(sizes) + round_ + 1, total, f"timing round {round_ + 1} of {repeats}")
-        measured = [size.result() for size in samples]
-        optimizer_ms, state_bytes, optimizer_peak = _profile_optimizer(spec, layers, clock, repeats)
+        clock: _Clock = _CudaClock() if cuda else _CpuClock()
+        walk = _Walk(spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress)
+        measured = walk.run(every_block=every_block)
+        sizes = walk.sizes
     finally:
         torch.set_num_threads(threads)
-    n = len(layers)
+        if cuda:
+            if memory_limit_bytes is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+            torch.cuda.empty_cache()
+    at = range(len(sizes))
+    saved = _saved_without_handoffs(measured, sizes)
+    last = measured[-1]
+    ratios = [_checkpoint_ratios([dominant.sizes[m].plain], [dominant.sizes[m].checkpointed])
+              for dominant in [_dominant(measured, sizes)] for m in sizes]
     return Profile(
         micro_batch_sizes=tuple(sizes),
         layers=tuple(
             LayerProfile(
                 name=spec.layer_names[i],
                 parameter_bytes=spec.parameter_bytes[i],
-                forward_ms=tuple(s.forward_ms[i] for s in measured),
-                backward_input_ms=tuple(s.backward_input_ms[i] for s in measured),
-                backward_weight_ms=tuple(s.backward_weight_ms[i] for s in measured),
-                saved_bytes=tuple(s.saved_bytes[i] for s in measured),
-                output_bytes=tuple(s.output_bytes[i] for s in measured),
-                parameter_groups=sum(1 for module in layer.modules() if next(module.parameters(recurse=False), None)
-                                     is not None),
+                forward_ms=tuple(r.sizes[m].forward_ms for m in sizes),
+                backward_input_ms=tuple(r.sizes[m].backward_input_ms for m in sizes),
+                backward_weight_ms=tuple(r.sizes[m].backward_weight_ms for m in sizes),
+                saved_bytes=tuple(saved[i][k] for k in at),
+                output_bytes=tuple(r.sizes[m].output_bytes for m in sizes),
+                parameter_groups=r.parameter_groups,
             )
-            for i, layer in zip(range(n), layers.blocks)
+            for i, r in enumerate(measured)
         ),
-        input_bytes=tuple(s.input_bytes for s in measured),
-        loss_forward_ms=tuple(s.loss_forward_ms for s in measured),
-        loss_backward_ms=tuple(s.loss_backward_ms for s in measured),
-        loss_saved_bytes=tuple(s.loss_saved_bytes for s in measured),
-        checkpoint_forward_ratio=tuple(s.checkpoint_forward_ratio for s in measured),
-        checkpoint_recompute_ratio=tuple(s.checkpoint_recompute_ratio for s in measured),
-        optimizer_step_ms=optimizer_ms,
-        optimizer_state_bytes=state_bytes,
-        optimizer_peak_bytes=optimizer_peak,
-        device="cuda" if device.startswith("cuda") else "cpu",
+        input_bytes=tuple(walk.input_bytes[m] for m in sizes),
+        loss_forward_ms=tuple(last.sizes[m].loss_forward_ms for m in sizes),
+        loss_backward_ms=tuple(last.sizes[m].loss_backward_ms for m in sizes),
+        loss_saved_bytes=tuple(last.sizes[m].loss_saved_bytes for m in sizes),
+        checkpoint_forward_ratio=tuple(r[0] for r in ratios),
+        checkpoint_recompute_ratio=tuple(r[1] for r in ratios),
+        optimizer_step_ms=sum(r.optimizer_ms for r in measured),
+        optimizer_state_bytes=sum(r.optimizer_state_bytes for r in measured),
+        optimizer_peak_bytes=_whole_step_peak(measured),
+        device="cuda" if cuda else "cpu",
         model=str(spec.path),
         batch_size=batch_size,
         repeats=repeats,
         torch_version=torch.__version__,
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
+        infeasible_micro_batch_sizes=tuple(walk.infeasible),
     )
 
 
-class _Whole:
-    """The model as one stage over all its blocks (autotune.models): what the hooks time, block by block."""
+def _whole_step_peak(measured: Sequence[_BlockResult]) -> int:
+    """A whole-model step's temporaries from the blocks' steps: a foreach or fused step (torch's default on CUDA)
+    makes temporaries for all its tensors at once, so they add up; a per-tensor step (torch's default on CPU) makes
+    them one tensor at a time, so the largest block's stands for the model's."""
+    peaks = [r.optimizer_peak_bytes for r in measured]
+    if not peaks:
+        return 0
+    return sum(peaks) if any(r.optimizer_grouped for r in measured) else max(peaks)
 
-    def __init__(self, spec: ModelSpec, device: str) -> None:
-        block_model = build_blocks(spec)
-        self.blocks = list(block_model.blocks)
-        self.split_inputs = block_model.split_inputs
-        self.module = block_model.stage(0, block_model.n_blocks).to(device)
-        self.module.train()
 
-    def __len__(self) -> int:
-        return len(self.blocks)
+def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockResult:
+    """The measured block whose kind takes most of the model's forward time: its checkpointing ratios stand for the
+    model's. Each block is checkpointed on its own here, while a stage is checkpointed once for all its blocks, so
+    the fixed cost of a checkpoint weighs most in the smallest blocks; the kind that dominates the time is the one
+    whose ratio matters (the old whole-model pass checkpointed the whole model once)."""
+    share: dict[int, float] = {}
+    for r in measured:
+        share[id(r.sizes)] = share.get(id(r.sizes), 0.0) + sum(r.sizes[m].plain[0] for m in sizes)
+    return max(measured, key=lambda r: share[id(r.sizes)])
+
+
+def _saved_without_handoffs(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> list[list[int]]:
+    """Saved bytes per block and size, a storage counted once: inside a stage, a block's output that it saves is the
+    storage the next block saves as its input, so the next block's count drops it (the first block saving a storage
+    keeps it, as in one pass over the whole model)."""
+    out = []
+    for i, r in enumerate(measured):
+        row = []
+        for m in sizes:
+            here = r.sizes[m]
+            shared = min(measured[i - 1].sizes[m].saved_output_bytes, here.saved_input_bytes) if i else 0
+            row.append(max(0, here.saved_bytes - shared))
+        out.append(row)
+    return out
+
+
+@dataclass(kw_only=True)
+class _SizeResult:
+    """One block at one micro-batch size (medians over the rounds)."""
+
+    forward_ms: float = 0.0
+    backward_input_ms: float = 0.0
+    backward_weight_ms: float = 0.0
+    saved_bytes: int = 0
+    saved_input_bytes: int = 0
+    """Of saved_bytes, the block's input storages."""
+    saved_output_bytes: int = 0
+    """Of saved_bytes, the block's output storages."""
+    output_bytes: int = 0
+    loss_forward_ms: float = 0.0
+    loss_backward_ms: float = 0.0
+    loss_saved_bytes: int = 0
+    plain: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) of the block as a stage, medians."""
+    checkpointed: tuple[float, float] = (0.0, 0.0)
+    """The same, checkpointed as a stage is."""
+
+
+@dataclass(kw_only=True)
+class _BlockResult:
+    index: int
+    sizes: dict[int, _SizeResult]
+    outputs: dict[int, list[TensorSpec]]
+    """Shapes and dtypes of the block's outputs per size: the next block's inputs."""
+    parameter_groups: int
+    optimizer_ms: float
+    optimizer_state_bytes: int
+    optimizer_peak_bytes: int
+    optimizer_grouped: bool
+    """The step works on all its tensors at once (foreach or fused)."""
+
+
+class _Walk:
+    """The blocks in model order: each measured (or its twin's measurement reused), its outputs the next's inputs."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sizes: list[int],
+        device: torch.device,
+        repeats: int,
+        clock: _Clock,
+        memory_limit_bytes: int | None,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.spec, self.sizes, self.device, self.repeats, self.clock = spec, list(sizes), device, repeats, clock
+        self.limit = memory_limit_bytes
+        self.progress = progress
+        self.infeasible: list[int] = []
+        self.skeleton = build_skeleton(spec)
+        self.home = home_blocks(self.skeleton.blocks)
+        self.targets: dict[int, torch.Tensor] = {}
+        self.side: dict[int, dict[str, Any]] = {}
+        self.first: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.input_bytes: dict[int, int] = {}
+        for m in self.sizes:
+            inputs, targets = make_batch(spec, m)
+            args, side = self.skeleton.split_inputs(map_inputs(inputs, lambda t: t.to(device)))
+            self.first[m], self.side[m], self.targets[m] = args, side, targets.to(device)
+            self.input_bytes[m] = _nbytes(args[0])
+
+    def run(self, *, every_block: bool) -> list[_BlockResult]:
+        n = self.skeleton.n_blocks
+        results: list[_BlockResult] = []
+        seen: dict[Hashable, _BlockResult] = {}
+        carried: dict[int, tuple[torch.Tensor, ...]] | None = dict(self.first)
+        specs = {m: [_spec(t) for t in args] for m, args in self.first.items()}
+        for i in range(n):
+            signature = block_signature(self.skeleton, i, [tuple(specs[m]) for m in self.sizes])
+            twin = None if every_block else seen.get(signature)
+            if twin is None:
+                inputs = carried if carried is not None else {m: _synthesize(specs[m], self.device, seed=i)
+                                                              for m in self.sizes}
+                result, outputs = self._measure(i, inputs)
+                seen.setdefault(signature, result)
+                carried = outputs if i + 1 < n else None
+            else:
+                result = _BlockResult(**{**twin.__dict__, "index": i})
+                if carried is not None and any(twin.outputs[m] != specs[m] for m in self.sizes):
+                    carried = None  # a block changing shapes was skipped: the next measured one gets made-up inputs
+            results.append(result)
+            specs = result.outputs
+            if self.progress is not None:
+                self.progress(i + 1, n, f"block {i + 1} of {n}" + (" (as an earlier one)" if twin else ""))
+        if not self.sizes:
+            raise InfeasibleError(
+                f"{self.spec.path}: even micro-batch size {self.infeasible[0]} runs out of memory for one block "
+                f"on its own{self._limit_text()}; use smaller micro-batches (--micro-batch-size), a smaller model, "
+                f"or a device with more memory"
+            )
+        return results
+
+    def _limit_text(self) -> str:
+        return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)" if self.limit is not None else ""
+
+    def _measure(
+        self, index: int, inputs: dict[int, tuple[torch.Tensor, ...]]
+    ) -> tuple[_BlockResult, dict[int, tuple[torch.Tensor, ...]]]:
+        """Materialise block `index`, measure it at every size that still fits, release it."""
+        spec, skeleton = self.spec, self.skeleton
+        materialize(skeleton.model, skeleton.blocks, skeleton.names, [index], device=self.device,
+                    init_weights=spec.init_weights, seed=SEED)
+        block = skeleton.blocks[index]
+        try:
+            stage = skeleton.stage(index, index + 1).to(self.device)
+            stage.train()
+            unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1)
+            own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
+            optimizer_ms, state_bytes, peak_bytes, grouped = self._optimizer(index, own, unit)
+            samples: dict[int, _SizeSamples] = {}
+            outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+            for m in list(self.sizes):
+                try:
+                    samples[m] = _SizeSamples(unit, self._inputs(index, inputs[m], m), self._loss(unit, m),
+                                              self.clock, track_limit=self.limit if self.device.type == "cpu"
+                                              else None)
+                except (ModelFileError, UsageError):
+                    raise
+                except Exception as exc:  # the user's model can raise anything
+                    if not is_out_of_memory(exc):
+                        raise self._failed(index, m, exc) from exc
+                    self._drop_from(m, index, exc)
+                    break
+                outputs[m] = samples[m].outputs
+            unit.zero_grad(set_to_none=True)
+            for _ in range(self.repeats):  # round-robin: interference slows every size a little, not one a lot
+                for m in self.sizes:
+                    samples[m].sample(with_checkpoint=True)
+            result = _BlockResult(
+                index=index,
+                sizes={m: samples[m].result() for m in self.sizes},
+                outputs={m: [_spec(t) for t in outputs[m]] for m in self.sizes},
+                parameter_groups=sum(1 for module in block.modules()
+                                     if next(module.parameters(recurse=False), None) is not None),
+                optimizer_ms=optimizer_ms,
+                optimizer_state_bytes=state_bytes,
+                optimizer_peak_bytes=peak_bytes,
+                optimizer_grouped=grouped,
+            )
+            kept = {m: tuple(t.detach() for t in outputs[m]) for m in self.sizes}
+            del samples, outputs, unit, stage
+        finally:
+            gc.collect()  # graphs and optimizer state held in reference cycles let go of the parameters
+            for p in block.parameters():
+                p.grad = None
+                release(p)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return result, kept
+
+    def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int, bool]:
+        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a memory limit on CPU, the
+        block's parameters, gradients and state must fit under it (on CUDA the allocator enforces it)."""
+        try:
+            return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
+                                      limit=self.limit if self.device.type == "cpu" else None)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            needed = requested_bytes(exc)
+            at_least = f" (at least {format_bytes(needed)} counted)" if needed else ""
+            raise InfeasibleError(
+                f"{self.spec.path}: block {self.spec.describe_layer(index)} alone needs more memory for its "
+                f"parameters, gradients and optimizer state{at_least} than the device has{self._limit_text()}; no "
+                f"pipeline split can hold it: use a device with more memory or a lighter optimizer"
+            ) from exc
+
+    def _inputs(
+        self, index: int, args: tuple[torch.Tensor, ...], m: int
+    ) -> tuple[tuple[tuple[torch.Tensor, ...], dict[str, Any]], tuple[torch.Tensor, ...]]:
+        """(arguments and side inputs for the full pass, arguments for the input-grad pass). A later block's float
+        inputs need gradients, as a stage's received activations do; the model's own inputs do not, except the
+        first float one in the input-grad pass."""
+        if index == 0:
+            x = args[0]
+            partial = (x.detach().requires_grad_(True), *args[1:]) if x.is_floating_point() else args
+            return (args, self.side[m]), partial
+        made = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in args)
+        return (made, self.side[m]), made
+
+    def _loss(self, unit: _Unit, m: int) -> Callable[[Any], torch.Tensor]:
+        if unit.last:
+            targets = self.targets[m]
+            return lambda output: self.spec.loss_fn(output, targets)
+        return _Surrogate()
+
+    def _drop_from(self, m: int, index: int, exc: BaseException) -> None:
+        dropped = [s for s in self.sizes if s >= m]
+        logger.info("micro-batch size %s runs out of memory for block %s%s: %s", m, index, self._limit_text(), exc)
+        self.infeasible = sorted({*self.infeasible, *dropped})
+        self.sizes = [s for s in self.sizes if s < m]
+
+    def _failed(self, index: int, m: int, exc: BaseException) -> ModelFileError:
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return ModelFileError(
+            f"{self.spec.path}: a training step of block {self.spec.describe_layer(index)} at micro-batch size {m} "
+            f"failed ({text}); profile sizes the model can run, e.g. --micro-batch-size "
+            f"{','.join(str(x) for x in self.sizes if x != m) or 'N'}"
+        )
+
+
+class _Unit:
+    """One block as a one-block stage on the device: what the hooks time."""
+
+    def __init__(self, module: nn.Module, block: nn.Module, *, last: bool) -> None:
+        self.module, self.block, self.last = module, block, last
 
     def __call__(self, args: tuple[torch.Tensor, ...], side: dict[str, Any]) -> Any:
         return self.module(*args, **side)
@@ -160,6 +402,59 @@ class _Whole:
 
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+
+
+class _Surrogate:
+    """Stands for the rest of the model after a block that is not the last: sum(output * g) with a fixed random g
+    per output, so the backward gets a gradient of the output's shape, as a stage gets one from the next."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        tensors = [t for t in _flat(output) if t.is_floating_point()]
+        if self.grads is None:
+            generator = torch.Generator(tensors[0].device if tensors else "cpu").manual_seed(0)
+            self.grads = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+                          for t in tensors]
+        total = torch.zeros((), device=tensors[0].device if tensors else None)
+        for t, g in zip(tensors, self.grads):
+            if t.requires_grad:
+                total = total + (t * g).sum()
+        return total
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return tuple(t.shape), t.dtype
+
+
+def _synthesize(specs: Sequence[TensorSpec], device: torch.device, *, seed: int) -> tuple[torch.Tensor, ...]:
+    """Inputs of these shapes and dtypes: standard normal floats, zero integers (valid indices), true booleans."""
+    generator = torch.Generator(device).manual_seed(seed)
+    out = []
+    for shape, dtype in specs:
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, dtype=dtype, device=device, generator=generator))
+        elif dtype == torch.bool:
+            out.append(torch.ones(shape, dtype=dtype, device=device))
+        else:
+            out.append(torch.zeros(shape, dtype=dtype, device=device))
+    return tuple(out)
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 # --- measurement -------------------------------------------------------------------------------------------------
@@ -197,48 +492,49 @@ class _CudaClock:
         torch.cuda.synchronize()
 
 
-@dataclass(frozen=True, kw_only=True)
-class _SizeResult:
-    forward_ms: list[float]
-    backward_input_ms: list[float]
-    backward_weight_ms: list[float]
-    saved_bytes: list[int]
-    output_bytes: list[int]
-    input_bytes: int
-    loss_forward_ms: float
-    loss_backward_ms: float
-    loss_saved_bytes: int
-    checkpoint_forward_ratio: float
-    checkpoint_recompute_ratio: float
-
-
 class _SizeSamples:
-    """Everything timed at one micro-batch size, gathered over the rounds of profile_model."""
+    """One block at one micro-batch size: the untimed passes at construction (a tracked one under a memory limit,
+    the saved-bytes one, warm-ups), then timed rounds, one per sample() call."""
 
     def __init__(
-        self, spec: ModelSpec, layers: _Whole, inputs: Any, targets: torch.Tensor, clock: _Clock
+        self,
+        unit: _Unit,
+        inputs: tuple[tuple[tuple[torch.Tensor, ...], dict[str, Any]], tuple[torch.Tensor, ...]],
+        loss: Callable[[Any], torch.Tensor],
+        clock: _Clock,
+        *,
+        track_limit: int | None,
     ) -> None:
-        self.spec, self.layers, self.targets, self.clock = spec, layers, targets, clock
-        self.inputs = layers.split_inputs(inputs)
-        inputs = self.inputs
-        self.saved, self.loss_saved, self.output_bytes = _saved_bytes(spec, layers, inputs, targets)
-        self.forward: list[list[float]] = []
-        self.full: list[list[float]] = []
-        self.partial: list[list[float]] = []
+        (self.args, self.side), self.partial_args = inputs
+        self.unit, self.loss, self.clock = unit, loss, clock
+        if track_limit is not None:  # the block's training step at this size, counted like a trial's step
+            from autotune.trial.memory import LiveTensorBytes
+
+            with LiveTensorBytes(limit_bytes=track_limit):
+                self._pass(full=True)
+        self.saved, self.loss_saved, self.output_bytes, self.saved_input, self.saved_output, output = _saved_bytes(
+            unit, (self.args, self.side), loss)
+        self.outputs = tuple(t.detach() for t in _flat(output))
+        del output  # and with it the pass's graph
+        self.forward: list[float] = []
+        self.full: list[float] = []
+        self.partial: list[float] = []
         self.loss_forward: list[float] = []
         self.loss_backward: list[float] = []
         self.plain: list[tuple[float, float]] = []
         self.checkpointed: list[tuple[float, float]] = []
         self._pass(full=True)  # warm-up (allocator, lazy init)
         self._pass(full=False)
-        _whole_pass(spec, layers, inputs, targets, clock, checkpointed=True)
+        _unit_pass(unit, (self.args, self.side), loss, clock, checkpointed=True)
+        unit.zero_grad(set_to_none=True)
 
-    def _pass(self, *, full: bool) -> tuple[list[float], float, list[float], float]:
-        return _timed_pass(self.spec, self.layers, self.inputs, self.targets, self.clock, full=full)
+    def _pass(self, *, full: bool) -> tuple[float, float, float, float]:
+        args = self.args if full else self.partial_args
+        return _timed_pass(self.unit, (args, self.side), self.loss, self.clock, full=full)
 
     def sample(self, *, with_checkpoint: bool) -> None:
         """One round: a full and an input-grad-only pass (with an untimed full pass first, as the previous round
-        ran another size); with_checkpoint: also the model plain and checkpointed as one unit."""
+        ran another size); with_checkpoint: also the block plain and checkpointed as a stage."""
         self._pass(full=True)
         for is_full, into in ((True, self.full), (False, self.partial)):
             f, lf, b, lb = self._pass(full=is_full)
@@ -248,50 +544,54 @@ class _SizeSamples:
             if is_full:
                 self.loss_backward.append(lb)
         if with_checkpoint:
-            args = (self.spec, self.layers, self.inputs, self.targets, self.clock)
-            self.plain.append(_whole_pass(*args, checkpointed=False))
-            self.checkpointed.append(_whole_pass(*args, checkpointed=True))
-        self.layers.zero_grad(set_to_none=True)
+            inputs = (self.args, self.side)
+            self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
+            self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
+        self.unit.zero_grad(set_to_none=True)
 
     def result(self) -> _SizeResult:
-        n = len(self.layers)
-        med_forward = [statistics.median(r[i] for r in self.forward) for i in range(n)]
-        med_full = [statistics.median(r[i] for r in self.full) for i in range(n)]
-        med_input = [statistics.median(r[i] for r in self.partial) for i in range(n)]
-        # A layer whose input-grad backward looks slower than its full one (noise) has no weight-grad work left.
-        med_input = [min(i, f) for i, f in zip(med_input, med_full)]
-        checkpoint_forward, checkpoint_recompute = _checkpoint_ratios(self.plain, self.checkpointed)
+        full = statistics.median(self.full)
+        partial = min(statistics.median(self.partial), full)  # noise: no weight-grad work left
+        last = self.unit.last
         return _SizeResult(
-            forward_ms=med_forward,
-            backward_input_ms=med_input,
-            backward_weight_ms=[f - i for f, i in zip(med_full, med_input)],
+            forward_ms=statistics.median(self.forward),
+            backward_input_ms=partial,
+            backward_weight_ms=full - partial,
             saved_bytes=self.saved,
+            saved_input_bytes=self.saved_input,
+            saved_output_bytes=self.saved_output,
             output_bytes=self.output_bytes,
-            input_bytes=_nbytes(self.inputs[0]),
-            loss_forward_ms=statistics.median(self.loss_forward),
-            loss_backward_ms=statistics.median(self.loss_backward),
-            loss_saved_bytes=self.loss_saved,
-            checkpoint_forward_ratio=checkpoint_forward,
-            checkpoint_recompute_ratio=checkpoint_recompute,
+            loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
+            loss_backward_ms=statistics.median(self.loss_backward) if last else 0.0,
+            loss_saved_bytes=self.loss_saved if last else 0,
+            plain=_medians(self.plain),
+            checkpointed=_medians(self.checkpointed),
         )
 
 
-def _whole_pass(
-    spec: ModelSpec,
-    layers: _Whole,
+def _medians(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    if not pairs:
+        return 0.0, 0.0
+    return statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs)
+
+
+def _unit_pass(
+    unit: _Unit,
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
-    targets: torch.Tensor,
+    loss_fn: Callable[[Any], torch.Tensor],
     clock: _Clock,
     *,
     checkpointed: bool,
 ) -> tuple[float, float]:
-    """Forward and backward times of the whole model, plain or checkpointed as one unit (as the runtime
-    checkpoints a stage); the loss stays outside, as on the last stage."""
+    """Forward and backward times of the block as a stage, plain or checkpointed as the runtime checkpoints a
+    stage; the loss (or the stand-in for the rest of the model) stays outside."""
     start = clock.mark()
     args, side = inputs
-    output = checkpoint(layers.module, *args, use_reentrant=False, **side) if checkpointed else layers(args, side)
+    output = checkpoint(unit.module, *args, use_reentrant=False, **side) if checkpointed else unit(args, side)
     middle = clock.mark()
-    spec.loss_fn(output, targets).backward()
+    loss = loss_fn(output)
+    if loss.requires_grad:
+        loss.backward()
     end = clock.mark()
     clock.sync()
     return clock.ms(start, middle), clock.ms(middle, end)
@@ -317,159 +617,139 @@ def _checkpoint_ratios(
 
 
 def _timed_pass(
-    spec: ModelSpec,
-    layers: _Whole,
+    unit: _Unit,
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
-    targets: torch.Tensor,
+    loss_fn: Callable[[Any], torch.Tensor],
     clock: _Clock,
     *,
     full: bool,
-) -> tuple[list[float], float, list[float], float]:
-    """One forward and one backward with a timestamp at each layer boundary.
+) -> tuple[float, float, float, float]:
+    """One forward and one backward of the block, with timestamps at its boundaries: (forward, loss forward,
+    backward, loss backward) ms.
 
-    Forward: pre-hook and hook of each layer. Backward: a hook on each layer's output fires when that output's
-    gradient is complete, i.e. when backward enters the layer; the layer's backward ends when the previous layer's
-    output hook fires (the first layer's, when backward returns).
+    Forward: the block's pre-hook and hook (what a stage computes once for all its layers, a Hugging Face layer's
+    masks and rotary embeddings, is computed before the pre-hook: it is not the layer's). Backward: a hook on the
+    block's output fires when backward enters the block; the block's backward ends when backward returns.
 
-        forward   |pre0 ... post0|pre1 ... post1| ... |postN-1| loss |
-        backward  |bwd start| loss |gradN-1| layer N-1 |gradN-2| ... |grad0| layer 0 |end|
+        forward   |pre ... post| loss |
+        backward  |bwd start| loss |grad| block |end|
 
-    full=False asks torch.autograd.grad for the gradient of the first float activation only, so the backward
-    computes input gradients and skips weight gradients; layers before that activation (an embedding of token
-    ids) get 0 input-grad time."""
-    n = len(layers)
-    pre: list[Any] = [None] * n
-    post: list[Any] = [None] * n
-    grad: list[Any] = [None] * n
-    outputs: list[torch.Tensor | None] = [None] * n
+    full=False asks torch.autograd.grad for the gradients of the float inputs only (a stage's received
+    activations), so the backward computes input gradients and skips weight gradients; a block whose inputs are
+    token ids gets 0 input-grad time."""
+    marks: dict[str, Any] = {}
     args, side = inputs
-    x = args[0]
-    if not full and x.is_floating_point():
-        x = x.detach().requires_grad_(True)
-    handles = []
-    for i, layer in enumerate(layers.blocks):
-        handles.append(layer.register_forward_pre_hook(_pre_hook(pre, i, clock)))
-        handles.append(layer.register_forward_hook(_post_hook(post, grad, outputs, i, clock)))
+    block = unit.block
+    handles = [
+        block.register_forward_pre_hook(_prepare_context, with_kwargs=True),
+        block.register_forward_pre_hook(lambda module, a: marks.__setitem__("pre", clock.mark())),
+        block.register_forward_hook(_post_hook(marks, clock)),
+    ]
     try:
-        output = layers((x, *args[1:]), side)
+        output = unit(args, side)
         loss_start = clock.mark()
-        loss = spec.loss_fn(output, targets)
+        loss = loss_fn(output)
         loss_end = clock.mark()
-        if not loss.requires_grad:
+        if unit.last and not loss.requires_grad:
             raise ModelFileError(
-                f"{spec.path}: the loss does not depend on any parameter (requires_grad is False); "
-                f"build_model() must return layers with trainable parameters"
+                "the loss does not depend on any parameter (requires_grad is False); build_model() must return "
+                "layers with trainable parameters"
             )
         backward_start = clock.mark()
-        if full:
-            loss.backward()
-        else:
-            target = x if x.requires_grad else next((o for o in outputs if o is not None and o.requires_grad), None)
-            if target is not None:
-                torch.autograd.grad(loss, [target])
+        if loss.requires_grad:
+            if full:
+                loss.backward()
+            else:
+                wanted = [a for a in args if a.requires_grad]
+                if wanted:
+                    torch.autograd.grad(loss, wanted)
         backward_end = clock.mark()
     finally:
         for handle in handles:
             handle.remove()
     clock.sync()
-    forward_ms = [clock.ms(pre[i], post[i]) for i in range(n)]
-    first_grad = 0 if full or x.requires_grad else next(
-        (i + 1 for i, o in enumerate(outputs) if o is not None and o.requires_grad), n
-    )
-    backward_ms = []
-    for i in range(n):
-        end = grad[i - 1] if i > 0 else backward_end
-        if i < first_grad or grad[i] is None:
-            backward_ms.append(0.0)
-        elif end is None:  # previous output needed no gradient (integer): this layer's backward runs to the end
-            backward_ms.append(clock.ms(grad[i], backward_end))
-        else:
-            backward_ms.append(clock.ms(grad[i], end))
-    loss_backward_ms = clock.ms(backward_start, grad[n - 1]) if grad[n - 1] is not None else 0.0
-    return forward_ms, clock.ms(loss_start, loss_end), backward_ms, loss_backward_ms
+    grad = marks.get("grad")
+    backward_ms = clock.ms(grad, backward_end) if grad is not None else 0.0
+    loss_backward_ms = clock.ms(backward_start, grad) if grad is not None else 0.0
+    return clock.ms(marks["pre"], marks["post"]), clock.ms(loss_start, loss_end), backward_ms, loss_backward_ms
 
 
-def _pre_hook(marks: list[Any], i: int, clock: _Clock) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        marks[i] = clock.mark()
+def _prepare_context(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    """A Hugging Face layer reads what its stage computes once for all its layers (masks, rotary cos/sin): compute
+    it before the layer's own timing starts."""
+    context = kwargs.get("context")
+    if isinstance(module, HFLayer) and context is not None and args:
+        context.layer_call(module.index, args[0])
 
-    return hook
 
-
-def _post_hook(marks: list[Any], grads: list[Any], outputs: list[Any], i: int, clock: _Clock) -> Any:
+def _post_hook(marks: dict[str, Any], clock: _Clock) -> Any:
     def on_grad(_: torch.Tensor) -> None:
-        grads[i] = clock.mark()
+        marks.setdefault("grad", clock.mark())
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        marks[i] = clock.mark()
-        # Several tensors may leave a block: the first one needing a gradient stands for them all.
-        tensors = [output] if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else []
-        first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(on_grad)
-            outputs[i] = first
+        marks["post"] = clock.mark()
+        # Several tensors may leave a block: each needing a gradient may be the first to get it.
+        for t in _flat(output):
+            if t.requires_grad:
+                t.register_hook(on_grad)
 
     return hook
 
 
 def _saved_bytes(
-    spec: ModelSpec, layers: _Whole, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]], targets: torch.Tensor
-) -> tuple[list[int], int, list[int]]:
-    """Bytes autograd saves for backward, per layer (a storage counts once, for the first layer saving it;
-    parameters and views of them are skipped), plus the loss's, plus each layer's output bytes."""
-    n = len(layers)
-    parameter_storages = {p.untyped_storage().data_ptr() for p in layers.parameters()}
-    seen: set[int] = set()
-    saved = [0] * (n + 1)  # index n: the loss
-    output_bytes = [0] * n
+    unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]], loss_fn: Callable[[Any], torch.Tensor]
+) -> tuple[int, int, int, int, int, Any]:
+    """Bytes autograd saves for backward in the block (a storage counted once; parameters and views of them are
+    skipped) and in the loss after it; the block's output bytes; of the block's saved bytes, those of its input
+    storages and of its output storages; and the output."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in unit.parameters()}
+    seen: dict[int, int] = {}
+    saved = [0, 0]  # the block, the loss
     current = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in parameter_storages and ptr not in seen:
-            seen.add(ptr)
+            seen[ptr] = current[0]
             saved[current[0]] += storage.nbytes()
         return tensor
 
-    def enter(i: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            current[0] = i
+    args, side = inputs
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = unit(args, side)
+        current[0] = 1
+        loss = loss_fn(output)
+    del loss
 
-        return hook
+    def own(tensors: list[torch.Tensor]) -> int:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(nbytes for ptr, nbytes in storages.items() if seen.get(ptr) == 0)
 
-    def leave(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            output_bytes[i] = _nbytes(output)
-
-        return hook
-
-    handles = [h for i, layer in enumerate(layers.blocks)
-               for h in (layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave(i)))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = layers(*inputs)
-            current[0] = n
-            loss = spec.loss_fn(output, targets)
-        del loss, output
-    finally:
-        for handle in handles:
-            handle.remove()
-    return saved[:n], saved[n], output_bytes
+    return saved[0], saved[1], _nbytes(output), own(list(args)), own(_flat(output)), output
 
 
 def _profile_optimizer(
-    spec: ModelSpec, layers: _Whole, clock: _Clock, repeats: int
-) -> tuple[float, int, int]:
-    """Median time of one optimizer step over the whole model, the state it keeps, and the most bytes a step
-    allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes)."""
-    params = [p for p in layers.parameters() if p.requires_grad]
+    spec: ModelSpec, params: list[nn.Parameter], unit: _Unit, clock: _Clock, repeats: int, *, limit: int | None
+) -> tuple[float, int, int, bool]:
+    """Median time of one optimizer step over the parameters, the state it keeps, and the most bytes a step
+    allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes). With `limit`, the
+    parameters, their gradients and the state must fit under it (live-tensor tracker)."""
     if not params:
-        return 0.0, 0, 0
+        return 0.0, 0, 0, False
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(spec, params)
-    optimizer.step()  # creates the state
+    foreach = optimizer.defaults.get("foreach")
+    grouped = bool(optimizer.defaults.get("fused")) or bool(foreach) or (foreach is None
+                                                                          and params[0].device.type == "cuda")
+    if limit is not None:
+        from autotune.trial.memory import LiveTensorBytes
+
+        with LiveTensorBytes(limit_bytes=limit):
+            optimizer.step()  # creates the state
+    else:
+        optimizer.step()
     times = []
     for _ in range(repeats):
         start = clock.mark()
@@ -479,8 +759,10 @@ def _profile_optimizer(
         times.append(clock.ms(start, end))
     state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     transient = _step_transient_bytes(optimizer, params[0].device)
-    layers.zero_grad(set_to_none=True)
-    return statistics.median(times), state, transient
+    unit.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    return statistics.median(times), state, transient, grouped
 
 
 def _step_transient_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:

@@ -12,7 +12,7 @@ training script.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -29,11 +29,15 @@ from autotune.candidate import Candidate, stage_bounds
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, map_inputs
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
+from autotune.models.materialize import release
 from autotune.placement import RankOrder, global_rank, grid_position
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
+
+LoadState = Callable[[list[str]], Mapping[str, torch.Tensor]]
+"""names (as in model.state_dict()) -> {name: tensor}: real weights for what a rank holds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,13 +233,45 @@ class RankPipeline:
             grad.copy_(reduced.view_as(grad))
 
 
-def _free_other_parameters(model: nn.Module, modules: list[nn.Module]) -> None:
-    """Free the storage of the parameters this rank does not run. The model object itself stays (split_inputs
-    reads its forward's signature), so they are emptied rather than dropped."""
-    mine = {id(p) for m in modules for p in m.parameters()}
-    for p in model.parameters():
-        if id(p) not in mine:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+def _release_others(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Free the buffers this rank does not run (its parameters outside its stages are on the meta device already).
+    The model object itself stays (split_inputs reads its forward's signature)."""
+    mine = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in mine:
+            release(t)
+
+
+def _load_state(spec: ModelSpec, model: nn.Module, modules: list[nn.Module], load_state: LoadState) -> None:
+    """Copy real weights into this rank's parameters and buffers, asking load_state for exactly their names."""
+    from autotune.errors import ModelFileError
+
+    mine = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    wanted: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in mine and id(t) not in seen:  # a tied parameter once, under its first name
+            seen.add(id(t))
+            wanted[name] = t
+    try:
+        state = load_state(sorted(wanted))
+    except Exception as exc:  # the user's loader can raise anything
+        raise ModelFileError(f"{spec.path}: load_state raised {type(exc).__name__}: {exc}") from exc
+    missing = [name for name in wanted if name not in state]
+    if missing:
+        raise ModelFileError(
+            f"{spec.path}: load_state did not return {', '.join(missing[:3])}"
+            f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}; return a tensor for every name asked for"
+        )
+    with torch.no_grad():
+        for name, t in wanted.items():
+            value = state[name]
+            if tuple(value.shape) != tuple(t.shape):
+                raise ModelFileError(
+                    f"{spec.path}: load_state returned {name} of shape {tuple(value.shape)}; the model's is "
+                    f"{tuple(t.shape)}"
+                )
+            t.copy_(value)
 
 
 def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -277,20 +313,27 @@ def build_pipeline(
     device: torch.device,
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
+    load_state: LoadState | None = None,
 ) -> RankPipeline:
-    """Build the whole model with the shared seed, cut it into blocks, keep this rank's stages, and wrap them in
-    torch's schedule. Every rank calls this (it creates the process groups of tied parameters, on every rank)."""
+    """Build this rank's stages only: the model on the meta device, the blocks of this rank's stages materialised on
+    `device` with their per-block initialisation (autotune.models.materialize: every rank holding a tied parameter
+    gets the same values), then, with `load_state`, real weights for them; wrapped in torch's schedule. Every rank
+    calls this (it creates the process groups of tied parameters, on every rank).
+
+    load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
+    one must be returned (copied into the rank's tensors, cast to their dtype)."""
     layout = RankLayout.of(candidate, rank)
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
-    blocks = build_blocks(spec)
-    if blocks.n_blocks != sum(candidate.layers_per_stage):
+    if spec.n_layers != sum(candidate.layers_per_stage):
         from autotune.errors import ConfigError
 
         raise ConfigError(
             f"the split has {sum(candidate.layers_per_stage)} layers but {spec.path.name} cuts into "
-            f"{blocks.n_blocks} blocks; the model changed since it was tuned: run autotune search again"
+            f"{spec.n_layers} blocks; the model changed since it was tuned: run autotune search again"
         )
     bounds = stage_bounds(candidate.layers_per_stage)
+    mine = [b for s in stage_indices for b in range(bounds[s], bounds[s + 1])]
+    blocks = build_blocks(spec, only=mine, device=device)
     wire_dtype = torch.bfloat16 if candidate.wire_dtype == "bfloat16" else None
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
@@ -305,7 +348,9 @@ def build_pipeline(
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
-    _free_other_parameters(blocks.model, modules)
+    _release_others(blocks.model, modules)
+    if load_state is not None:
+        _load_state(spec, blocks.model, modules, load_state)
     del blocks
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     return RankPipeline(
@@ -378,10 +423,19 @@ def _run_own_order(candidate: Candidate, stages: list[PipelineStage], *, loss_fn
 
 
 def setup_pipeline(
-    config: str | Path | TunedConfig, model: str | Path | None = None, *, device: str | None = None
+    config: str | Path | TunedConfig,
+    model: str | Path | None = None,
+    *,
+    device: str | None = None,
+    load_state: LoadState | None = None,
 ) -> RankPipeline:
     """For your training script under torchrun: init the process group if needed and build this rank's pipeline
-    from a tuned config. `model` defaults to the config's model path."""
+    from a tuned config. `model` defaults to the config's model path.
+
+    Only this rank's stages are built (the rest of the model stays on the meta device). Their weights come from
+    `load_state(names) -> {name: tensor}`, or the model file's own `load_state(names)`: it gets the state_dict
+    names of what this rank holds and returns those tensors (e.g. read lazily from safetensors files); without
+    either, the blocks keep their deterministic per-block initialisation."""
     from autotune.config_file import load_config
     from autotune.tuned_config import TunedConfig
 
@@ -408,4 +462,5 @@ def setup_pipeline(
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     pp_group, dp_group = init_groups(RankLayout.of(candidate, rank))
-    return build_pipeline(spec, candidate, rank=rank, device=torch_device, pp_group=pp_group, dp_group=dp_group)
+    return build_pipeline(spec, candidate, rank=rank, device=torch_device, pp_group=pp_group, dp_group=dp_group,
+                          load_state=load_state if load_state is not None else spec.load_state)

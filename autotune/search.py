@@ -393,6 +393,11 @@ class _Engine:
 
     def _prune_reason(self, candidate: Candidate, estimate: Estimate, phase: str) -> str | None:
         limit = self.options.memory_limit_bytes
+        if not self.profile.fits_micro_batch(candidate.micro_batch_size):
+            return (
+                f"micro-batch size {candidate.micro_batch_size}: a single block ran out of memory at "
+                f"{self.profile.infeasible_micro_batch_sizes[0]} while profiling"
+            )
         if limit is not None and not estimate.feasible:
             peak = max(estimate.peak_memory_bytes)
             return f"predicted peak {format_bytes(peak)} > limit {format_bytes(limit)}"

@@ -93,6 +93,8 @@ class TuneRequest:
     ranks share a node, and the config records nodes and gpus_per_node."""
     inter_node_link: tuple[float, float] | None = None
     """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
+    profile_every_block: bool = False
+    """Profile every block, not one of each set of blocks that are the same."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,11 +172,14 @@ def load_and_profile(
     check_timeout_s: float | None = None,
     timeout_flag: str = "--timeout",
     gpus: int | None = None,
+    every_block: bool = False,
+    memory_limit_bytes: int | None = None,
 ) -> tuple[ModelSpec, Profile]:
     """Load and check the model file, then profile it: (spec, profile). A BatchNorm in a block is told to the
     reporter (its statistics are per micro-batch under pipelining). check_timeout_s bounds the loading and the check
     forward (HangError naming timeout_flag when they do not return in time); None: unbounded. gpus: profile (by
-    default) only micro-batch sizes up to the largest a candidate over that many ranks can use."""
+    default) only micro-batch sizes up to the largest a candidate over that many ranks can use. every_block and
+    memory_limit_bytes: see profile_model (the limit binds the profiler as it binds trials)."""
     from autotune.model_file import check_model, load_model_file
     from autotune.plan import largest_micro_batch
     from autotune.profiling import default_micro_batch_sizes, profile_model
@@ -195,8 +200,21 @@ def load_and_profile(
             device=device,
             repeats=repeats,
             progress=progress,
+            every_block=every_block,
+            memory_limit_bytes=memory_limit_bytes,
         )
+    if profile.infeasible_micro_batch_sizes:
+        reporter.warning(infeasible_sizes_warning(profile))
     return spec, profile
+
+
+def infeasible_sizes_warning(profile: Profile) -> str:
+    """The terminal's line about micro-batch sizes that ran out of memory while profiling."""
+    sizes = ", ".join(map(str, profile.infeasible_micro_batch_sizes))
+    return (
+        f"micro-batch size(s) {sizes} ran out of memory for a single block while profiling: candidates with "
+        f"micro-batches that large are left out (largest that fits: {profile.micro_batch_sizes[-1]})"
+    )
 
 
 def batchnorm_warning(spec: ModelSpec) -> str:
@@ -239,6 +257,7 @@ def tune(
     spec, profile = load_and_profile(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
         timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
+        every_block=request.profile_every_block, memory_limit_bytes=limit,
     )
     incumbent = _incumbent(request, spec, reporter)
     link = None

@@ -64,6 +64,14 @@ SplitAtOpt = Annotated[
         "layers; the blocks of Hugging Face decoder LMs, timm ViT and torchvision ResNet; else repeated blocks).",
     ),
 ]
+EveryBlockOpt = Annotated[
+    bool,
+    typer.Option(
+        "--profile-every-block",
+        help="Measure every block, not one of each set of blocks that are the same (class, structure, shapes, "
+        "attributes such as a sliding window).",
+    ),
+]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per micro-batch size (medians).")]
 
 

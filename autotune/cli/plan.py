@@ -12,6 +12,7 @@ from autotune.cli.options import (
     BatchOpt,
     DeviceChoice,
     DeviceOpt,
+    EveryBlockOpt,
     JsonOpt,
     MemoryOpt,
     MicroBatchOpt,
@@ -33,14 +34,19 @@ def profile_command(
     repeats: RepeatsOpt = 5,
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
+    memory_limit: MemoryOpt = None,
+    every_block: EveryBlockOpt = False,
     json_output: JsonOpt = False,
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", help="Also save the profile as JSON here, for `autotune plan --profile`."),
     ] = None,
 ) -> None:
-    """Measure every layer in place at several micro-batch sizes: forward, input-grad and weight-grad backward time,
-    saved-activation, output and parameter bytes (one thread on CPU, like one rank).
+    """Measure every block at several micro-batch sizes: forward, input-grad and weight-grad backward time,
+    saved-activation, output and parameter bytes (one thread on CPU, like one rank). Blocks run one at a time on
+    the device, each as its own stage: the model never needs to fit there. Blocks that are the same are measured
+    once (`--profile-every-block` measures all). A micro-batch size that runs out of memory (`--memory-limit`
+    binds the profiler as it binds trials) is left out and said so.
 
     `--output profile.json` saves it, so `autotune plan --profile profile.json --nodes N --gpus-per-node G` can plan
     a cluster run anywhere, without the model or its hardware.
@@ -50,11 +56,13 @@ def profile_command(
     with errors_to_exit_codes(json_output):
         from autotune.devices import resolve_device
         from autotune.tune import load_and_profile
+        from autotune.units import parse_size
 
         chosen = resolve_device(device.value)
         _, result = load_and_profile(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-            reporter=TerminalReporter(), split_at=parse_split_at(split_at),
+            reporter=TerminalReporter(), split_at=parse_split_at(split_at), every_block=every_block,
+            memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
         )
         if output is not None:
             from autotune.files import atomic_write_json
@@ -84,6 +92,7 @@ def plan_command(
     repeats: RepeatsOpt = 5,
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
+    every_block: EveryBlockOpt = False,
     json_output: JsonOpt = False,
     profile_path: Annotated[
         Path | None,
@@ -152,7 +161,8 @@ def plan_command(
             limit = limit if limit is not None else device_memory_bytes(chosen)
             _, profile = load_and_profile(
                 model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
-                reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus,
+                reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus, every_block=every_block,
+                memory_limit_bytes=limit,
             )
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
         from autotune.graph_cache import planning
@@ -259,6 +269,12 @@ def render_profile(profile: Any) -> None:
         f"optimizer state {format_bytes(profile.optimizer_state_bytes)}",
         highlight=False,
     )
+    if profile.infeasible_micro_batch_sizes:
+        console.print(
+            f"out of memory for one block at micro-batch size(s) "
+            f"{', '.join(map(str, profile.infeasible_micro_batch_sizes))}: no candidate can use them",
+            highlight=False,
+        )
 
 
 def render_plan(

@@ -21,6 +21,7 @@ from autotune.cli.options import (
     BatchOpt,
     DeviceChoice,
     DeviceOpt,
+    EveryBlockOpt,
     GpusOpt,
     JsonOpt,
     MemoryOpt,
@@ -82,6 +83,7 @@ def search(
     ] = None,
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
+    every_block: EveryBlockOpt = False,
     json_output: JsonOpt = False,
     gpus_per_node: Annotated[
         int | None,
@@ -139,6 +141,7 @@ def search(
             min_improvement=min_improvement,
             report_dir=report_dir,
             split_at=parse_split_at(split_at),
+            profile_every_block=every_block,
             command=command_line(),
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,

@@ -6,6 +6,7 @@ optimizer steps and saves the losses, the parameters after them and the optimize
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -64,3 +65,43 @@ def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
         },
         out / f"steps-{rank}.pt",
     )
+
+
+def run_loaded(rank: int, world_size: int, model: str, candidate: dict, state_file: str, out_dir: str) -> None:
+    """build_pipeline with a load_state that serves a saved state_dict: writes loaded-{rank}.pt with the names asked
+    for, this rank's parameters (by name) and the names of the model's parameters left on the meta device."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(str(Path(out_dir) / "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        c = Candidate.from_dict(candidate)
+        spec = load_model_file(model)
+        state = torch.load(state_file)
+        asked: list[str] = []
+
+        def load_state(names: list[str]) -> dict[str, torch.Tensor]:
+            asked.extend(names)
+            return {name: state[name] for name in names}
+
+        pp_group, dp_group = init_groups(RankLayout.of(c, rank))
+        pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group,
+                              load_state=load_state)
+        gc.collect()
+        mine = {id(p) for p in pipe.parameters()}
+        real_elsewhere = sum(  # parameters with storage in this process that are not this rank's
+            o.numel() for o in gc.get_objects()
+            if isinstance(o, torch.nn.Parameter) and o.device.type != "meta" and id(o) not in mine
+        )
+        torch.save(
+            {
+                "asked": asked,
+                "params": {name: p.detach().clone() for name, p in pipe.named_layer_parameters().items()},
+                "real_elsewhere": real_elsewhere,
+            },
+            Path(out_dir) / f"loaded-{rank}.pt",
+        )
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - any failure: print it and leave at once (no hanging peers)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

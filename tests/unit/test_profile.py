@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -27,8 +28,9 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert profile.n_layers == spec.n_layers == 10
     assert [layer.name for layer in profile.layers] == list(spec.layer_names)
     assert [layer.parameter_bytes for layer in profile.layers] == list(spec.parameter_bytes)
-    assert calls == [(1, 4, "warm-up at micro-batch size 2"), (2, 4, "warm-up at micro-batch size 8"),
-                     (3, 4, "timing round 1 of 2"), (4, 4, "timing round 2 of 2")]
+    assert [(done, total) for done, total, _ in calls] == [(i, 10) for i in range(1, 11)]
+    # blocks 6, 7 and 8 are the same Linear(64, 64) + GELU: measured once
+    assert [what.endswith("(as an earlier one)") for _, _, what in calls] == [False] * 7 + [True, True, False]
     assert torch.get_num_threads() == threads  # restored
     for layer in profile.layers:
         assert all(t > 0 for t in layer.forward_ms)
@@ -45,7 +47,8 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert [layer.parameter_groups for layer in profile.layers] == [1] * 10  # one Linear each
     # Checkpointing measured, not assumed: a forward again (with bookkeeping) in the backward, per size.
     assert len(profile.checkpoint_forward_ratio) == len(profile.checkpoint_recompute_ratio) == 2
-    # (ratios of two timings: on a loaded machine they wander far from 1, so only measured-ness is checked here)
+    # (ratios of two timings, each block checkpointed on its own: on a loaded machine they wander far from 1, so
+    # only that they were measured is checked here)
     for r in (*profile.checkpoint_forward_ratio, *profile.checkpoint_recompute_ratio):
         assert 0 < r < math.inf and r != 1.0
 
@@ -177,3 +180,135 @@ def test_batchnorm_models_skip_micro_batch_one_and_a_failing_size_is_named(tmp_p
     assert profile_model(spec, batch_size=8, repeats=1).micro_batch_sizes[0] == 2
     with pytest.raises(ModelFileError, match=r"micro-batch size 1 failed \(ValueError: Expected more than 1 value"):
         profile_model(spec, batch_size=8, micro_batch_sizes=[1, 2], repeats=1)
+
+
+def _measured_blocks(monkeypatch):
+    """The block indices profile_model materialises (one per block it measures)."""
+    import autotune.profiling
+
+    measured: list[int] = []
+    real = autotune.profiling.materialize
+
+    def spy(model, blocks, names, indices, **kwargs):
+        measured.extend(indices)
+        return real(model, blocks, names, indices, **kwargs)
+
+    monkeypatch.setattr(autotune.profiling, "materialize", spy)
+    return measured
+
+
+def test_blocks_that_are_the_same_are_measured_once_unless_every_block_is_asked(monkeypatch):
+    spec = load_model_file(RECIPES / "mlp.py")  # blocks 6, 7, 8: Linear(64, 64) + GELU
+    measured = _measured_blocks(monkeypatch)
+    profile = profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1)
+    assert measured == [0, 1, 2, 3, 4, 5, 6, 9]
+    assert profile.layers[7] == profile.layers[6] == profile.layers[8]
+    assert profile.layers[5] != profile.layers[6]
+    measured.clear()
+    every = profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1, every_block=True)
+    assert measured == list(range(10))
+    assert [layer.saved_bytes for layer in every.layers] == [layer.saved_bytes for layer in profile.layers]
+
+
+def test_sliding_window_and_full_attention_layers_are_measured_apart(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    (tmp_path / "qwen.py").write_text(QWEN_SLIDING)
+    spec = load_model_file(tmp_path / "qwen.py")  # layers 0-1 full attention, 2-3 a sliding window of 4
+    measured = _measured_blocks(monkeypatch)
+    profile_model(spec, batch_size=2, micro_batch_sizes=[2], repeats=1)
+    # embedding, the first full-attention layer, the first sliding-window layer, the head
+    assert measured == [0, 1, 3, 5]
+
+
+def _live_storage_bytes() -> int:
+    import gc
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_after_profiling_the_process_holds_no_model(tmp_path):
+    """Issue 30, item 1: the tuner goes on to plan and launch trials; it must not keep the model it profiled."""
+    (tmp_path / "wide.py").write_text(WIDE)
+    spec = load_model_file(tmp_path / "wide.py")
+    before = _live_storage_bytes()
+    profile = profile_model(spec, batch_size=4, micro_batch_sizes=[2, 4], repeats=1)
+    assert profile.parameter_bytes == 6 * (512 * 512 + 512) * 4  # 6.3 MB of parameters, as much in gradients
+    assert _live_storage_bytes() - before < 64 * 1024
+
+
+def test_a_micro_batch_size_out_of_memory_is_recorded_and_planned_around(tmp_path):
+    from autotune.errors import InfeasibleError
+    from autotune.plan import plan
+    from autotune.trial.memory import LiveTensorBytes
+
+    (tmp_path / "wide.py").write_text(WIDE)
+    spec = load_model_file(tmp_path / "wide.py")
+    with LiveTensorBytes() as tracker:
+        baseline = tracker.live_bytes
+    batches = 2 * (4 + 1024) * 512 * 4  # inputs and targets of both sizes, on the "device" while profiling
+    # one block's parameters and gradients (SGD: no state; 2 MiB) and a few micro-batches of 4 fit; the
+    # activations of 1024 samples (2 MiB each for input, output and their gradients) do not
+    limit = baseline + batches + 2 * (512 * 512 + 512) * 4 + 2 * 2**20
+    profile = profile_model(spec, batch_size=1024, micro_batch_sizes=[4, 1024], repeats=1,
+                            memory_limit_bytes=limit)
+    assert profile.micro_batch_sizes == (4,) and profile.infeasible_micro_batch_sizes == (1024,)
+    again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.infeasible_micro_batch_sizes == (1024,)
+    planned = plan(profile, gpus=2, batch_size=1024, memory_limit_bytes=None)
+    assert planned and all(p.candidate.micro_batch_size < 1024 for p in planned)
+    everything_out = dataclasses.replace(profile, infeasible_micro_batch_sizes=(1,))
+    with pytest.raises(InfeasibleError, match="micro-batches of 1 or more samples, which ran out of memory"):
+        plan(everything_out, gpus=2, batch_size=1024, memory_limit_bytes=None)
+
+
+def test_a_block_whose_training_state_alone_is_over_the_limit_is_infeasible(tmp_path):
+    from autotune.errors import InfeasibleError
+
+    (tmp_path / "wide.py").write_text(WIDE)
+    spec = load_model_file(tmp_path / "wide.py")
+    with pytest.raises(InfeasibleError, match=r"block 0 \(Linear\) alone needs more memory .*--memory-limit"):
+        profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1, memory_limit_bytes=2**20)
+
+
+WIDE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 512), torch.randn(batch_size, 512)
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+
+def build_optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+"""
+
+QWEN_SLIDING = """
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+def build_model():
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=4,
+        max_window_layers=2))
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(batch_size)
+    ids = torch.randint(0, 128, (batch_size, 17), generator=g)
+    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, 128), targets.reshape(-1))
+"""
