@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from autotune.cli.app import app, console, err_console, errors_to_exit_codes, print_json, start_fork_server
-from autotune.cli.options import DeviceChoice, JsonOpt
+from autotune.cli.options import (
+    DeviceChoice,
+    JsonOpt,
+    RunTimeoutOpt,
+    StepsOpt,
+    WarmupOpt,
+    parse_seconds,
+)
 from autotune.errors import STATUS_EXIT_CODES
 
 
@@ -32,11 +39,9 @@ def check(
     memory_limit: Annotated[
         str | None, typer.Option("--memory-limit", help="Override the config's memory limit, e.g. 40GiB.")
     ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Measured steps per run.")] = 5,
-    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per run.")] = 2,
-    timeout: Annotated[
-        float, typer.Option(min=1, help="Seconds before a run, or the model check before it, counts as hung.")
-    ] = 300.0,
+    steps: StepsOpt = 5,
+    warmup: WarmupOpt = 2,
+    timeout: RunTimeoutOpt = "300",
     device: Annotated[
         DeviceChoice | None,
         typer.Option(
@@ -55,6 +60,7 @@ def check(
     Example: `autotune check autotune.yaml --json`
     """
     with errors_to_exit_codes(json_output):
+        timeout_s = parse_seconds(timeout, "--timeout")
         start_fork_server()
         from autotune.check import check_config, config_device, resolve_model
         from autotune.config_file import load_config
@@ -64,13 +70,13 @@ def check(
         from autotune.watchdog import MODEL_CHECK, time_limit
 
         tuned = load_config(config)
-        with time_limit(timeout, path=model or Path(tuned.model), what=MODEL_CHECK):
+        with time_limit(timeout_s, path=model or Path(tuned.model), what=MODEL_CHECK):
             spec = resolve_model(tuned, config, model)
         limit = parse_size(memory_limit) if memory_limit else tuned.memory_limit_bytes
         options = TrialOptions(
             steps=steps,
             warmup=warmup,
-            timeout_s=timeout,
+            timeout_s=timeout_s,
             memory_limit_bytes=limit,
             device=resolve_device(config_device(tuned, device)),
         )

@@ -46,6 +46,17 @@ DeviceOpt = Annotated[
     DeviceChoice, typer.Option("--device", help="cuda: one GPU per rank (NCCL). cpu: one process per rank (gloo).")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
+StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Measured steps per run (the median is reported).")]
+WarmupOpt = Annotated[
+    int, typer.Option("--warmup", min=1, help="Unmeasured steps before them; the last one measures memory.")
+]
+RunTimeoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--timeout",
+        help="How long a run (and the model check before it) may take before it counts as hung: 300, 90s, 10m.",
+    ),
+]
 MicroBatchOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -106,3 +117,15 @@ def parse_sizes(values: list[str] | None) -> list[int] | None:
     if not sizes or min(sizes) < 1:
         raise UsageError(f"--micro-batch-size needs sizes of at least 1, got {','.join(values)!r}")
     return sizes
+
+
+def parse_seconds(text: str | None, flag: str) -> float | None:
+    """A duration flag's value in seconds (300, 90s, 10m, 1h30m), at least one second; None stays None."""
+    if text is None:
+        return None
+    from autotune.units import parse_duration
+
+    seconds = parse_duration(text)
+    if seconds < 1:
+        raise UsageError(f"{flag} {text} is under a second; pass at least 1s")
+    return seconds

@@ -27,6 +27,9 @@ from autotune.cli.options import (
     MemoryOpt,
     ModelArg,
     SplitAtOpt,
+    StepsOpt,
+    WarmupOpt,
+    parse_seconds,
     parse_split_at,
 )
 from autotune.cli.progress import TerminalReporter
@@ -62,13 +65,13 @@ def search(
         ),
     ] = 0.03,
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
-    steps: Annotated[int, typer.Option(min=1, help="Measured steps per trial.")] = 5,
-    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps per trial.")] = 2,
+    steps: StepsOpt = 5,
+    warmup: WarmupOpt = 2,
     trial_timeout: Annotated[
-        float | None,
+        str | None,
         typer.Option(
-            min=1,
-            help="Seconds before one trial counts as hung, the same for every trial. Default: each trial's own "
+            help="How long one trial may take before it counts as hung (300, 90s, 10m), the same for every trial. "
+            "Default: each trial's own "
             "bound from its predicted step time: max(300, 120 + 3 x predicted step x (warm-up + measured steps + 2, "
             "+2 for a bfloat16 wire)); a 60 s step gets 1740 s. torch.distributed's own timeout (NCCL's "
             "watchdog) is the trial's + 60 s.",
@@ -136,7 +139,7 @@ def search(
             seed=seed,
             steps=steps,
             warmup=warmup,
-            trial_timeout_s=trial_timeout,
+            trial_timeout_s=parse_seconds(trial_timeout, "--trial-timeout"),
             output=output,
             min_improvement=min_improvement,
             report_dir=report_dir,

@@ -24,8 +24,12 @@ from autotune.cli.options import (
     JsonOpt,
     MemoryOpt,
     ModelArg,
+    RunTimeoutOpt,
     SplitAtOpt,
+    StepsOpt,
+    WarmupOpt,
     WireDtypeChoice,
+    parse_seconds,
     parse_split,
     parse_split_at,
 )
@@ -64,9 +68,9 @@ def trial(
             "relative error against a float32 twin on the first warm-up step.",
         ),
     ] = WireDtypeChoice.float32,
-    steps: Annotated[int, typer.Option(min=1, help="Measured steps (median is reported).")] = 5,
-    warmup: Annotated[int, typer.Option(min=1, help="Unmeasured steps first; the last one measures memory.")] = 2,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds before the trial counts as hung.")] = 300.0,
+    steps: StepsOpt = 5,
+    warmup: WarmupOpt = 2,
+    timeout: RunTimeoutOpt = "300",
     memory_limit: MemoryOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
@@ -80,6 +84,7 @@ def trial(
     Example: `autotune trial recipes/mlp.py --gpus 2 --device cpu --batch-size 32 --microbatches 4 --schedule 1F1B`
     """
     with errors_to_exit_codes(json_output):
+        timeout_s = parse_seconds(timeout, "--timeout")
         start_fork_server()
         from autotune.candidate import Candidate, uniform_split
         from autotune.devices import cpu_oversubscription, resolve_device
@@ -93,7 +98,7 @@ def trial(
         chosen = parse_schedule(schedule)
         if gpus % dp:
             raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
-        with time_limit(timeout, path=model, what=MODEL_CHECK):
+        with time_limit(timeout_s, path=model, what=MODEL_CHECK):
             spec = load_model_file(model, split_at=parse_split_at(split_at))
             check_model(spec, batch_size)
         if spec.has_batchnorm and microbatches > 1:
@@ -116,7 +121,7 @@ def trial(
         options = TrialOptions(
             steps=steps,
             warmup=warmup,
-            timeout_s=timeout,
+            timeout_s=timeout_s,
             memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
             device=resolve_device(device.value),
             keep_run_dir=debugging(),
