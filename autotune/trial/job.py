@@ -43,10 +43,3 @@ class RankJob:
     """The trial's rendezvous: "host:port/prefix" on the launcher's TCPStore (multi-node); None: a file in run_dir."""
     kind: str = "run"
     """run: train the candidate; probe: measure the link between two ranks (autotune.trial.probe)."""
-
-
-def start_rank(job: RankJob) -> None:
-    """Process target: the fork server preloads the worker, so this import is free in the child."""
-    from autotune.trial.worker import run_rank
-
-    run_rank(job)

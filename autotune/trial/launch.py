@@ -37,7 +37,8 @@ from autotune.compat import TORCH_DISTRIBUTED_PATH
 from autotune.errors import LaunchError
 from autotune.model_file import ModelSpec
 from autotune.trial import server
-from autotune.trial.job import RankJob, start_rank
+from autotune.trial.entry import start_rank
+from autotune.trial.job import RankJob
 from autotune.trial.progress import hang_culprit, read_progress
 
 log = logging.getLogger(__name__)
