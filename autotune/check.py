@@ -148,17 +148,17 @@ def check_config(
     measured = statistics.median(m.throughput_samples_per_s or 0.0 for m in runs)
     ratio = measured / recorded
     if measured >= floor:
-        return CheckResult(
-            status="ok", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
-            measured_throughput_samples_per_s=measured, ratio=ratio, memory_limit_bytes=options.memory_limit_bytes,
-            floor_samples_per_s=floor,
-            message=f"fits and runs at {measured:.1f} samples/s, {ratio:.0%} of the recorded {recorded:.1f}; it "
-            f"passes at {floor:.1f} or more ({noise})",
+        status, message = "ok", (
+            f"fits and runs at {measured:.1f} samples/s, {ratio:.0%} of the recorded {recorded:.1f}; it passes at "
+            f"{floor:.1f} or more ({noise})"
+        )
+    else:
+        status, message = "regressed", (
+            f"{measured:.1f} samples/s (median of {len(runs)} runs) is {1 - ratio:.0%} below the recorded "
+            f"{recorded:.1f}, under the {floor:.1f} a pass needs ({noise}); run autotune search to refresh the config"
         )
     return CheckResult(
-        status="regressed", runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
+        status=status, runs=tuple(runs), tolerance=tolerance, recorded_throughput_samples_per_s=recorded,
         measured_throughput_samples_per_s=measured, ratio=ratio, memory_limit_bytes=options.memory_limit_bytes,
-        floor_samples_per_s=floor,
-        message=f"{measured:.1f} samples/s (median of {len(runs)} runs) is {1 - ratio:.0%} below the recorded "
-        f"{recorded:.1f}, under the {floor:.1f} a pass needs ({noise}); run autotune search to refresh the config",
+        floor_samples_per_s=floor, message=message,
     )
