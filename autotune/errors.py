@@ -54,6 +54,11 @@ class ClusterError(LaunchError):
     """A multi-node run that cannot start or go on: a node did not join, disagrees, or stopped answering (exit 4)."""
 
 
+class StorageUnavailableError(LaunchError):
+    """The study's storage stopped answering under a running search and did not come back within the retry bound
+    (exit 4; the study is kept and --resume finishes it)."""
+
+
 class RegressionError(AutotuneError):
     """`autotune check`: the config still runs but is slower than recorded (exit 1)."""
 
