@@ -71,3 +71,6 @@ class ClusterError(LaunchError):
     """A multi-node run that cannot start or go on: a node did not join, disagrees, or stopped answering (exit 4)."""
 
 
+class StorageUnavailableError(LaunchError):
+    """The study's storage stopped answering under a running search and did not come back within the retry bound
+    (exit 4; the study is kept and --resume finishes it)."""

@@ -19,7 +19,7 @@ import optuna
 from autotune.candidate import Measurement
 from autotune.errors import UsageError
 from autotune.records import TrialRecord, TrialState, record_from_attrs
-from autotune.study_storage import Owner, StudyStorage, reap_stale
+from autotune.study_storage import GRACE_PERIOD_S, Owner, StudyStorage, reap_stale
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,14 @@ class SharedStudy:
 
     def refresh(self) -> None:
         """Fail trials whose search is gone (at most every REAP_EVERY_S), then re-read the records: finished trials
-        once, running ones every time."""
+        once, running ones every time. Within a grace period of a storage outage, no trial is failed for its lapsed
+        heartbeat."""
         if time.monotonic() - self._reaped_at >= REAP_EVERY_S:
-            reap_stale(self.study, stale_after_s=self.stale_after_s)
+            # After a storage outage every search's beats lapsed alike: trust none for a grace period, until the
+            # live ones have beaten again.
+            grace = float(self.storage.rdb.grace_period or GRACE_PERIOD_S)
+            reap_stale(self.study, stale_after_s=self.stale_after_s,
+                       heartbeats=not self.storage.outage.failed_within(grace))
             self._reaped_at = time.monotonic()
         live: dict[int, tuple[TrialRecord, Measurement | None]] = {}
         for frozen in self.study.get_trials(deepcopy=False, states=tuple(_STATES)):

@@ -1,7 +1,8 @@
 """A study's storage, shared by any number of searches at once.
 
     open_storage ──▶ StudyStorage        tables created under a cross-process lock (two first starts race on CREATE
-                                         TYPE / CREATE TABLE otherwise), a connect timeout, errors as one line
+                                         TYPE / CREATE TABLE otherwise), a connect timeout, errors as one line, every
+                                         call retried through an outage (autotune.storage_retry)
     Heartbeat                            a running trial's beat (Optuna beats only inside Study.optimize; the search
                                          asks and tells, so it beats itself)
     reap_stale                           fail RUNNING trials whose owner is gone: its heartbeat lapsed, its process
@@ -23,7 +24,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ from sqlalchemy.engine import make_url
 
 from autotune.errors import StorageError
 from autotune.masking import mask_url
+from autotune.storage_retry import Outage, RetryingRDBStorage, is_transient, retry_bound_s
+from autotune.storage_retry import chain as _chain
+from autotune.storage_retry import first_line as _first_line
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +100,22 @@ def default_worker() -> str:
 class StudyStorage:
     """An opened storage: Optuna's RDBStorage, and a lock shared by every process that uses the same database."""
 
-    def __init__(self, url: str, rdb: optuna.storages.RDBStorage, lock_engine: sqlalchemy.Engine | None) -> None:
+    def __init__(self, url: str, rdb: RetryingRDBStorage, lock_engine: sqlalchemy.Engine | None) -> None:
         self.url = url
         """The URL as given (with its password: never print it; `masked` is for showing)."""
         self.masked = mask_url(url)
         self.rdb = rdb
+        self.outage = rdb.outage
+        """Whether the storage answers; every call through rdb and lock() is retried through an outage."""
         self._lock_engine = lock_engine
 
     @contextlib.contextmanager
-    def lock(self, name: str) -> Iterator[None]:
+    def lock(self, name: str) -> Iterator[Held]:
         """A mutex across processes (and, on PostgreSQL, hosts) using this storage, scoped to `name`. Not
-        re-entrant."""
-        with storage_lock(self.url, name, engine=self._lock_engine):
-            yield
+        re-entrant. Taking it is retried through an outage; a PostgreSQL lock whose connection an outage dropped
+        is released by the server, and the Held it yields then says `lost` once the block is done."""
+        with storage_lock(self.url, name, engine=self._lock_engine, outage=self.outage) as held:
+            yield held
 
     def dispose(self) -> None:
         """Close the connections (the study stays)."""
@@ -123,10 +130,15 @@ def open_storage(
     heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S,
     grace_period_s: int = GRACE_PERIOD_S,
     connect_timeout_s: int = CONNECT_TIMEOUT_S,
+    retry_s: float | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> StudyStorage:
     """Open (creating its tables if needed) the storage at `url`, race-free. Raises StorageError, whose message names
     the masked URL and the fix, for anything a user can get wrong: not a database URL, no driver, a server that
-    does not answer or refuses, an SQLite file in a folder that does not exist."""
+    does not answer or refuses, an SQLite file in a folder that does not exist. Once open, a call the storage does
+    not answer is retried for up to retry_s (default: $AUTOTUNE_STORAGE_RETRY_S, else 300 s), the outage told
+    through say (default: a logged warning)."""
+    outage = Outage(mask_url(url), bound_s=retry_bound_s() if retry_s is None else retry_s, say=say)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval is
     # Optuna's heartbeats are meant for Study.optimize; the search asks and tells, and beats itself (Heartbeat).
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
@@ -135,15 +147,17 @@ def open_storage(
         engine_kwargs: dict[str, Any] = {}
         lock_engine = None
         if backend == "postgresql":
-            # libpq's connect_timeout: without it an unroutable host waits for the OS (~2 min).
+            # libpq's connect_timeout: without it an unroutable host waits for the OS (~2 min). pool_pre_ping: a
+            # pooled connection that a server restart dropped is replaced before use instead of failing the call.
             engine_kwargs = {"connect_args": {"connect_timeout": connect_timeout_s}, "pool_pre_ping": True}
             lock_engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool,
                                                    connect_args=engine_kwargs["connect_args"])
         elif backend == "sqlite":
             engine_kwargs = {"connect_args": {"timeout": 60}}  # wait this long on a database another search writes
         with storage_lock(url, "schema", engine=lock_engine):
-            rdb = optuna.storages.RDBStorage(
+            rdb = RetryingRDBStorage(
                 url,
+                outage=outage,
                 engine_kwargs=engine_kwargs,
                 heartbeat_interval=heartbeat_interval_s,
                 grace_period=grace_period_s,
@@ -181,46 +195,61 @@ def storage_error(exc: BaseException, url: str) -> StorageError | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text.split(" (Background on this error", 1)[0]
-    if text.startswith("(") and ") " in text:  # sqlalchemy's "(psycopg.OperationalError) ..." prefix
-        text = text.split(") ", 1)[1]
-    return text[:300]
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    chain = [exc]
-    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
-        chain.append(nxt)
-    return chain
-
-
 def _lock_key(name: str) -> int:
     """A stable signed 32-bit key for a name (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big", signed=True)
 
 
+class Held:
+    """A lock() being held; `lost` once the block is done: the lock was not held to its end (an outage dropped its
+    connection, so another process may have held it meanwhile)."""
+
+    lost: bool = False
+
+
 @contextlib.contextmanager
-def storage_lock(url: str, name: str, *, engine: sqlalchemy.Engine | None = None) -> Iterator[None]:
-    """A mutex shared by every process using the database at `url`, scoped to `name` (see the module docstring)."""
+def storage_lock(
+    url: str, name: str, *, engine: sqlalchemy.Engine | None = None, outage: Outage | None = None
+) -> Iterator[Held]:
+    """A mutex shared by every process using the database at `url`, scoped to `name` (see the module docstring).
+    With outage, taking it is retried through one."""
     parsed = make_url(url)
     backend = parsed.get_backend_name()
+    held = Held()
     if backend == "postgresql":
         own = engine is None
         eng = engine or sqlalchemy.create_engine(
             url, poolclass=sqlalchemy.pool.NullPool, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
         )
         key = {"a": LOCK_CLASS, "b": _lock_key(name)}
-        try:
-            with eng.connect() as conn:
+
+        def take() -> sqlalchemy.Connection:
+            conn = eng.connect()
+            try:
                 conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:a, :b)"), key)
                 conn.commit()
+            except BaseException:
+                _close_quietly(conn)
+                raise
+            return conn
+
+        try:
+            conn = outage.call(take) if outage is not None else take()
+            try:
+                yield held
+            finally:
                 try:
-                    yield
-                finally:
-                    conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), key)
+                    released = conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), key).scalar()
                     conn.commit()
+                    held.lost = released is not True
+                except Exception as exc:  # the connection, and the lock with it, went in an outage
+                    if not is_transient(exc):
+                        raise
+                    held.lost = True
+                    if outage is not None:
+                        outage.failed(exc)
+                finally:
+                    _close_quietly(conn)
         finally:
             if own:
                 eng.dispose()
@@ -231,11 +260,18 @@ def storage_lock(url: str, name: str, *, engine: sqlalchemy.Engine | None = None
         with open(f"{parsed.database}.lock", "a") as handle, _THREAD_LOCK:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                yield
+                yield held
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
     else:
-        yield
+        yield held
+
+
+def _close_quietly(conn: sqlalchemy.Connection) -> None:
+    try:
+        conn.close()
+    except Exception as exc:  # noqa: BLE001 - a connection an outage dropped may fail to close; it is gone anyway
+        log.debug("closing a lock connection failed: %s", exc)
 
 
 class Heartbeat:
@@ -248,7 +284,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Heartbeat:
-        self.storage.rdb.record_heartbeat(self.trial_id)
+        self.storage.rdb.record_heartbeat(self.trial_id)  # retried through an outage
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"autotune-heartbeat-{self.trial_id}")
         self._thread.start()
         return self
@@ -260,20 +296,22 @@ class Heartbeat:
 
     def _run(self) -> None:
         interval = self.storage.rdb.get_heartbeat_interval() or HEARTBEAT_INTERVAL_S
-        while not self._stop.wait(interval):
-            try:
-                self.storage.rdb.record_heartbeat(self.trial_id)
-            except Exception as exc:  # noqa: BLE001 - a lost beat is what the grace period is for
-                log.debug("heartbeat of trial id %d failed: %s", self.trial_id, exc)
+        wait = interval
+        while not self._stop.wait(wait):
+            # A beat an outage lost is tried again within a second: beat as soon as the storage is back, before
+            # another search could find this trial's beat lapsed.
+            wait = interval if self.storage.rdb.beat_once(self.trial_id) else min(1.0, interval)
 
 
-def reap_stale(study: optuna.Study, *, stale_after_s: float) -> list[int]:
+def reap_stale(study: optuna.Study, *, stale_after_s: float, heartbeats: bool = True) -> list[int]:
     """Fail the study's RUNNING trials whose owner is gone; return their numbers. Gone: its heartbeat lapsed (by the
-    database's clock, any host), or it ran on this host and its process is dead, or it never beat (not launched, or
-    written by an autotune without heartbeats) and started more than stale_after_s ago. A live search's trial is
-    never touched. A reaped trial keeps its attrs; its record says its worker stopped answering."""
+    database's clock, any host; only with heartbeats), or it ran on this host and its process is dead, or it never
+    beat (not launched, or written by an autotune without heartbeats) and started more than stale_after_s ago. A
+    live search's trial is never touched. A reaped trial keeps its attrs; its record says its worker stopped
+    answering."""
     before = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
-    optuna.storages.fail_stale_trials(study)
+    if heartbeats:
+        optuna.storages.fail_stale_trials(study)
     now = time.time()
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         owner = Owner.from_attrs(frozen.user_attrs)
@@ -293,19 +331,34 @@ def claim(
 ) -> str | None:
     """Atomically: unless another trial of the study runs candidate `key` (or, unless remeasure, has measured it),
     mark this trial as its launch. None when claimed, else why not (which trial holds it). Holding the storage lock,
-    read the study's running and finished trials, then set `candidate_key` and `launched` on this one."""
+    read the study's running and finished trials, then set `candidate_key` and `launched` on this one. A lock that
+    an outage dropped meanwhile (another search may have claimed the same candidate) is taken again and the claim
+    decided again, this trial's own earlier mark withdrawn when it is refused now."""
+    while True:
+        with storage.lock(f"claim:{study.study_name}") as held:
+            refused = _claim_once(study, trial, key, remeasure=remeasure)
+        if not held.lost:
+            return refused
+        log.info("trial %d: the claim lock was lost in a storage outage; claiming again", trial.number)
+
+
+def _claim_once(study: optuna.Study, trial: optuna.Trial, key: str, *, remeasure: bool) -> str | None:
     State = optuna.trial.TrialState
-    with storage.lock(f"claim:{study.study_name}"):
-        for t in study.get_trials(deepcopy=False, states=(State.RUNNING, State.COMPLETE, State.PRUNED, State.FAIL)):
-            if t.number == trial.number or t.user_attrs.get("candidate_key") != key or not t.user_attrs.get("launched"):
-                continue
-            if t.state == State.RUNNING:
-                owner = Owner.from_attrs(t.user_attrs)
-                return f"trial {t.number} runs it" + (f" (worker {owner.worker})" if owner else "")
-            if not remeasure and "measurement" in t.user_attrs:
-                return f"trial {t.number} measured it"
-        trial.set_user_attr("candidate_key", key)
-        trial.set_user_attr("launched", True)
+    for t in study.get_trials(deepcopy=False, states=(State.RUNNING, State.COMPLETE, State.PRUNED, State.FAIL)):
+        if t.number == trial.number or t.user_attrs.get("candidate_key") != key or not t.user_attrs.get("launched"):
+            continue
+        refused = None
+        if t.state == State.RUNNING:
+            owner = Owner.from_attrs(t.user_attrs)
+            refused = f"trial {t.number} runs it" + (f" (worker {owner.worker})" if owner else "")
+        elif not remeasure and "measurement" in t.user_attrs:
+            refused = f"trial {t.number} measured it"
+        if refused is not None:
+            if trial.user_attrs.get("launched"):  # marked by a try whose lock an outage dropped
+                trial.set_user_attr("launched", False)
+            return refused
+    trial.set_user_attr("candidate_key", key)
+    trial.set_user_attr("launched", True)
     return None
 
 

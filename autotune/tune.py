@@ -250,7 +250,7 @@ def tune(
         reporter.warning(oversubscribed)
     name = request.study_name or default_study_name(request.model, request.gpus, request.batch_size, device)
     # The storage first: a bad URL or a study name in use fails in a second, not after profiling.
-    storage = open_storage(request.storage or default_storage(name))
+    storage = open_storage(request.storage or default_storage(name), say=reporter.warning)
     check_study_name(storage, name, resume=request.resume)
     trial_bound = request.trial_timeout_s or TRIAL_TIMEOUT_FLOOR_S
     bound = min(trial_bound, request.timeout_s or trial_bound)

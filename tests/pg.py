@@ -44,6 +44,10 @@ def why_not() -> str | None:
     return None
 
 
+def _options(port: int, root: Path) -> str:
+    return f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,11 +55,29 @@ def _free_port() -> int:
 
 
 class Server:
-    """A running server: url(db) for a database, create_database() for a fresh one."""
+    """A running server: url(db) for a database, create_database() for a fresh one, stop() and start() to take it
+    away under its clients and bring it back (same port, same data)."""
 
     def __init__(self, root: Path, port: int, as_user: list[str]) -> None:
         self.root, self.port, self.as_user = root, port, as_user
         self._n = 0
+
+    def _pg_ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.as_user, _bin("pg_ctl") or "pg_ctl", "-D", str(self.root / "data"), *args],
+                              capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
+
+    def stop(self) -> None:
+        """Stop as `pg_ctl stop -m fast` does in a restart: clients' sessions are ended, their connections drop."""
+        done = self._pg_ctl("-m", "fast", "-w", "stop")
+        if done.returncode != 0:
+            raise RuntimeError(f"pg_ctl stop failed: {done.stderr[-500:]}")
+
+    def start(self) -> None:
+        """Start it again, on the same port, and wait until it accepts connections."""
+        done = self._pg_ctl("-l", str(self.root / "log"), "-w", "-t", "30", "-o", _options(self.port, self.root),
+                            "start")
+        if done.returncode != 0:
+            raise RuntimeError(f"postgres did not start again: {(self.root / 'log').read_text()[-500:]}")
 
     def url(self, database: str = "autotune") -> str:
         return f"postgresql://autotune:{PASSWORD}@127.0.0.1:{self.port}/{database}"
@@ -92,7 +114,7 @@ def throwaway_server() -> Iterator[Server]:
     try:
         for _ in range(5):  # the free port may be taken between choosing and binding it
             port = _free_port()
-            options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+            options = _options(port, root)
             done = subprocess.run([*as_user, _bin("pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t",
                                    "30", "-o", options, "start"], capture_output=True, env=env, text=True)
             if done.returncode == 0:

@@ -1,0 +1,230 @@
+"""Riding out a storage that blinks: a server restart, a failover or a dropped connection under a running search.
+
+    RetryingRDBStorage ── each call ──▶ Outage.call ──┬─ answers ──────────────────────────▶ result
+                                                      └─ transient error: back off, try again ─┐
+                                                         (said once on stderr)  ◀──────────────┘
+                                                         past AUTOTUNE_STORAGE_RETRY_S ──▶ StorageUnavailableError
+                                                                                             (exit 4, resumable)
+
+A transient error is a lost or refused connection (SQLAlchemy's OperationalError / InterfaceError, an invalidated
+connection, Optuna's StorageInternalError around one); anything else (bad data, a bug) is raised at once. Retrying a
+call whose commit the server made but whose answer the outage lost is harmless for every call the search makes: user
+attributes are set again, a parameter twice is an IntegrityError Optuna ignores, and a trial already told its state
+is recognised (set_trial_state_values). The pooled connections are checked before use (SQLAlchemy's pool_pre_ping,
+set by open_storage), so a restarted server costs no failed call at all when the search was not mid-query.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.errors import StorageUnavailableError, UsageError
+
+log = logging.getLogger(__name__)
+
+RETRY_ENV = "AUTOTUNE_STORAGE_RETRY_S"
+"""Seconds a search retries a storage that stopped answering before it stops (exit 4, the study resumable)."""
+DEFAULT_RETRY_S = 300.0
+"""The bound without RETRY_ENV: long enough for a restart or a managed database's failover."""
+MAX_BACKOFF_S = 4.0
+"""The longest wait between two tries: a server back is found within this long."""
+
+T = TypeVar("T")
+
+
+def retry_bound_s() -> float:
+    """RETRY_ENV, else DEFAULT_RETRY_S; a value that is not a number of seconds >= 0 is a UsageError."""
+    text = os.environ.get(RETRY_ENV, "").strip()
+    if not text:
+        return DEFAULT_RETRY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{RETRY_ENV}={text!r} is not a number of seconds; set it to e.g. 300, or unset it")
+    return value
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The storage's connection failed (lost, refused, reset, the server shutting down or starting up), as opposed
+    to a call the storage refused for what it asked."""
+    import sqlalchemy.exc
+
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
+            return True
+        if isinstance(current, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)):
+            return True
+        if type(current).__name__ in ("OperationalError", "InterfaceError"):  # the driver's own (psycopg, sqlite3)
+            return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
+
+
+class Outage:
+    """This process's view of its storage: answering, or failing since a moment. Shared by every thread (the search
+    and its heartbeats); `call` retries a call through an outage, up to bound_s after it began."""
+
+    def __init__(self, shown: str, *, bound_s: float, say: Callable[[str], None] | None = None) -> None:
+        self.shown = shown
+        """The storage's masked URL, for messages."""
+        self.bound_s = bound_s
+        self.say = say or log.warning
+        """Where the outage and the recovery are told (the CLI: a warning on stderr)."""
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._last_failure = -math.inf
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn(), again after each transient failure with a growing pause, until it answers or the outage has lasted
+        bound_s (StorageUnavailableError)."""
+        pause = 0.25
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                left = self.failed(exc)
+                if left <= 0:
+                    raise StorageUnavailableError(
+                        f"the storage {self.shown} did not answer for {self.bound_s:.0f} s ({_first_line(exc)}); the "
+                        f"study is kept: once it answers, rerun the same command with --resume to finish it (or set "
+                        f"{RETRY_ENV} to wait longer)"
+                    ) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, MAX_BACKOFF_S)
+                continue
+            self.answered()
+            return result
+
+    def failed(self, exc: BaseException) -> float:
+        """Note a transient failure (the first of an outage is told); the seconds left before giving up."""
+        now = time.monotonic()
+        with self._lock:
+            self._last_failure = now
+            first = self._since is None
+            if first:
+                self._since = now
+            since = self._since if self._since is not None else now
+        if first:
+            self.say(f"the storage {self.shown} does not answer ({_first_line(exc)}): retrying for up to "
+                     f"{self.bound_s:.0f} s")
+        log.debug("storage call failed: %s", exc)
+        return since + self.bound_s - now
+
+    def answered(self) -> None:
+        """A call went through: an outage, if one was under way, is over (and told)."""
+        if self._since is None:
+            return
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            self.say(f"the storage {self.shown} answers again after {time.monotonic() - since:.1f} s")
+
+    def failed_within(self, seconds: float) -> bool:
+        """A call failed in the last `seconds`, or the storage is failing now."""
+        return self._since is not None or time.monotonic() - self._last_failure < seconds
+
+
+class RetryingRDBStorage(optuna.storages.RDBStorage):
+    """Optuna's RDBStorage, each call retried through an outage (Outage.call). Optuna wraps it in its cache layer
+    as any RDBStorage, and its heartbeats work unchanged."""
+
+    outage: Outage
+
+    def __init__(self, url: str, *, outage: Outage, **kwargs: Any) -> None:
+        self.outage = outage
+        super().__init__(url, **kwargs)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        tries = 0
+        base = optuna.storages.RDBStorage
+
+        def once() -> bool:
+            nonlocal tries
+            tries += 1
+            try:
+                return base.set_trial_state_values(self, trial_id, state, values)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # A try that the outage cut off may have committed: then the trial holds exactly what was asked.
+                if tries > 1 and state.is_finished():
+                    stored = base.get_trial(self, trial_id)
+                    if stored.state == state and (values is None or list(stored.values or ()) == list(values)):
+                        return True
+                raise
+
+        return self.outage.call(once)
+
+    def beat_once(self, trial_id: int) -> bool:
+        """One heartbeat, not retried (the heartbeat thread tries again soon by itself): whether it went through."""
+        try:
+            optuna.storages.RDBStorage.record_heartbeat(self, trial_id)
+        except Exception as exc:  # noqa: BLE001 - a lost beat is what the grace period is for
+            if is_transient(exc):
+                self.outage.failed(exc)
+            else:
+                log.debug("heartbeat of trial id %d failed: %s", trial_id, exc)
+            return False
+        self.outage.answered()
+        return True
+
+
+def _retried(name: str) -> Callable[..., Any]:
+    method = getattr(optuna.storages.RDBStorage, name)
+
+    def call(self: RetryingRDBStorage, *args: Any, **kwargs: Any) -> Any:
+        return self.outage.call(lambda: method(self, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+# Every method that reads or writes the database, as Optuna's cache layer calls them (some are private there).
+_RETRIED = (
+    "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name",
+    "get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs",
+    "get_trial_user_attrs", "get_trial_system_attrs", "get_all_studies", "_create_new_trial", "_set_trial_param",
+    "get_trial_param", "get_trial_id_from_study_id_trial_number", "_get_best_trial_id", "set_trial_intermediate_value",
+    "set_trial_user_attr", "set_trial_system_attr", "get_trial", "_get_trials", "record_heartbeat",
+    "_get_stale_trial_ids",
+)
+for _name in _RETRIED:
+    setattr(RetryingRDBStorage, _name, _retried(_name))
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line, without SQLAlchemy's "(Background on this error...)" and its
+    "(psycopg.OperationalError) " prefix."""
+    text = " ".join(str(exc).split())
+    text = text.split(" (Background on this error", 1)[0]
+    if text.startswith("(") and ") " in text:  # sqlalchemy's "(psycopg.OperationalError) ..." prefix
+        text = text.split(") ", 1)[1]
+    return text[:300]
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes (at most 8)."""
+    found = [exc]
+    while (nxt := found[-1].__cause__ or found[-1].__context__) is not None and len(found) < 8:
+        found.append(nxt)
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own message at the root of exc (what the server or the socket said)."""
+    root = chain(exc)[-1]
+    return first_line(getattr(root, "orig", None) or root).split(" [SQL: ", 1)[0]
