@@ -541,10 +541,11 @@ def _peak_memory(
     """Walk each rank's actions in order (a rank runs one at a time, so list order is time order), with
     h = held, o = its output part, g = the input gradient sent back, r = recompute, t = the backward's temporaries
     at its worst layer (the stage's first backward of the step: without fresh weight gradients), l = the loss's
-    backward on the last stage, which runs before the stage's own (and before a checkpointed stage's recompute):
+    backward on the last stage, which runs before the stage's own (and before a checkpointed stage's recompute),
+    w = a W's fresh weight gradients at its largest layer (the first stage's W runs the whole backward: t):
 
         F: +h                                         B: (+max(l, r + t), transient) -h +o* +g*
-        I: (+max(l, r + max(t, k + g)), transient) +r +g*   W: (+t, transient) -h -r +o*
+        I: (+max(l, r + max(t, k + g)), transient) +r +g*   W: (+w, transient) -h -r +o*
 
     (k: the gradients an I makes for its W, memory_model.split_kept_bytes; after the I the stage holds about h)
 
@@ -559,6 +560,15 @@ def _peak_memory(
     out, grad = stages.output_held_bytes, stages.sent_grad_bytes
     last = candidate.n_stages - 1
     kept = sends_kept_to_the_end(candidate.schedule)
+    # A hand-off between two stages of the same rank (V placement) is no send: torch makes the output the next
+    # stage's receive buffer (set_local_fwd_input) and the input gradient the previous stage's (set_local_bwd_input),
+    # both counted with the receive buffers.
+    owner = plan.stage_rank
+    local_out = [s < last and owner[s + 1] == owner[s] for s in range(last + 1)]
+    local_in = [s > 0 and owner[s - 1] == owner[s] for s in range(last + 1)]
+    held = [h - (o if lo else 0) for h, o, lo in zip(held, out, local_out)]
+    out = [0 if lo else o for o, lo in zip(out, local_out)]
+    grad = [0 if li else g for g, li in zip(grad, local_in)]
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
         static = batch + sum(
@@ -589,7 +599,9 @@ def _peak_memory(
                 peak = max(peak, live + max(loss, recompute[s] + max(temp, stages.split_kept_bytes[s] + grad[s])))
                 live += recompute[s] + grad[s]
                 on_buffers += grad[s]
-            else:
+            else:  # W: weight gradients only (the first stage's W runs its whole backward)
+                if s != 0:
+                    temp = stages.largest_layer_bytes[s] if s in started else 0
                 peak = max(peak, live + temp)
                 started.add(s)
                 live -= held[s] + recompute[s] - stays

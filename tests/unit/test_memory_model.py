@@ -112,3 +112,16 @@ def test_1f1b_lets_go_of_its_sends_and_the_runtime_keeps_them_to_the_end():
     # Receive buffers: stage 0 grads (2), stage 2 activations and grads (4); then after the forwards of stages 0
     # and 2 (4 outputs) the backwards of stage 2 send 2 input gradients back, and every output stays.
     assert peak == 6 * 1000 + 4 * 1000 + 2 * 1000
+
+
+def test_a_hand_off_inside_a_rank_is_no_send():
+    """ZBV, 2 ranks, m=1, 1000-byte outputs: rank 1 holds stages 1 and 2, and 1 -> 2 is local (torch makes stage 1's
+    output stage 2's receive buffer, and stage 2's input gradient stage 1's). Rank 1: receive buffers 4 x 1000;
+    F1 (its output is stage 2's buffer: nothing more), F2 (+1000, sent to rank 0), I2 (+1000 at worst: the input
+    gradient, handed to stage 1, nothing kept), I1 (+1000 at worst, its input gradient sent and kept): 2000."""
+    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0,
+                        output_bytes=1000, parameter_bytes=0)] * 4
+    c = Candidate(schedule=Schedule.ZBV_ZERO_BUBBLE, pipeline_degree=2, global_batch_size=1, n_microbatches=1,
+                  layers_per_stage=(1, 1, 1, 1))
+    prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
+    assert simulate(prof, c, link=LINK, with_timeline=False).peak_memory_bytes[1] == 4 * 1000 + 2000
