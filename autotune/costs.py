@@ -210,6 +210,13 @@ class Profile:
             )
         return costs
 
+    def loss_saved_bytes_at(self, micro_batch_size: float) -> int:
+        """Bytes loss_fn saves for its backward for one micro-batch of size M (0 when not profiled); layer_costs
+        charges them to the last layer's saved_bytes."""
+        if not self.loss_saved_bytes:
+            return 0
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_saved_bytes))
+
     def input_bytes_at(self, micro_batch_size: float) -> int:
         """Bytes of the model's input for one micro-batch of size M."""
         return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.input_bytes))

@@ -4,14 +4,39 @@ count the same bytes.
 
     parameters, their gradients, optimizer state   parameter_bytes x (2 + optimizer_state_ratio)   always
     receive buffers                                 n_microbatches x (stage input + output grad)     always
+    the global batch's inputs                       n_microbatches x the model input                 always
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
                                                     + the stage output torch keeps until the backward
+    sent tensors                                    each output sent on, each input gradient sent    F / B to the
+                                                    back (torch waits for its sends at the end)      step's end
+    one backward (transient)                        the loss's gradients (last stage: 2 x output),   during B / I
+                                                    or a layer's weight, input and output gradients
+    a split backward's I (transient)                the weight ops' output gradients for its W       end of I
     checkpointed backward                           the stage's saved activations, rebuilt for one micro-batch
+    optimizer step                                  its temporaries (optimizer_step_bytes)           after the
+                                                    + split schedules' input gradients (on buffers)  pipeline
+
+Sent tensors: torch's send works hold their tensor until they are waited, and ScheduleGPipe and the runtime of the
+multi-stage schedules (_PipelineScheduleRuntime) wait for every send only when the pipeline ends; Schedule1F1B
+waits for each send before the next, and its last output and input gradient sent linger until the next backward.
+A split backward's I also leaves the input gradient on the receive buffer's .grad until the next step starts, so it
+is still there during the optimizer step. Between two stages of one rank (V placement) nothing is sent: the output
+becomes the next stage's receive buffer and the input gradient the previous stage's, counted with those.
+
+What the profile cannot tell, and so is counted one way: the tensor between two stages is saved either by the stage
+after (a Linear or LayerNorm saves its input: then it is that stage's float32 receive buffer) or by the stage before
+(a ReLU saves its output: then it is the output that stage keeps); both sides count it, over by one boundary tensor
+per micro-batch held, on one of the two ranks (recipes/cnn.py: +2 % to +22 %). What a layer allocates inside its own
+backward (an MLP's hidden gradient, attention's gradients) is not measured, so not counted (a 2-block GPT: down to
+-7 % on the rank where a full backward's first layer sets the peak). Both need the profile to record them per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from autotune.candidate import Candidate
+from autotune.schedules import Schedule
 
 
 def wire_factor(candidate: Candidate) -> float:
@@ -58,13 +83,105 @@ def stage_memory_bytes(
     last: bool,
     optimizer_state_ratio: float,
 ) -> float:
-    """One stage alone at its worst: its parameter memory, receive buffers, `in_flight` micro-batches held and one
-    checkpointed backward's rebuilt activations (the planner's per-stage cap; the simulator's per-rank peak walks the
-    actions instead)."""
+    """One stage alone at its worst: its parameter memory, receive buffers, `in_flight` micro-batches held, what its
+    sends keep, and one checkpointed backward's rebuilt activations (the planner's per-stage cap; the simulator's
+    per-rank peak walks the actions instead, and adds the batch and each backward's temporaries)."""
     held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+    sent = 0.0
+    if sends_kept_to_the_end(candidate.schedule):  # outputs of finished micro-batches, gradients sent back
+        out, grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        sent = max(0, candidate.n_microbatches - in_flight) * out + candidate.n_microbatches * grad
     return (
         parameter_memory_bytes(parameter_bytes, optimizer_state_ratio)
         + in_flight * held
+        + sent
         + recompute_bytes(saved, candidate=candidate)
         + receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
     )
+
+
+def sends_kept_to_the_end(schedule: Schedule) -> bool:
+    """Whether torch keeps every tensor a rank sends (outputs forward, input gradients back) until the pipeline
+    ends: all schedules but 1F1B, which waits for each send before its next (see the module docstring)."""
+    return schedule != Schedule.ONE_F_ONE_B
+
+
+def sent_bytes(stage_in: int, stage_out: int, *, candidate: Candidate, first: bool, last: bool) -> tuple[float, float]:
+    """Per micro-batch, what a stage sends: (its output, not on the last stage; the gradient of its input, not on
+    the first), in the wire dtype."""
+    wire = wire_factor(candidate)
+    return (0.0 if last else stage_out * wire), (0.0 if first else stage_in * wire)
+
+
+def loss_backward_bytes(output_bytes: int) -> int:
+    """What the loss's backward allocates on the last stage: cross-entropy's gradient of its log-probabilities and
+    then of the logits, each the size of the model's output (traced: nll_loss_backward, _log_softmax_backward)."""
+    return 2 * output_bytes
+
+
+def layer_backward_bytes(
+    parameter_bytes: Sequence[int], input_bytes: Sequence[int], output_bytes: Sequence[int], *, first: bool,
+    last: bool, weights: bool = True,
+) -> int:
+    """What one backward of a stage allocates on top of what it holds, at its worst layer (the layers of the stage
+    in order, their parameter bytes, input and output bytes for one micro-batch): the layer's fresh weight gradients
+    (added into .grad after the first micro-batch), the gradient of its input (none for the model's input), and the
+    gradient of its output where a later layer of the stage made it (the stage's last layer reads its output
+    gradient from the receive buffer, or on the last stage from the loss). weights=False for a stage's first
+    backward of the step, whose weight gradients become .grad (counted with the parameters). What a layer allocates
+    inside itself (an MLP's hidden gradients, attention's scores) the profile does not see."""
+    worst = 0
+    n = len(parameter_bytes)
+    for i in range(n):
+        in_grad = 0 if first and i == 0 else input_bytes[i]
+        out_grad = output_bytes[i] if i < n - 1 or last else 0
+        worst = max(worst, (parameter_bytes[i] if weights else 0) + in_grad + out_grad)
+    return worst
+
+
+def split_kept_bytes(saved_bytes: Sequence[int], input_bytes: Sequence[int], *, first: bool) -> int:
+    """What a split backward's I has made for its W when it ends, for one micro-batch: the gradient of every weight
+    op's output (torch's stage_backward_input keeps them in param_groups). Per layer, that is about what the layer
+    saves beyond its input (a Linear + GELU layer saves its input and the Linear's output, and W needs the gradient
+    of the latter; traced on a GPT: 29.4 MB kept against 31.7 MB by this rule). Then the I lets go of what only the
+    input gradient needed (GELU's input, attention's probabilities, ...), about as much again, so until its W the
+    stage holds about what it held before the I. 0 on the first stage, whose I does nothing (its W runs the whole
+    backward)."""
+    if first:
+        return 0
+    return sum(max(0, saved - into) for saved, into in zip(saved_bytes, input_bytes))
+
+
+def first_layer_batch_view_bytes(stage_in: int, first_layer_saved: int, *, candidate: Candidate) -> int:
+    """What the first stage saves of its input per micro-batch, which is a view of the batch (batch_bytes) and so
+    not held again: the checkpoint's saved input, or without checkpointing the input the first layer saves (the
+    profile does not say whether it does; Linear, Conv and Embedding do, so up to the layer's saved bytes)."""
+    return stage_in if candidate.activation_checkpointing else min(stage_in, first_layer_saved)
+
+
+def batch_bytes(input_bytes: int, *, candidate: Candidate) -> int:
+    """The global batch's inputs, which every rank of a trial holds for the whole step (targets are not profiled)."""
+    return input_bytes * candidate.n_microbatches
+
+
+
+def optimizer_step_bytes(
+    peak_ratio: float,
+    rank_parameter_bytes: Sequence[int],
+    all_parameter_bytes: Sequence[int],
+    rank_largest_layer_bytes: Sequence[int],
+    all_largest_layer_bytes: Sequence[int],
+    *,
+    per_tensor: bool,
+) -> float:
+    """The optimizer step's temporaries on one rank, from the profile's whole-model peak (peak_ratio x all
+    parameter bytes). A foreach step (torch's default on CUDA) allocates them for all of a rank's tensors at once:
+    its share by parameter bytes. A per-tensor step (the default on CPU: AdamW's sqrt and division of one tensor
+    at a time, traced) allocates them for one tensor at a time: the whole-model peak scaled by the rank's largest
+    layer over the model's (layers stand in for tensors)."""
+    if not per_tensor:
+        return peak_ratio * sum(rank_parameter_bytes)
+    largest = max(all_largest_layer_bytes, default=0)
+    if largest <= 0:
+        return 0.0
+    return peak_ratio * sum(all_parameter_bytes) * max(rank_largest_layer_bytes, default=0) / largest

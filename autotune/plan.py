@@ -336,6 +336,8 @@ class _Costs:
         self.link = link
         self.state_ratio = profile.optimizer_state_ratio
         self.step_ratio = profile.optimizer_peak_ratio
+        self.step_per_tensor = profile.device == "cpu"
+        self.loss_saved = profile.loss_saved_bytes_at(micro_batch_size)
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
         self.time = layer_times(self.layers)
         self.time_checkpointed = layer_times(self.layers, checkpointing=True)
@@ -362,6 +364,8 @@ class _Costs:
             optimizer_ms_per_byte=self.optimizer_ms_per_byte,
             optimizer_state_ratio=self.state_ratio,
             optimizer_peak_ratio=self.step_ratio,
+            optimizer_per_tensor=self.step_per_tensor,
+            loss_saved_bytes=self.loss_saved,
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,

@@ -12,10 +12,18 @@ from autotune.candidate import Candidate
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import UsageError
 from autotune.memory_model import (
+    batch_bytes,
+    first_layer_batch_view_bytes,
     held_per_microbatch,
+    layer_backward_bytes,
+    loss_backward_bytes,
+    optimizer_step_bytes,
     parameter_memory_bytes,
     receive_buffer_bytes,
     recompute_bytes,
+    sends_kept_to_the_end,
+    sent_bytes,
+    split_kept_bytes,
     wire_factor,
 )
 from autotune.placement import crossing_boundaries, dp_nodes
@@ -212,6 +220,8 @@ def simulate(
         optimizer_ms_per_byte=optimizer_ms_per_byte(profile, link),
         optimizer_state_ratio=profile.optimizer_state_ratio,
         optimizer_peak_ratio=profile.optimizer_peak_ratio,
+        optimizer_per_tensor=profile.device == "cpu",
+        loss_saved_bytes=profile.loss_saved_bytes_at(candidate.micro_batch_size),
         link=link,
         memory_limit_bytes=memory_limit_bytes,
         with_timeline=with_timeline,
@@ -267,13 +277,18 @@ def simulate_costs(
     optimizer_state_ratio: float,
     link: LinkModel,
     optimizer_peak_ratio: float = 0.0,
+    optimizer_per_tensor: bool = False,
+    loss_saved_bytes: int = 0,
     memory_limit_bytes: int | None = None,
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
     shared_parameters: Sequence[tuple[Sequence[int], int]] = (),
     gpus_per_node: int | None = None,
 ) -> Estimate:
-    """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path)."""
+    """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path).
+    optimizer_per_tensor: the optimizer steps one tensor at a time (torch's default off CUDA: no foreach), so its
+    temporaries scale with a rank's largest layer, not with all its parameters. loss_saved_bytes: what loss_fn
+    saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed."""
     if len(costs) != sum(candidate.layers_per_stage):
         raise UsageError(
             f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
@@ -288,7 +303,7 @@ def simulate_costs(
         )
         n_nodes = dp_nodes(c.pipeline_degree, c.data_parallel_degree, gpus_per_node, c.rank_order)
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, crossing=crossing,
-                          shared=shared_parameters)
+                          shared=shared_parameters, loss_saved=loss_saved_bytes)
     if actions is None:
         c = candidate
         plan = compiled_graph(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages)
@@ -334,7 +349,8 @@ def simulate_costs(
     allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
     step_ms = max(rank_end[r] + allreduce_ms[r] + optimizer_ms[r] for r in range(pp))
 
-    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio)
+    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
+                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor)
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
     timeline: tuple[TimelineEvent, ...] = ()
     if with_timeline:
@@ -425,6 +441,20 @@ class _StageCosts:
     receive_buffer_bytes: list[int]
     """Receive buffers of the stage for the whole step: activations in, gradients in."""
     parameter_bytes: list[int]
+    output_held_bytes: list[int]
+    """The part of held_bytes that is the stage's output (what a send keeps after the backward)."""
+    sent_grad_bytes: list[int]
+    """The gradient of the stage input one backward sends back (0 on the first stage)."""
+    loss_backward_bytes: list[int]
+    """What the loss's backward allocates (the last stage; 0 elsewhere), before the stage's own backward."""
+    backward_bytes: list[int]
+    """What one backward (B or I) or W of the stage allocates at its worst layer (memory_model)."""
+    first_backward_bytes: list[int]
+    """The same for the stage's first backward of the step, whose weight gradients become .grad."""
+    split_kept_bytes: list[int]
+    """The gradients an I makes for its W (memory_model.split_kept_bytes)."""
+    largest_layer_bytes: list[int]
+    """Parameter bytes of the stage's largest layer."""
 
 
 def _stage_costs(
@@ -435,6 +465,7 @@ def _stage_costs(
     link: LinkModel,
     crossing: Sequence[bool] | None = None,
     shared: Sequence[tuple[Sequence[int], int]] = (),
+    loss_saved: int = 0,
 ) -> _StageCosts:
     """Per stage: compute, transfers in (over link.across_nodes() where crossing[s]: the hand-off s-1 -> s crosses
     nodes), bytes held."""
@@ -485,10 +516,28 @@ def _stage_costs(
         result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1
         held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+        recompute = recompute_bytes(saved, candidate=candidate)
+        if checkpointing and last:  # the loss runs outside the checkpointed stage: what it saves is kept
+            held += min(loss_saved, saved)
+            recompute -= min(loss_saved, saved)
+        if first:  # what the stage saves of its input is a view of the batch, counted with it (memory_model)
+            held -= first_layer_batch_view_bytes(stage_in, saved_bytes[a], candidate=candidate)
         result["held_bytes"].append(int(held))
-        result["recompute_bytes"].append(recompute_bytes(saved, candidate=candidate))
+        result["recompute_bytes"].append(recompute)
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
+        _, sent_grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        result["output_held_bytes"].append(int(held_per_microbatch(0, 0, stage_out, candidate=candidate, last=last)))
+        result["sent_grad_bytes"].append(int(sent_grad))
+        layer_in = [stage_in] + [costs[i].output_bytes for i in range(a, b - 1)]
+        layer_out = [c.output_bytes for c in costs[a:b]]
+        result["largest_layer_bytes"].append(max(parameter_bytes[a:b]))
+        result["split_kept_bytes"].append(split_kept_bytes(saved_bytes[a:b], layer_in, first=first))
+        result["loss_backward_bytes"].append(loss_backward_bytes(stage_out) if last else 0)
+        for key, weights in (("backward_bytes", True), ("first_backward_bytes", False)):
+            backward = layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, first=first, last=last,
+                                            weights=weights)
+            result[key].append(int(backward))
         result["parameter_bytes"].append(int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b))
     return _StageCosts(**result)
 
@@ -523,38 +572,80 @@ def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
 
 
 def _peak_memory(
-    plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0
+    plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0,
+    batch: int = 0, *, per_tensor: bool = False,
 ) -> list[int]:
-    """Walk each rank's actions in order (a rank runs one at a time, so list order is time order):
+    """Walk each rank's actions in order (a rank runs one at a time, so list order is time order), with
+    h = held, o = its output part, g = the input gradient sent back, r = recompute, t = the backward's temporaries
+    at its worst layer (the stage's first backward of the step: without fresh weight gradients), l = the loss's
+    backward on the last stage, which runs before the stage's own (and before a checkpointed stage's recompute),
+    w = a W's fresh weight gradients at its largest layer (the first stage's W runs the whole backward: t):
 
-        F: +held              B: (+recompute, transient) -held
-        I: +recompute (kept)  W: -held -recompute
+        F: +h                                         B: (+max(l, r + t), transient) -h +o* +g*
+        I: (+max(l, r + max(t, k + g)), transient) +r +g*   W: (+w, transient) -h -r +o*
 
-    then the optimizer step, once the activations are gone: its temporaries (step_ratio x the rank's parameter
-    bytes) on top of the static memory."""
+    (k: the gradients an I makes for its W, memory_model.split_kept_bytes; after the I the stage holds about h)
+
+    * where the schedule keeps its sends to the end (memory_model.sends_kept_to_the_end) the output (not on the last
+    stage) stays after the backward and the gradient sent stays too; under 1F1B the last backward's output and
+    gradient linger until the next backward. Then the optimizer step, once the pipeline is done: its temporaries
+    (step_ratio x the rank's parameter bytes; per_tensor: step_ratio x all parameter bytes x the rank's largest layer
+    over the model's, memory_model.optimizer_step_bytes) and the input gradients the I actions left on the receive
+    buffers, on top of the static memory (parameters, gradients, optimizer state, receive buffers, the batch)."""
     peaks = []
     stage_of, kind_of, held, recompute = plan.stage, plan.kind, stages.held_bytes, stages.recompute_bytes
+    out, grad = stages.output_held_bytes, stages.sent_grad_bytes
+    last = candidate.n_stages - 1
+    kept = sends_kept_to_the_end(candidate.schedule)
+    # A hand-off between two stages of the same rank (V placement) is no send: torch makes the output the next
+    # stage's receive buffer (set_local_fwd_input) and the input gradient the previous stage's (set_local_bwd_input),
+    # both counted with the receive buffers.
+    owner = plan.stage_rank
+    local_out = [s < last and owner[s + 1] == owner[s] for s in range(last + 1)]
+    local_in = [s > 0 and owner[s - 1] == owner[s] for s in range(last + 1)]
+    held = [h - (o if lo else 0) for h, o, lo in zip(held, out, local_out)]
+    out = [0 if lo else o for o, lo in zip(out, local_out)]
+    grad = [0 if li else g for g, li in zip(grad, local_in)]
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
-        static = sum(parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
-                     for s in rank_stages)
-        live = peak = 0
+        static = batch + sum(
+            parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
+            for s in rank_stages
+        )
+        live = peak = linger = on_buffers = 0
+        started: set[int] = set()  # stages whose weight gradients exist (a backward touching weights ran)
         for a in ids:
             s, kind = stage_of[a], kind_of[a]
+            stays = out[s] if s != last else 0  # the output a send keeps after the backward
             if kind == "F":
                 live += held[s]
-                if live > peak:
-                    peak = live
-            elif kind == "B":
-                if live + recompute[s] > peak:
-                    peak = live + recompute[s]
-                live -= held[s]
+                peak = max(peak, live)
+                continue
+            temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
+            loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
+            if kind == "B":
+                peak = max(peak, live + max(loss, recompute[s] + temp))
+                started.add(s)
+                live -= held[s] - stays
+                if kept:
+                    live += grad[s]
+                else:
+                    live += grad[s] - linger
+                    linger = stays + grad[s]
             elif kind == "I":
-                live += recompute[s]
-                if live > peak:
-                    peak = live
-            else:
-                live -= held[s] + recompute[s]
-        step = step_ratio * sum(stages.parameter_bytes[s] for s in rank_stages)
+                peak = max(peak, live + max(loss, recompute[s] + max(temp, stages.split_kept_bytes[s] + grad[s])))
+                live += recompute[s] + grad[s]
+                on_buffers += grad[s]
+            else:  # W: weight gradients only (the first stage's W runs its whole backward)
+                if s != 0:
+                    temp = stages.largest_layer_bytes[s] if s in started else 0
+                peak = max(peak, live + temp)
+                started.add(s)
+                live -= held[s] + recompute[s] - stays
+            peak = max(peak, live)
+        step = optimizer_step_bytes(
+            step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,
+            [stages.largest_layer_bytes[s] for s in rank_stages], stages.largest_layer_bytes, per_tensor=per_tensor,
+        ) + on_buffers
         peaks.append(int(static + max(peak, step)))
     return peaks

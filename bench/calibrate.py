@@ -4,6 +4,10 @@ For each recipe: profile, plan every candidate (no pruning), pick --configs spre
 run each as a real trial (2 ranks), --passes times interleaved (medians), and compare with the simulator.
 
     python bench/calibrate.py --recipes mlp gpt cnn --configs 24 --passes 2
+
+--memory-only: peak memory alone (deterministic on the CPU stand-in: its tracker counts live tensor bytes), one
+pass of one step per configuration, step times not reported; --models adds model files (bench/models/*.py) to the
+recipes. Exits 1 when any configuration's predicted peak is off by more than --peak-tolerance (default 5 %).
 """
 
 from __future__ import annotations
@@ -65,14 +69,16 @@ def pick(planned: list, n: int) -> list:
     return list(chosen.values())[:n]
 
 
-def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, device: str) -> dict:
-    spec = load_model_file(ROOT / "recipes" / f"{recipe}.py")
+def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, device: str,
+              memory_only: bool = False) -> dict:
+    path = Path(recipe) if recipe.endswith(".py") else ROOT / "recipes" / f"{recipe}.py"
+    spec = load_model_file(path)
     check_model(spec, batch_size)
     profile = profile_model(spec, batch_size=batch_size, device=device)
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
     planned = [p for p in planned if p.candidate.data_parallel_degree == 1 and p.candidate.n_microbatches <= 64]
     configs = pick(planned, n_configs)
-    options = TrialOptions(steps=5, warmup=2, device=device)
+    options = TrialOptions(steps=1 if memory_only else 5, warmup=2, device=device)
     measured: dict[str, list] = {p.candidate.key: [] for p in configs}
     started = time.time()
     for _ in range(passes):
@@ -88,7 +94,7 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
         step = statistics.median(m.step_time_ms for m in runs)
         est = simulate(profile, p.candidate, with_timeline=False)
         peak_meas = max(max(m.peak_memory_bytes) for m in runs)
-        rows.append({"candidate": p.candidate.key, "measured_ms": step,
+        rows.append({"candidate": p.candidate.key, "candidate_dict": p.candidate.to_dict(), "measured_ms": step,
                      "runs_ms": [m.step_time_ms for m in runs], "predicted_ms": est.step_time_ms,
                      "error": (est.step_time_ms - step) / step, "measured_peak": peak_meas,
                      "predicted_peak": max(est.peak_memory_bytes),
@@ -104,7 +110,12 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     mape = statistics.fmean(abs(r["error"]) for r in rows)
     rho = spearman([r["measured_ms"] for r in rows], [r["predicted_ms"] for r in rows])
     peak_err = statistics.fmean(abs(r["peak_error"]) for r in rows)
-    return {"recipe": recipe, "batch_size": batch_size, "configs": len(rows), "mape": mape, "spearman": rho,
+    by_schedule: dict[str, list[float]] = {}
+    for r in rows:
+        by_schedule.setdefault(r["candidate"].split("/")[0], []).append(r["peak_error"])
+    return {"recipe": recipe, "batch_size": batch_size,
+            "peak_error_by_schedule": {k: [min(v), max(v)] for k, v in by_schedule.items()},
+            "profile": profile.to_dict() if memory_only else None, "configs": len(rows), "mape": mape, "spearman": rho,
             "pass_to_pass_spearman": retest,
             "peak_memory_mape": peak_err, "wall_s": time.time() - started, "rows": rows}
 
@@ -116,9 +127,18 @@ def main() -> None:
     parser.add_argument("--configs", type=int, default=24)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", nargs="*", default=[], help="model files to calibrate besides the recipes")
+    parser.add_argument("--memory-only", action="store_true", help="peak memory only: one pass of one step")
+    parser.add_argument("--peak-tolerance", type=float, default=0.05)
+    parser.add_argument("--name", default="calibration", help="results file name under bench/results/")
     args = parser.parse_args()
+    if args.memory_only:
+        args.passes = 1
     results = [calibrate(r, batch_size=args.batch_size, n_configs=args.configs, passes=args.passes,
-                         device=args.device) for r in args.recipes]
+                         device=args.device, memory_only=args.memory_only) for r in [*args.recipes, *args.models]]
+    if args.memory_only:
+        memory_only_report(results, args)
+        return
     summary = [[r["recipe"], r["configs"], r["mape"], r["spearman"], r["pass_to_pass_spearman"], r["peak_memory_mape"],
                 "met" if r["mape"] <= 0.2 and r["spearman"] >= 0.8 else "missed",
                 "met" if r["mape"] <= 0.1 and r["spearman"] >= 0.9 else "missed"] for r in results]
@@ -136,6 +156,34 @@ def main() -> None:
         ["field", "value"], [[k, v] for k, v in link.items()])
     _results.write("calibration", title="Simulator calibration: predicted vs measured", device=args.device,
                    tables=tables, data={"results": results, "link": link})
+
+
+def memory_only_report(results: list[dict], args: argparse.Namespace) -> None:
+    tolerance = args.peak_tolerance
+    missed = [(r["recipe"], x["candidate"], x["peak_error"]) for r in results for x in r["rows"]
+              if abs(x["peak_error"]) > tolerance]
+    summary = [[r["recipe"], r["configs"], r["peak_memory_mape"], min(x["peak_error"] for x in r["rows"]),
+                max(x["peak_error"] for x in r["rows"]),
+                "met" if all(abs(x["peak_error"]) <= tolerance for x in r["rows"]) else "missed"] for r in results]
+    tables = {"summary (2 ranks, peak memory only)": _results.markdown_table(
+        ["model", "configs", "peak-memory MAPE", "worst under", "worst over", f"every config within {tolerance:.0%}"],
+        summary)}
+    schedules = sorted({k for r in results for k in r["peak_error_by_schedule"]})
+    tables["peak error by schedule (min .. max over configurations)"] = _results.markdown_table(
+        ["model", *schedules],
+        [[r["recipe"], *(("{:+.1%} .. {:+.1%}".format(*r["peak_error_by_schedule"][k])
+                          if k in r["peak_error_by_schedule"] else "") for k in schedules)] for r in results])
+    for r in results:
+        tables[f"{r['recipe']}: every configuration"] = _results.markdown_table(
+            ["candidate", "measured peak B", "predicted peak B", "error"],
+            [[x["candidate"], x["measured_peak"], x["predicted_peak"], f"{x['peak_error']:+.1%}"] for x in r["rows"]])
+    _results.write(args.name, title="Simulator calibration: predicted vs measured peak memory", device=args.device,
+                   tables=tables, data={"results": results})
+    if missed:
+        print(f"{len(missed)} configuration(s) off by more than {tolerance:.0%}:", file=sys.stderr)
+        for model, key, err in missed:
+            print(f"  {model} {key}: {err:+.1%}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,64 @@ class LiveTensorBytes(TorchDispatchMode):
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+            self._new_peak()
             if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
                 raise MemoryLimitExceeded(self.live_bytes, self.limit_bytes)
 
+    def _new_peak(self) -> None:
+        """Called at each new high-water mark (PeakBreakdown looks at what is alive)."""
+
     def _free(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)
+
+
+class PeakBreakdown(LiveTensorBytes):
+    """LiveTensorBytes that also says what was alive at the peak, by kind: a debugging aid (bench/memory_breakdown.py),
+    slow (it looks at every live storage at each new high-water mark), never used by trials.
+
+    kinds() names the storages the caller knows (parameters, gradients, optimizer state, receive buffers, ...): a
+    mapping kind -> their storages' data_ptr()s, asked at each new peak; the first kind wins for a storage in
+    several. Every other storage
+    is "other:<op> in <phase>", the operator that created it and the phase it ran in (or "other:before" when it
+    was alive at entry). `phase` is the
+    caller's label for what is running (an action, the optimizer step); `breakdown` and `peak_phase` are the
+    bytes per kind and the phase at the peak."""
+
+    def __init__(self, kinds: Callable[[], dict[str, Iterable[int]]], limit_bytes: int | None = None) -> None:
+        self._kinds = kinds
+        self._op = "before"
+        self._origin: dict[int, tuple[int, str]] = {}
+        """storage key -> (data_ptr, the operator that created it and the phase then)."""
+        self.phase = "before"
+        self.peak_phase = "before"
+        self.breakdown: dict[str, int] = {}
+        super().__init__(limit_bytes)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._op = str(getattr(func, "__name__", func))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if id(storage) not in self._live:
+            self._origin[id(storage)] = (storage.data_ptr(), f"{self._op} in {self.phase}")
+        super()._track(tensor)
+
+    def _new_peak(self) -> None:
+        kind_of: dict[int, str] = {}
+        for kind, pointers in self._kinds().items():
+            for ptr in pointers:
+                kind_of.setdefault(ptr, kind)
+        breakdown: dict[str, int] = {}
+        for key, nbytes in self._live.items():
+            ptr, op = self._origin.get(key, (0, "before"))
+            kind = kind_of.get(ptr, f"other:{op}") if ptr else f"other:{op}"
+            breakdown[kind] = breakdown.get(kind, 0) + nbytes
+        self.breakdown = breakdown
+        self.peak_phase = self.phase
 
 
 class SavedActivationBytes:
