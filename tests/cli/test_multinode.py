@@ -89,7 +89,9 @@ def test_a_search_over_two_nodes_names_the_node_of_a_failing_or_hung_rank(tmp_pa
     config = yaml.safe_load((tmp_path / "autotune.yaml").read_text())
     assert (config["nodes"], config["gpus_per_node"], config["gpus"]) == (2, 1, 2)
     launched = [r for r in records(tmp_path) if r.launched]
-    assert len(launched) == 5
+    # the two faulty trials and at least one that ran; how many more depends on the profile (on a loaded machine
+    # every other proposal can be predicted too slow and pruned, which ends the search early)
+    assert 3 <= len(launched) <= 5
     raised, hung, *ok = launched
     assert raised.outcome == "error" and raised.reason.startswith("node 1 rank 1: ValueError: boom from global rank 1")
     assert hung.outcome == "timeout" and "node 1 rank 1 hung outside torch.distributed" in hung.reason
