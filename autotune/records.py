@@ -48,7 +48,8 @@ class TrialRecord:
     predicted_peak_memory_bytes: tuple[int, ...] = ()
     """The simulator's peak memory per pipeline rank."""
     phase: str = "explore"
-    """seed (from the planner), explore (from the sampler), remeasure, incumbent, default."""
+    """seed (from the planner), explore (from the sampler), remeasure, incumbent, default, rank-order (a seed in the
+    other rank order)."""
     launched: bool = False
     """A real run was started for it."""
     wall_time_s: float = 0.0

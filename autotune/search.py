@@ -30,6 +30,7 @@ from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
+from autotune.placement import RankOrder
 from autotune.plan import PlannedCandidate
 from autotune.records import (
     Leader,
@@ -316,19 +317,24 @@ class _Engine:
     # --- phases --------------------------------------------------------------------------------------------------
 
     def seed(self, planned: Sequence[PlannedCandidate], default: Candidate | None) -> None:
-        """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates."""
+        """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates. Where a layout
+        spans nodes with pipelines and replicas, the planner's best such candidate comes first, in both rank orders
+        (phase "rank-order", not pruned by prediction): the planner chose its order by a link model, the search
+        measures both."""
         seeds: list[tuple[Candidate, str]] = []
         if default is not None:
             seeds.append((default, "default"))
         if self.options.incumbent is not None:
             seeds.append((self.options.incumbent, "incumbent"))
         n_seeds = max(2, self.options.n_trials // 3)
-        fixed = len(seeds)
-        for p in planned:  # the planner's best that this search can ask (its layouts, schedules, choices)
-            if len(seeds) - fixed >= n_seeds:
-                break
-            if p.estimate.feasible and self.space.params_for(p.candidate) is not None:
-                seeds.append((p.candidate, "seed"))
+        askable = [p.candidate for p in planned if p.estimate.feasible and self.space.params_for(p.candidate)]
+        spanning = next((c for c in askable if self.space.orders_matter(c.pipeline_degree, c.data_parallel_degree)),
+                        None)
+        if spanning is not None:
+            other: RankOrder = "dp-inner" if spanning.rank_order == "pp-inner" else "pp-inner"
+            seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]
+        # the planner's best that this search can ask (its layouts, schedules, choices)
+        seeds += [(c, "seed") for c in askable[:n_seeds]]
         seen: set[str] = set()
         for candidate, phase in seeds:
             params = self.space.params_for(candidate)
@@ -397,7 +403,7 @@ class _Engine:
         if limit is not None and not estimate.feasible:
             peak = max(estimate.peak_memory_bytes)
             return f"predicted peak {format_bytes(peak)} > limit {format_bytes(limit)}"
-        if phase in ("default", "incumbent", "remeasure"):
+        if phase in ("default", "incumbent", "remeasure", "rank-order"):
             return None
         best = self.best_record()
         if best is None or best.candidate is None:

@@ -311,3 +311,32 @@ def test_a_worker_joining_a_study_chooses_by_its_own_side_by_side_reruns(spec, t
     assert second.best.candidate != fastest  # on b's machine another leader is faster
     b_runs = {r.candidate.key: r.step_time_ms for r in remeasured}
     assert second.best.step_time_ms == min(b_runs.values())  # its step time is b's own measurement
+
+
+def test_the_rank_order_is_a_parameter_only_where_the_layout_spans_nodes():
+    p = profile()
+    space = SearchSpace(p, SearchOptions(gpus=4, batch_size=32, gpus_per_node=2))
+    planned = plan(p, gpus=4, batch_size=32, memory_limit_bytes=None, gpus_per_node=2)
+    orders = {pc.candidate.rank_order for pc in planned if pc.candidate.data_parallel_degree == 2}  # pp 2 x dp 2
+    assert orders == {"pp-inner", "dp-inner"}  # the planner ranks both at pp 2 x dp 2 over two nodes of 2
+    for c in (pc.candidate for pc in planned):
+        params = space.params_for(c)
+        assert params is not None and space.suggest(optuna.trial.FixedTrial(params)) == c
+        assert ("rank_order" in params) == (c.pipeline_degree == c.data_parallel_degree == 2)
+    one_node = SearchSpace(p, SearchOptions(gpus=4, batch_size=32))
+    dp_inner = next(pc.candidate for pc in planned if pc.candidate.rank_order == "dp-inner")
+    assert one_node.params_for(dp_inner) is None  # on one node dp-inner is the same run as pp-inner: not asked
+    assert "rank_order" not in one_node.params_for(replace(dp_inner, rank_order="pp-inner"))
+
+
+def test_a_search_over_two_nodes_measures_both_rank_orders(spec, tmp_path):
+    p = profile()
+    opts = SearchOptions(gpus=4, batch_size=32, n_trials=4, seed=1, gpus_per_node=2, layouts=((2, 2),))
+    planned = plan(p, gpus=4, batch_size=32, memory_limit_bytes=None, gpus_per_node=2, layouts=((2, 2),))
+    runner = SimulatedRunner()
+    result = run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}",
+                        runner=runner)
+    assert {c.rank_order for c in runner.calls} == {"pp-inner", "dp-inner"}
+    first, twin = [r for r in result.records if r.phase == "rank-order"]  # the planner's best, in both orders
+    assert first.launched and twin.launched and first.candidate == planned[0].candidate
+    assert twin.candidate == replace(first.candidate, rank_order=twin.candidate.rank_order) != first.candidate
