@@ -48,7 +48,8 @@ class TrialRecord:
     predicted_peak_memory_bytes: tuple[int, ...] = ()
     """The simulator's peak memory per pipeline rank."""
     phase: str = "explore"
-    """seed (from the planner), explore (from the sampler), remeasure, incumbent, default."""
+    """seed (from the planner), explore (from the sampler), remeasure, incumbent, default, rank-order (a seed in the
+    other rank order)."""
     launched: bool = False
     """A real run was started for it."""
     wall_time_s: float = 0.0
@@ -125,6 +126,11 @@ class SearchResult:
     """The rule-of-thumb candidate the report compares against."""
     setup: Mapping[str, Any] = field(default_factory=dict)
     """What the search was asked (model, gpus, batch_size, memory_limit_bytes, device, n_trials, seed), as stored."""
+    workers: tuple[WorkerRuns, ...] = ()
+    """A study several searches launched runs in: what each measured on its own hardware; empty for one search."""
+    chosen_by: str | None = None
+    """The worker whose side-by-side re-runs of the leaders chose `best`; None: the median over every run of the
+    study (every worker's together when several launched runs)."""
 
     @property
     def feasible(self) -> int:
@@ -143,6 +149,8 @@ class SearchResult:
         interrupted: bool = False,
         default: Candidate | None = None,
         setup: Mapping[str, Any] | None = None,
+        workers: Sequence[WorkerRuns] = (),
+        chosen_by: str | None = None,
     ) -> SearchResult:
         """The result with what summarize found."""
         return cls(
@@ -159,7 +167,69 @@ class SearchResult:
             too_noisy=summary.too_noisy,
             default=default,
             setup=dict(setup or {}),
+            workers=tuple(workers),
+            chosen_by=chosen_by,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRuns:
+    """What one search of a shared study measured, on its own hardware (its runs only)."""
+
+    worker: str
+    """--worker of the search."""
+    host: str | None
+    """The host it ran on, as it registered in the study; None when not recorded."""
+    launched: int
+    """Real runs it launched."""
+    ok: int
+    """Of those, runs that finished ok."""
+    remeasured: int
+    """Of those, side-by-side re-runs of the study's leaders (phase remeasure)."""
+    leaders: tuple[Leader, ...]
+    """Candidates it ran ok, fastest median of its own runs first."""
+    choice: Candidate | None
+    """The fastest median of its side-by-side re-runs, when it re-ran two or more leaders ok (what its search
+    chooses once other workers ran in the study); None otherwise."""
+
+
+Entry = tuple[TrialRecord, Measurement | None]
+"""A stored trial's record and, for a real run, its measurement."""
+
+
+def remeasured_by(entries: Sequence[Entry], worker: str) -> dict[str, list[Measurement]]:
+    """The runs `worker` took when it re-measured the leaders side by side, by candidate key."""
+    runs: dict[str, list[Measurement]] = {}
+    for record, run in entries:
+        if run is not None and record.phase == "remeasure" and record.worker == worker:
+            runs.setdefault(run.candidate.key, []).append(run)
+    return runs
+
+
+def workers_of(entries: Sequence[Entry], hosts: Mapping[str, str] | None = None) -> tuple[WorkerRuns, ...]:
+    """Per worker that launched runs, in order of its first launch, what it measured; empty when fewer than two
+    workers launched runs (a study of one search)."""
+    names = list(dict.fromkeys(r.worker for r, _ in entries if r.launched and r.worker is not None))
+    if len(names) < 2:
+        return ()
+    found = []
+    for name in names:
+        own = [(r, run) for r, run in entries if r.launched and r.worker == name]
+        runs: dict[str, list[Measurement]] = {}
+        for _, run in own:
+            if run is not None:
+                runs.setdefault(run.candidate.key, []).append(run)
+        side_by_side = leaders_of(remeasured_by(entries, name))
+        found.append(WorkerRuns(
+            worker=name,
+            host=(hosts or {}).get(name),
+            launched=len(own),
+            ok=sum(1 for r, _ in own if r.outcome == "ok"),
+            remeasured=sum(1 for r, _ in own if r.phase == "remeasure"),
+            leaders=tuple(leaders_of(runs)),
+            choice=side_by_side[0].candidate if len(side_by_side) >= 2 else None,
+        ))
+    return tuple(found)
 
 
 def summarize(records: Sequence[TrialRecord], runs: Mapping[str, Sequence[Measurement]]) -> Summary:

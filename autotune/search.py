@@ -30,6 +30,7 @@ from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
+from autotune.placement import RankOrder
 from autotune.plan import PlannedCandidate
 from autotune.records import (
     Leader,
@@ -39,11 +40,12 @@ from autotune.records import (
     leaders_of,
     predicted_attrs,
     record_from_attrs,
+    remeasured_by,
     summarize,
 )
 from autotune.schedules import Schedule
 from autotune.search_space import SearchSpace
-from autotune.shared_study import SharedStudy, load_records, open_shared_study
+from autotune.shared_study import SharedStudy, load_entries, load_records, load_workers, open_shared_study
 from autotune.simulate import Estimate, LinkModel, Predictor
 from autotune.study_storage import (
     GRACE_PERIOD_S,
@@ -211,10 +213,12 @@ def run_search(
     shared.refresh()
     summary = summarize(engine.records, engine.runs)
     side_by_side = shared.remeasured_here()
+    chosen_by = None
     if shared.shared_by_others() and len(leaders_of(side_by_side)) >= 2:
         # Several workers' runs: the leaders come from the whole study, the choice from the runs this worker took of
         # them side by side on its own hardware (another worker's machine may be faster or noisier).
         summary = summarize(engine.records, side_by_side)
+        chosen_by = shared.owner.worker
         reporter.phase(f"choosing among the {len(summary.leaders)} leaders by this worker's side-by-side re-runs")
     return SearchResult.of(
         summary,
@@ -226,6 +230,8 @@ def run_search(
         interrupted=interrupted,
         default=default,
         setup=setup,
+        workers=shared.workers(),
+        chosen_by=chosen_by,
     )
 
 
@@ -315,19 +321,24 @@ class _Engine:
     # --- phases --------------------------------------------------------------------------------------------------
 
     def seed(self, planned: Sequence[PlannedCandidate], default: Candidate | None) -> None:
-        """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates."""
+        """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates. Where a layout
+        spans nodes with pipelines and replicas, the planner's best such candidate comes first, in both rank orders
+        (phase "rank-order", not pruned by prediction): the planner chose its order by a link model, the search
+        measures both."""
         seeds: list[tuple[Candidate, str]] = []
         if default is not None:
             seeds.append((default, "default"))
         if self.options.incumbent is not None:
             seeds.append((self.options.incumbent, "incumbent"))
         n_seeds = max(2, self.options.n_trials // 3)
-        fixed = len(seeds)
-        for p in planned:  # the planner's best that this search can ask (its layouts, schedules, choices)
-            if len(seeds) - fixed >= n_seeds:
-                break
-            if p.estimate.feasible and self.space.params_for(p.candidate) is not None:
-                seeds.append((p.candidate, "seed"))
+        askable = [p.candidate for p in planned if p.estimate.feasible and self.space.params_for(p.candidate)]
+        spanning = next((c for c in askable if self.space.orders_matter(c.pipeline_degree, c.data_parallel_degree)),
+                        None)
+        if spanning is not None:
+            other: RankOrder = "dp-inner" if spanning.rank_order == "pp-inner" else "pp-inner"
+            seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]
+        # the planner's best that this search can ask (its layouts, schedules, choices)
+        seeds += [(c, "seed") for c in askable[:n_seeds]]
         seen: set[str] = set()
         for candidate, phase in seeds:
             params = self.space.params_for(candidate)
@@ -401,7 +412,7 @@ class _Engine:
         if limit is not None and not estimate.feasible:
             peak = max(estimate.peak_memory_bytes)
             return f"predicted peak {format_bytes(peak)} > limit {format_bytes(limit)}"
-        if phase in ("default", "incumbent", "remeasure"):
+        if phase in ("default", "incumbent", "remeasure", "rank-order"):
             return None
         best = self.best_record()
         if best is None or best.candidate is None:
@@ -528,10 +539,16 @@ class _Engine:
         return leaders_of(self.runs)
 
 
-def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
+def load_search(
+    storage: str, study_name: str, *, worker: str | None = None, config: Candidate | None = None
+) -> tuple[SearchResult, Profile]:
     """A finished (or interrupted) search as stored: its result (with the setup it stored: model, gpus, batch_size,
     memory_limit_bytes, device, n_trials, seed) and the profile it planned with. For `autotune report`. A storage
-    that cannot be opened or read is a StorageError (exit 2); anything else from it is a bug."""
+    that cannot be opened or read is a StorageError (exit 2); anything else from it is a bug.
+
+    A study several workers launched runs in: the choice is the one `worker`'s search made (its side-by-side
+    re-runs of the leaders, when it took them of two or more), else that of the worker whose side-by-side choice is
+    `config` (the config being reported on), else the median over every run of the study."""
     opened = open_storage(storage)
     try:
         study = optuna.load_study(study_name=study_name, storage=opened.rdb)
@@ -546,8 +563,23 @@ def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
         raise UsageError(f"study {study_name!r} was not written by autotune search (it has no profile)")
     profile = Profile.from_dict(study.user_attrs["profile"])
     setup = dict(study.user_attrs.get("setup", {}))
-    records, runs = load_records(study)
-    summary = summarize(records, runs)
+    entries = load_entries(study)
+    records = [record for record, _ in entries]
+    runs: dict[str, list[Measurement]] = {}
+    for _, run in entries:
+        if run is not None:
+            runs.setdefault(run.candidate.key, []).append(run)
+    workers = load_workers(study, entries)
+    summary, chosen_by = summarize(records, runs), None
+    names = [w.worker for w in workers]
+    if worker is not None and workers and worker not in names:
+        raise UsageError(f"no worker {worker!r} launched runs in study {study_name!r}; its workers: "
+                         f"{', '.join(names)}")
+    by = worker if worker is not None else next((w.worker for w in workers if config and w.choice == config), None)
+    if by is not None and workers:
+        side_by_side = remeasured_by(entries, by)
+        if len(leaders_of(side_by_side)) >= 2:
+            summary, chosen_by = summarize(records, side_by_side), by
     best = summary.best
     estimate = Predictor.of_setup(profile, setup)(best.candidate) if best else None
     result = SearchResult.of(
@@ -559,5 +591,7 @@ def load_search(storage: str, study_name: str) -> tuple[SearchResult, Profile]:
         wall_time_s=sum(r.wall_time_s for r in records),
         default=rule_of_thumb(profile.n_layers, int(setup.get("gpus", 1)), int(setup.get("batch_size", 1))),
         setup=setup,
+        workers=workers,
+        chosen_by=chosen_by,
     )
     return result, profile

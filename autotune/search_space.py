@@ -4,7 +4,8 @@ uniform one) with each stage boundary shifted by a few layers.
 Only combinations that can run are asked: the schedules a layout offers, and the micro-batch counts a schedule
 accepts at that layout, are each a parameter of their own (Optuna's categorical choices cannot change between
 trials), so the sampler never spends a trial on an invalid one. Equivalent runs are asked once: at pp = 1 only 1F1B
-(not GPipe, the same run), no wire dtype (nothing crosses a rank) and no split."""
+(not GPipe, the same run), no wire dtype (nothing crosses a rank) and no split; the rank order (pp-inner, dp-inner:
+autotune.placement) only where it changes what crosses nodes (a pipeline and replicas spanning nodes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from autotune.costs import Profile
 from autotune.errors import InvalidCandidateError
 from autotune.layouts import layout_choices
 from autotune.partition import balanced_split
+from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import Schedule, default_stages_per_rank
 
 if TYPE_CHECKING:
@@ -32,7 +34,8 @@ class SearchSpace:
 
     Parameters: layout ("pp2xdp1"); schedule_<layout> (the schedules that run there); n_microbatches_<layout>_<schedule>
     (the counts that schedule accepts there); with more than one stage, split base (balanced | uniform) and one shift
-    per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1, wire dtype."""
+    per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1, wire dtype; where the
+    layout spans nodes with pp > 1 and dp > 1, rank_order."""
 
     def __init__(self, profile: Profile, options: SearchOptions) -> None:
         self.profile = profile
@@ -82,6 +85,9 @@ class SearchSpace:
                 for j in range(1, n_stages)
             ]
         checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
+        order: RankOrder = "pp-inner"
+        if self.orders_matter(pp, dp):
+            order = cast(RankOrder, trial.suggest_categorical("rank_order", list(RANK_ORDERS)))
         wire: WireDtype = "float32"
         if pp > 1:
             wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
@@ -96,10 +102,15 @@ class SearchSpace:
             layers_per_stage=self._split_base(base_name, schedule, pp, dp, m, n_stages, checkpointing),
             activation_checkpointing=checkpointing,
             wire_dtype=wire,
+            rank_order=order,
         )
         candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
         candidate.validate(self.n_layers)
         return candidate
+
+    def orders_matter(self, pp: int, dp: int) -> bool:
+        """The rank order is a parameter at this layout: its pipelines and replicas span nodes."""
+        return order_matters(pp, dp, self.options.gpus_per_node)
 
     def _split_base(
         self, name: str, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, checkpointing: bool
@@ -118,6 +129,7 @@ class SearchSpace:
             or candidate.activation_checkpointing not in self.options.checkpointing
             or (pp > 1 and candidate.wire_dtype not in self.options.wire_dtypes)
             or (pp == 1 and candidate.wire_dtype != "float32")
+            or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp))
         ):
             return None
         layout = self._layout_name(pp, dp)
@@ -129,6 +141,8 @@ class SearchSpace:
         }
         if pp > 1:
             params["wire_dtype"] = candidate.wire_dtype
+        if self.orders_matter(pp, dp):
+            params["rank_order"] = candidate.rank_order
         n_stages = candidate.n_stages
         if n_stages == 1:
             return params

@@ -18,7 +18,7 @@ import optuna
 
 from autotune.candidate import Measurement
 from autotune.errors import UsageError
-from autotune.records import TrialRecord, TrialState, record_from_attrs
+from autotune.records import Entry, TrialRecord, TrialState, WorkerRuns, record_from_attrs, remeasured_by, workers_of
 from autotune.study_storage import GRACE_PERIOD_S, Owner, StudyStorage, reap_stale
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,11 @@ class SharedStudy:
 
     def remeasured_here(self) -> dict[str, list[Measurement]]:
         """The real runs this worker took when it re-measured the leaders side by side, by candidate key."""
-        runs: dict[str, list[Measurement]] = {}
-        for record, run in self._entries:
-            if run is not None and record.phase == "remeasure" and record.worker == self.owner.worker:
-                runs.setdefault(run.candidate.key, []).append(run)
-        return runs
+        return remeasured_by(self._entries, self.owner.worker)
+
+    def workers(self) -> tuple[WorkerRuns, ...]:
+        """What each worker that launched runs measured (empty while only one did)."""
+        return workers_of(self._entries, _hosts(self.study))
 
     def ask(self, params: dict[str, Any] | None = None, *, phase: str | None = None) -> optuna.Trial:
         """A new trial owned by this worker; with params, the trial that tries exactly them (queued and asked under
@@ -207,14 +207,28 @@ def record_and_run(frozen: optuna.trial.FrozenTrial) -> tuple[TrialRecord, Measu
     return record, run
 
 
+def load_entries(study: optuna.Study) -> list[Entry]:
+    """Every asked trial of a study as a record, with its measurement when it was a real run. Trials enqueued but
+    never asked (WAITING: seeds or re-measurements a budget or Ctrl-C cut short) are not trials yet."""
+    return [record_and_run(frozen) for frozen in study.get_trials(deepcopy=False, states=tuple(_STATES))]
+
+
 def load_records(study: optuna.Study) -> tuple[list[TrialRecord], dict[str, list[Measurement]]]:
-    """Every asked trial of a study as a record, and every real run's measurement grouped by candidate. Trials
-    enqueued but never asked (WAITING: seeds or re-measurements a budget or Ctrl-C cut short) are not trials yet."""
-    records: list[TrialRecord] = []
+    """Every asked trial of a study as a record (load_entries), and every real run's measurement grouped by
+    candidate."""
+    entries = load_entries(study)
     runs: dict[str, list[Measurement]] = {}
-    for frozen in study.get_trials(deepcopy=False, states=tuple(_STATES)):
-        record, run = record_and_run(frozen)
-        records.append(record)
+    for _, run in entries:
         if run is not None:
             runs.setdefault(run.candidate.key, []).append(run)
-    return records, runs
+    return [record for record, _ in entries], runs
+
+
+def load_workers(study: optuna.Study, entries: list[Entry]) -> tuple[WorkerRuns, ...]:
+    """What each worker of a stored study measured (empty for a study of one search)."""
+    return workers_of(entries, _hosts(study))
+
+
+def _hosts(study: optuna.Study) -> dict[str, str]:
+    workers = study.user_attrs.get("workers") or {}
+    return {str(name): str(info.get("host")) for name, info in workers.items() if isinstance(info, dict)}

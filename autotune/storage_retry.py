@@ -225,6 +225,10 @@ def chain(exc: BaseException) -> list[BaseException]:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The driver's own message at the root of exc (what the server or the socket said)."""
-    root = chain(exc)[-1]
-    return first_line(getattr(root, "orig", None) or root).split(" [SQL: ", 1)[0]
+    """The driver's own message under exc (what the server or the socket said): SQLAlchemy's first wrapped driver
+    error, else the deepest exception with a message (past SQLAlchemy's own pool bookkeeping)."""
+    found = chain(exc)
+    root = next((e.orig for e in found if isinstance(getattr(e, "orig", None), BaseException)), None)
+    if root is None:
+        root = next((e for e in reversed(found) if first_line(e).strip("() ")), found[0])
+    return first_line(root).split(" [SQL: ", 1)[0]

@@ -27,13 +27,19 @@ def report_command(
         typer.Option(help="Optuna storage URL of the study; overrides the config's (whose password is masked)."),
     ] = None,
     study_name: Annotated[str | None, typer.Option(help="The study's name; overrides the config's.")] = None,
+    worker: Annotated[
+        str | None,
+        typer.Option(help="A study several searches shared: report the choice this worker's search made (from its "
+                     "side-by-side re-runs). Default: the worker whose choice CONFIG holds, else every run."),
+    ] = None,
     report_dir: Annotated[Path, typer.Option(help="Where to write report.md, figures/ and report.html.")] = Path(
         "autotune-report"
     ),
 ) -> None:
     """Rebuild the report of a search from its study: report.md with figures/*.png beside it, and one self-contained
     report.html (figures inlined, opens offline). It says which config was chosen, by how much it beats the
-    rule-of-thumb default and why, with every trial, the warnings that apply and the exports.
+    rule-of-thumb default and why, with every trial, the warnings that apply and the exports. A study several
+    searches shared gets a section per worker (what each measured on its own hardware) and says which runs chose.
 
     Example: `autotune report autotune.yaml --report-dir autotune-report` or
     `autotune report --storage sqlite:///.autotune/mlp-cpu-g2-b256.db --study-name mlp-cpu-g2-b256`
@@ -45,7 +51,7 @@ def report_command(
         from autotune.report.source import load_study, locate_study
 
         source = locate_study(config, storage, study_name)
-        result, profile = load_study(source)
+        result, profile = load_study(source, worker)
         spec = None
         model = Path(str(result.setup.get("model") or profile.model or ""))
         if model.name and model.is_file():

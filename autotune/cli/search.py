@@ -243,6 +243,7 @@ def search_summary(outcome: Any) -> dict[str, Any]:
         "launched": result.launched,
         "worker": outcome.worker,
         "launched_by_worker": outcome.launched_by_worker,
+        "chosen_by": result.chosen_by,
         "feasible": result.feasible,
         "pruned": sum(1 for r in result.records if r.outcome == "pruned"),
         "wall_time_s": result.wall_time_s,

@@ -75,6 +75,8 @@ def build_document(facts: ReportFacts, figures: Sequence[FigureImage]) -> list[B
         blocks += [Callout(w.title, w.text) for w in facts.warnings]
     if facts.why:
         blocks += [Heading(2, "Why this configuration"), Bullets(facts.why)]
+    if facts.result.workers:
+        blocks += [Heading(2, "Workers"), *_workers(facts)]
     if figures:
         blocks.append(Heading(2, "Figures"))
         for figure in figures:
@@ -166,6 +168,45 @@ _STATUS = {"ok": "ok", "oom": "**oom**", "error": "**error**", "timeout": "**tim
            "interrupted": "**interrupted**", "duplicate": "repeat"}
 
 
+def _workers(facts: ReportFacts) -> list[Block]:
+    """A study several searches shared: which runs chose the config, and what each worker measured on its own
+    hardware (its medians are of its own runs only: machines are not mixed)."""
+    result = facts.result
+    if result.chosen_by is not None:
+        trials = [r.number for r in result.records
+                  if r.launched and r.phase == "remeasure" and r.worker == result.chosen_by]
+        shown = ", ".join(f"#{n}" for n in trials[:12]) + (", ..." if len(trials) > 12 else "")
+        basis = (f"The configuration was chosen by worker **{result.chosen_by}**'s side-by-side re-runs of the "
+                 f"leaders (trials {shown}), taken close together on its own hardware; the other workers' runs "
+                 f"found the leaders but did not decide.")
+    else:
+        basis = ("The configuration was chosen by the median over **every run of the study, every worker's "
+                 "together**: their hardware may differ. `autotune report --worker NAME` reports the choice one "
+                 "worker's search made from its own side-by-side re-runs.")
+    rows, highlight = [], []
+    for w in result.workers:
+        fastest = w.leaders[0] if w.leaders else None
+        if w.worker == result.chosen_by:
+            highlight.append(len(rows))
+        rows.append((
+            w.worker,
+            w.host or "-",
+            str(w.launched),
+            str(w.ok),
+            str(w.remeasured),
+            f"`{fastest.candidate.key}`" if fastest else "-",
+            f"{fastest.step_time_ms:.1f} ({len(fastest.step_times_ms)})" if fastest else "-",
+            f"`{w.choice.key}`" if w.choice else "- (fewer than 2 leaders re-run)",
+        ))
+    intro = (f"{len(result.workers)} searches (workers) launched runs in this study. Per worker, from its own runs "
+             f"only: its fastest configuration and that configuration's median step time (and its run count), and "
+             f"what its side-by-side re-runs of the leaders chose.")
+    header = ("worker", "host", "launched", "ok", "side-by-side re-runs", "its fastest", "step ms (runs)",
+              "its side-by-side choice")
+    align: tuple[Align, ...] = ("left", "left", "right", "right", "right", "left", "right", "left")
+    return [Paragraph(basis), Paragraph(intro), Table(header, tuple(rows), align, tuple(highlight))]
+
+
 def _trials(facts: ReportFacts) -> list[Block]:
     result = facts.result
     chosen = facts.chosen.candidate if facts.chosen else None
@@ -189,23 +230,29 @@ def _trials(facts: ReportFacts) -> list[Block]:
         first.setdefault(key, len(rows))
         if chosen is not None and r.candidate == chosen:
             highlight.append(len(rows))
-        rows.append(list(_trial_row(r)))
+        row = list(_trial_row(r))
+        if result.workers:
+            row.insert(2, r.worker or "-")
+        rows.append(row)
     for row, numbers in folded.items():
         shown = ", ".join(f"#{n}" for n in numbers[:8]) + (", ..." if len(numbers) > 8 else "")
-        rows[row][3] += f" (+{len(numbers)} asked again, not launched: {shown})"
+        rows[row][4 if result.workers else 3] += f" (+{len(numbers)} asked again, not launched: {shown})"
     n_folded = sum(len(numbers) for numbers in folded.values())
     launched = sum(1 for r in result.records if r.launched)
     intro = (
         f"{len(result.records)} trials: {launched} launched as real runs, the rest pruned by the simulator or "
         f"repeats of a configuration already measured. *phase*: default (the rule of thumb), seed (the planner's "
-        f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config)."
+        f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config), "
+        f"rank-order (the planner's best over nodes, in both rank orders)."
         + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
     )
-    header = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory", "predicted samples/s",
-              "reason")
+    header: tuple[str, ...] = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory",
+                               "predicted samples/s", "reason")
     align: tuple[Align, ...] = ("right", "left", "left", "left", "right", "right", "right", "right", "left")
+    if result.workers:  # which search ran each trial
+        header, align = (*header[:2], "worker", *header[2:]), (*align[:2], "left", *align[2:])
     return [Paragraph(intro), Table(header, tuple(tuple(row) for row in rows), align, tuple(highlight))]
 
 

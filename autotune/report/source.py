@@ -44,12 +44,18 @@ def locate_study(config_path: Path | None, storage: str | None, study_name: str 
     return StudySource(storage=_local_sqlite(url, config_path), study_name=name, config_path=config_path)
 
 
-def load_study(source: StudySource) -> tuple[SearchResult, Profile]:
+def load_study(source: StudySource, worker: str | None = None) -> tuple[SearchResult, Profile]:
     """load_search: a storage that cannot be opened (bad URL, no driver, unreachable database) or a study that is
-    not there is the user's error (StorageError / UsageError, exit 2, masked URL); anything else is a bug (exit 1)."""
+    not there is the user's error (StorageError / UsageError, exit 2, masked URL); anything else is a bug (exit 1).
+    A shared study's choice is worker's, else that of the worker whose choice the config holds."""
     from autotune.search import load_search  # Optuna: only this reads a storage
 
-    return load_search(source.storage, source.study_name)
+    config = None
+    if source.config_path is not None:
+        from autotune.config_file import load_config
+
+        config = load_config(source.config_path).candidate
+    return load_search(source.storage, source.study_name, worker=worker, config=config)
 
 
 def _local_sqlite(url: str, config_path: Path | None) -> str:

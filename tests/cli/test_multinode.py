@@ -61,9 +61,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def two_nodes(model_file: Path, folder: Path, *args: str) -> list[subprocess.Popen[str]]:
+def two_nodes(model_file: Path, folder: Path, *args: str, per_node: int = 1) -> list[subprocess.Popen[str]]:
     port = free_port()
-    search = ["search", str(model_file), "--gpus", "2", "--gpus-per-node", "1", "--device", "cpu", "--batch-size", "64",
+    search = ["search", str(model_file), "--gpus", str(2 * per_node), "--gpus-per-node", str(per_node), "--device",
+              "cpu", "--batch-size", "64",
               "--steps", "2", "--warmup", "1", "--storage", f"sqlite:///{folder / 'study.db'}", "--study-name", "s",
               "--output", str(folder / "autotune.yaml"), "--report-dir", str(folder / "report"), *args]
     return [
@@ -159,3 +160,16 @@ def test_killing_node_1_ends_node_0_with_one_line_a_resumable_study_and_no_orpha
     for p, (_, err) in zip(again, [p.communicate(timeout=300) for p in again], strict=True):
         assert p.returncode == 0, err[-3000:]
     assert len([r for r in records(tmp_path) if r.launched]) > before  # the study went on
+
+
+def test_a_search_over_two_nodes_of_two_ranks_measures_both_rank_orders(tmp_path: Path) -> None:
+    # pp 2 x dp 2 over two nodes of 2: pp-inner keeps each pipeline in a node, dp-inner each stage's replicas. The
+    # planner's best such candidate is run in both orders right after the default (4 ranks: the smallest case).
+    nodes = two_nodes(RECIPES / "mlp.py", tmp_path, "--trials", "4", per_node=2)
+    outputs = [p.communicate(timeout=300) for p in nodes]
+    for p, (_, err) in zip(nodes, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    pair = [r for r in records(tmp_path) if r.phase == "rank-order"]
+    assert [r.outcome for r in pair] == ["ok", "ok"], [r.reason for r in pair]
+    assert {r.candidate.rank_order for r in pair} == {"pp-inner", "dp-inner"}
+    assert {(r.candidate.pipeline_degree, r.candidate.data_parallel_degree) for r in pair} == {(2, 2)}

@@ -121,3 +121,31 @@ def test_unwritable_report_dir_exits_2(study, tmp_path):
                               "--report-dir", str(blocker / "report")])
     assert run.exit_code == 2
     assert "--report-dir" in run.stderr
+
+
+def test_a_shared_studys_report_says_per_worker_what_it_measured_and_which_runs_chose(tmp_path):
+    from autotune.model_file import load_model_file
+    from autotune.plan import plan
+    from autotune.search import SearchOptions, run_search
+    from tests.fakes import SimulatedRunner
+    from tests.unit.test_report import RECIPES, make_profile
+
+    profile, spec = make_profile(), load_model_file(RECIPES / "mlp.py")
+    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=LIMIT)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    for worker, resume in (("a", False), ("b", True)):
+        options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1, memory_limit_bytes=LIMIT, worker=worker,
+                                resume=resume)
+        last = run_search(spec, profile, planned, options, study_name="s", storage=url, runner=SimulatedRunner())
+    assert last.chosen_by == "b"
+    out = tmp_path / "out"
+    run = runner.invoke(app, ["report", "--storage", url, "--study-name", "s", "--worker", "b", "--report-dir",
+                              str(out)])
+    assert run.exit_code == 0, run.output
+    report = " ".join((out / "report.md").read_text().split())
+    assert "## Workers" in report and "chosen by worker **b**'s side-by-side re-runs of the leaders" in report
+    assert "| a |" in report and "| b |" in report
+    run = runner.invoke(app, ["report", "--storage", url, "--study-name", "s", "--report-dir", str(out)])
+    assert run.exit_code == 0 and "every worker's together" in (out / "report.md").read_text()
+    run = runner.invoke(app, ["report", "--storage", url, "--study-name", "s", "--worker", "c"])
+    assert run.exit_code == 2 and "no worker 'c' launched runs in study 's'; its workers: a, b" in run.output

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy
 
 from autotune.storage_retry import RETRY_ENV
+from autotune.study_storage import storage_lock
 from tests import pg
 from tests.conftest import RECIPES
 
-BUDGET = 3
+BUDGET = 2  # the fewest --trials allows: each worker is still under way when the server goes
 STUDY = "blink"
 
 
@@ -80,21 +82,26 @@ def wait_for(condition: Callable[[], bool], what: str, workers: list[Worker], ti
         time.sleep(0.1)
 
 
-def searching(url: str, names: set[str]) -> Callable[[], bool]:
-    """Every named worker joined the study and a trial was launched: the searches are under way."""
+def joined(url: str, names: set[str], *, launched: bool = False) -> Callable[[], bool]:
+    """Every named worker joined the study (and, with launched, a trial was launched: the searches are under way)."""
 
     def check() -> bool:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": __import__("sqlalchemy").pool.NullPool})
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sqlalchemy.pool.NullPool})
         try:
             if STUDY not in optuna.study.get_all_study_names(storage):
                 return False
             study = optuna.load_study(study_name=STUDY, storage=storage)
-            joined = set(study.user_attrs.get("workers") or {})
-            return names <= joined and any(t.user_attrs.get("launched") for t in study.get_trials(deepcopy=False))
+            workers = set(study.user_attrs.get("workers") or {})
+            trials = study.get_trials(deepcopy=False)
+            return names <= workers and (not launched or any(t.user_attrs.get("launched") for t in trials))
         finally:
             storage.engine.dispose()
 
     return check
+
+
+def searching(url: str, names: set[str]) -> Callable[[], bool]:
+    return joined(url, names, launched=True)
 
 
 def launches(url: str) -> list[optuna.trial.FrozenTrial]:
@@ -112,7 +119,11 @@ def assert_none_measured_twice(launched: list[optuna.trial.FrozenTrial]) -> None
 @pytest.mark.dist
 def test_two_workers_ride_out_a_server_restart(server: pg.Server, tmp_path: Path) -> None:
     url = server.create_database()
-    workers = [Worker(name, url, tmp_path, env={RETRY_ENV: "120"}) for name in ("a", "b")]
+    # Both workers held at the study's seeding (its storage lock, held here) until both joined: neither can finish
+    # before the other starts, whichever starts faster.
+    with storage_lock(url, f"seed:{STUDY}"):
+        workers = [Worker(name, url, tmp_path, env={RETRY_ENV: "120"}) for name in ("a", "b")]
+        wait_for(joined(url, {"a", "b"}), "both workers joining the study", workers)
     wait_for(searching(url, {"a", "b"}), "both workers searching", workers)
     server.stop()
     # Down until each search has found it so (each calls the storage every few seconds while it searches).

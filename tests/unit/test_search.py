@@ -309,6 +309,62 @@ def test_a_worker_joining_a_study_chooses_by_its_own_side_by_side_reruns(spec, t
     b_runs = {r.candidate.key: r.step_time_ms for r in remeasured}
     assert second.best.step_time_ms == min(b_runs.values())  # its step time is b's own measurement
 
+    # Issue 26: the report of a shared study says per worker what it measured, and which runs chose the config.
+    from autotune.report.document import build_document
+    from autotune.report.facts import gather_facts
+    from autotune.report.markdown import render_markdown
+    from autotune.search import load_search
+
+    assert second.chosen_by == "b" and first.workers == () and first.chosen_by is None
+    a, b = second.workers
+    assert (a.worker, b.worker) == ("a", "b") and a.host == b.host == socket.gethostname()
+    assert (a.launched, b.launched) == (8, len([r for r in second.records if r.worker == "b" and r.launched]))
+    assert a.leaders[0].candidate == a.choice == fastest and b.choice == second.best.candidate
+    assert b.remeasured == len(remeasured)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    as_b, _ = load_search(url, "s", worker="b")
+    assert (as_b.chosen_by, as_b.best.candidate, as_b.workers) == ("b", second.best.candidate, second.workers)
+    assert load_search(url, "s", config=second.best.candidate)[0].chosen_by == "b"  # the worker whose choice it is
+    every, _ = load_search(url, "s")
+    assert every.chosen_by is None and every.workers == second.workers
+    with pytest.raises(UsageError, match="no worker 'c' launched runs in study 's'; its workers: a, b"):
+        load_search(url, "s", worker="c")
+    markdown = render_markdown(build_document(gather_facts(as_b, profile=profile(), memory_limit_bytes=None), []))
+    section = markdown.split("## Workers", 1)[1].split("\n## ", 1)[0]
+    assert "chosen by worker **b**'s side-by-side re-runs of the leaders (trials " in section
+    assert f"| a | {socket.gethostname()} | 8 |" in section and f"`{fastest.key}`" in section
+    markdown = render_markdown(build_document(gather_facts(every, profile=profile(), memory_limit_bytes=None), []))
+    assert "every run of the study, every worker's together" in markdown and "| worker |" in markdown
+
+
+def test_the_rank_order_is_a_parameter_only_where_the_layout_spans_nodes():
+    p = profile()
+    space = SearchSpace(p, SearchOptions(gpus=4, batch_size=32, gpus_per_node=2))
+    planned = plan(p, gpus=4, batch_size=32, memory_limit_bytes=None, gpus_per_node=2)
+    orders = {pc.candidate.rank_order for pc in planned if pc.candidate.data_parallel_degree == 2}  # pp 2 x dp 2
+    assert orders == {"pp-inner", "dp-inner"}  # the planner ranks both at pp 2 x dp 2 over two nodes of 2
+    for c in (pc.candidate for pc in planned):
+        params = space.params_for(c)
+        assert params is not None and space.suggest(optuna.trial.FixedTrial(params)) == c
+        assert ("rank_order" in params) == (c.pipeline_degree == c.data_parallel_degree == 2)
+    one_node = SearchSpace(p, SearchOptions(gpus=4, batch_size=32))
+    dp_inner = next(pc.candidate for pc in planned if pc.candidate.rank_order == "dp-inner")
+    assert one_node.params_for(dp_inner) is None  # on one node dp-inner is the same run as pp-inner: not asked
+    assert "rank_order" not in one_node.params_for(replace(dp_inner, rank_order="pp-inner"))
+
+
+def test_a_search_over_two_nodes_measures_both_rank_orders(spec, tmp_path):
+    p = profile()
+    opts = SearchOptions(gpus=4, batch_size=32, n_trials=4, seed=1, gpus_per_node=2, layouts=((2, 2),))
+    planned = plan(p, gpus=4, batch_size=32, memory_limit_bytes=None, gpus_per_node=2, layouts=((2, 2),))
+    runner = SimulatedRunner()
+    result = run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}",
+                        runner=runner)
+    assert {c.rank_order for c in runner.calls} == {"pp-inner", "dp-inner"}
+    first, twin = [r for r in result.records if r.phase == "rank-order"]  # the planner's best, in both orders
+    assert first.launched and twin.launched and first.candidate == planned[0].candidate
+    assert twin.candidate == replace(first.candidate, rank_order=twin.candidate.rank_order) != first.candidate
+
 
 class _RecordingRunner(SimulatedRunner):
     def __init__(self, profile: Profile) -> None:

@@ -128,3 +128,20 @@ def test_the_bound_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(RETRY_ENV, "soon")
     with pytest.raises(UsageError, match=f"{RETRY_ENV}='soon' is not a number of seconds"):
         retry_bound_s()
+
+
+def test_the_message_is_the_drivers_not_sqlalchemys_pool_bookkeeping() -> None:
+    driver = ConnectionRefusedError("connection refused")
+    driver.__context__ = sqlalchemy.exc.InvalidatePoolError()  # what pool_pre_ping leaves under a refused connect
+    wrapped = sqlalchemy.exc.OperationalError("SELECT 1", {}, driver)
+    wrapped.__cause__ = driver
+    outer = optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+    outer.__cause__ = wrapped
+    said: list[str] = []
+
+    def down() -> None:
+        raise outer
+
+    with pytest.raises(StorageUnavailableError, match=r"did not answer for 0 s \(connection refused\);"):
+        Outage("x", bound_s=0, say=said.append).call(down)
+    assert said == ["the storage x does not answer (connection refused): retrying for up to 0 s"]
