@@ -66,7 +66,9 @@ def test_hanging_layer_times_out_on_rank_1(model_file):
     m = trial(path, timeout_s=8)
     assert m.status == "timeout"
     assert m.error.rank == 1 and m.error.kind == "timeout"
-    assert "rank 1 hung outside torch.distributed" in m.error.message
+    # blamed by the ranks' progress or, where progress cannot tell (which differs by torch version), by the stacks
+    assert ("rank 1 hung outside torch.distributed" in m.error.message
+            or "rank 1 hung: by every rank's progress, it was stuck in its own work" in m.error.message)
     assert m.wall_time_s < 20
     assert_no_rank_left(path)
 
