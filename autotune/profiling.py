@@ -261,7 +261,11 @@ class _Walk:
         carried: dict[int, tuple[torch.Tensor, ...]] | None = dict(self.first)
         specs = {m: [_spec(t) for t in args] for m, args in self.first.items()}
         for i in range(n):
-            signature = block_signature(self.skeleton, i, [tuple(specs[m]) for m in self.sizes])
+            if not self.sizes:
+                break
+            # Input shapes at the smallest size stand for all (they scale with it), and it is the size kept last
+            # when larger ones run out of memory: the signature does not change when sizes are dropped.
+            signature = block_signature(self.skeleton, i, [tuple(specs[self.sizes[0]])])
             twin = None if every_block else seen.get(signature)
             if twin is None:
                 inputs = carried if carried is not None else {m: _synthesize(specs[m], self.device, seed=i)
