@@ -290,7 +290,9 @@ class _Walk:
         return results
 
     def _limit_text(self) -> str:
-        return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)" if self.limit is not None else ""
+        if self.limit is None:
+            return ""
+        return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)"
 
     def _measure(
         self, index: int, inputs: dict[int, tuple[torch.Tensor, ...]]
@@ -348,8 +350,9 @@ class _Walk:
         return result, kept
 
     def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int, bool]:
-        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a memory limit on CPU, the
-        block's parameters, gradients and state must fit under it (on CUDA the allocator enforces it)."""
+        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a
+        memory limit on CPU, the block's parameters, gradients and state must fit under it (on CUDA the allocator
+        enforces it)."""
         try:
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
                                       limit=self.limit if self.device.type == "cpu" else None)
