@@ -108,3 +108,17 @@ def keep_freed_cpu_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD_BYTES)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def return_freed_cpu_memory() -> bool:
+    """Hand the heap's free memory back to the system (glibc's malloc_trim), e.g. once profiling is done: the tuner
+    goes on to plan and launch ranks and should not sit on what the profiled blocks used. A no-op off glibc."""
+    import ctypes
+
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.costs import LayerProfile, Profile
-from autotune.devices import keep_freed_cpu_memory
+from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
 from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
 from autotune.models.hf import Layer as HFLayer
@@ -29,6 +29,9 @@ from autotune.units import format_bytes
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_SIZES = 6
+QUICK_BLOCK_MS = 1.0
+QUICK_BLOCK_SAMPLES = 4
+"""A block whose forward takes under QUICK_BLOCK_MS gets this many plain / checkpointed samples per round."""
 
 
 class ProgressFn(Protocol):
@@ -104,7 +107,10 @@ def profile_model(
         sizes = walk.sizes
     finally:
         torch.set_num_threads(threads)
-        if cuda:
+        gc.collect()
+        if not cuda:
+            return_freed_cpu_memory()
+        else:
             if memory_limit_bytes is not None:
                 torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
             torch.cuda.empty_cache()
@@ -164,7 +170,7 @@ def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockR
     whose ratio matters (the old whole-model pass checkpointed the whole model once)."""
     share: dict[int, float] = {}
     for r in measured:
-        share[id(r.sizes)] = share.get(id(r.sizes), 0.0) + sum(r.sizes[m].plain[0] for m in sizes)
+        share[id(r.sizes)] = share.get(id(r.sizes), 0.0) + sum(r.sizes[m].forward_ms for m in sizes)
     return max(measured, key=lambda r: share[id(r.sizes)])
 
 
@@ -200,7 +206,7 @@ class _SizeResult:
     loss_backward_ms: float = 0.0
     loss_saved_bytes: int = 0
     plain: tuple[float, float] = (0.0, 0.0)
-    """(forward, backward) of the block as a stage, medians."""
+    """(forward, backward) of the block as a stage, the fastest of the rounds."""
     checkpointed: tuple[float, float] = (0.0, 0.0)
     """The same, checkpointed as a stage is."""
 
@@ -255,7 +261,11 @@ class _Walk:
         carried: dict[int, tuple[torch.Tensor, ...]] | None = dict(self.first)
         specs = {m: [_spec(t) for t in args] for m, args in self.first.items()}
         for i in range(n):
-            signature = block_signature(self.skeleton, i, [tuple(specs[m]) for m in self.sizes])
+            if not self.sizes:
+                break
+            # Input shapes at the smallest size stand for all (they scale with it), and it is the size kept last
+            # when larger ones run out of memory: the signature does not change when sizes are dropped.
+            signature = block_signature(self.skeleton, i, [tuple(specs[self.sizes[0]])])
             twin = None if every_block else seen.get(signature)
             if twin is None:
                 inputs = carried if carried is not None else {m: _synthesize(specs[m], self.device, seed=i)
@@ -280,7 +290,9 @@ class _Walk:
         return results
 
     def _limit_text(self) -> str:
-        return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)" if self.limit is not None else ""
+        if self.limit is None:
+            return ""
+        return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)"
 
     def _measure(
         self, index: int, inputs: dict[int, tuple[torch.Tensor, ...]]
@@ -338,8 +350,9 @@ class _Walk:
         return result, kept
 
     def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int, bool]:
-        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a memory limit on CPU, the
-        block's parameters, gradients and state must fit under it (on CUDA the allocator enforces it)."""
+        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a
+        memory limit on CPU, the block's parameters, gradients and state must fit under it (on CUDA the allocator
+        enforces it)."""
         try:
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
                                       limit=self.limit if self.device.type == "cpu" else None)
@@ -545,8 +558,11 @@ class _SizeSamples:
                 self.loss_backward.append(lb)
         if with_checkpoint:
             inputs = (self.args, self.side)
-            self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
-            self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
+            # A block of well under a millisecond is easily hit by the machine's other work: more samples of it.
+            quick = bool(self.forward) and min(self.forward) < QUICK_BLOCK_MS
+            for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
+                self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
+                self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
         self.unit.zero_grad(set_to_none=True)
 
     def result(self) -> _SizeResult:
@@ -564,15 +580,17 @@ class _SizeSamples:
             loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
             loss_backward_ms=statistics.median(self.loss_backward) if last else 0.0,
             loss_saved_bytes=self.loss_saved if last else 0,
-            plain=_medians(self.plain),
-            checkpointed=_medians(self.checkpointed),
+            plain=_fastest(self.plain),
+            checkpointed=_fastest(self.checkpointed),
         )
 
 
-def _medians(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def _fastest(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The fastest forward and backward: they only enter ratios, and a block's few samples are easily hit by the
+    machine's other work (interference only adds time), more so than a whole model's were."""
     if not pairs:
         return 0.0, 0.0
-    return statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs)
+    return min(f for f, _ in pairs), min(b for _, b in pairs)
 
 
 def _unit_pass(

@@ -23,8 +23,12 @@ _PLAIN = (str, int, float, bool, type(None))
 
 
 def block_signature(blocks: BlockModel, index: int, inputs: Sequence[Hashable]) -> Hashable:
-    """What decides block `index`'s cost; `inputs`: its input tensors' specs (at every micro-batch size)."""
-    return (blocks.block_types[index], blocks.roles[index], module_signature(blocks.blocks[index]), tuple(inputs))
+    """What decides block `index`'s cost; `inputs`: its input tensors' specs (at every micro-batch size). The last
+    block is never the same as another (the loss is measured after it), nor is the first (its inputs are the
+    model's, which need no gradient)."""
+    ends = (index == 0, index == blocks.n_blocks - 1)
+    return (blocks.block_types[index], blocks.roles[index], ends, module_signature(blocks.blocks[index]),
+            tuple(inputs))
 
 
 def module_signature(module: nn.Module) -> tuple[Any, ...]:

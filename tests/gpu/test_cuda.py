@@ -26,6 +26,16 @@ def test_profile_on_cuda_times_every_layer():
     assert all(c.forward_ms > 0 for c in profile.layer_costs(16))
 
 
+def test_profiling_on_cuda_leaves_no_device_memory_behind():
+    """Issue 30, item 1: after profiling, the tuner holds no model on the device (nor its allocator's cache)."""
+    spec = load_model_file(RECIPES / "gpt.py")
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    profile_model(spec, batch_size=16, micro_batch_sizes=[4, 16], device="cuda", repeats=1)
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() <= reserved
+
+
 def test_one_gpu_trial_measures_the_allocator_peak_and_enforces_the_limit():
     spec = load_model_file(RECIPES / "mlp.py")
     candidate = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, global_batch_size=64, n_microbatches=2,

@@ -203,6 +203,7 @@ def test_blocks_that_are_the_same_are_measured_once_unless_every_block_is_asked(
     profile = profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1)
     assert measured == [0, 1, 2, 3, 4, 5, 6, 9]
     assert profile.layers[7] == profile.layers[6] == profile.layers[8]
+    assert profile.loss_forward_ms[0] > 0
     assert profile.layers[5] != profile.layers[6]
     measured.clear()
     every = profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1, every_block=True)
@@ -240,6 +241,15 @@ def test_after_profiling_the_process_holds_no_model(tmp_path):
     profile = profile_model(spec, batch_size=4, micro_batch_sizes=[2, 4], repeats=1)
     assert profile.parameter_bytes == 6 * (512 * 512 + 512) * 4  # 6.3 MB of parameters, as much in gradients
     assert _live_storage_bytes() - before < 64 * 1024
+
+
+def test_the_last_block_is_measured_with_the_loss_even_when_it_is_like_the_others(tmp_path, monkeypatch):
+    (tmp_path / "wide.py").write_text(WIDE)  # six Linear(512, 512)
+    measured = _measured_blocks(monkeypatch)
+    profile = profile_model(load_model_file(tmp_path / "wide.py"), batch_size=2, micro_batch_sizes=[2], repeats=1)
+    assert measured == [0, 1, 5]  # the first takes the model's input (no input gradient), the last the loss
+    assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0
+    assert profile.layers[1] == profile.layers[4] != profile.layers[0]
 
 
 def test_a_micro_batch_size_out_of_memory_is_recorded_and_planned_around(tmp_path):
