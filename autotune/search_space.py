@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import optuna
 
@@ -23,10 +23,28 @@ from autotune.partition import balanced_split
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import Schedule, default_stages_per_rank
 
-if TYPE_CHECKING:
-    from autotune.search import SearchOptions
-
 SPLIT_BASES = ("balanced", "uniform")
+
+
+class SpaceOptions(Protocol):
+    """What the space reads of a search's options (search.SearchOptions has these and more)."""
+
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def schedules(self) -> tuple[Schedule, ...]: ...
+    @property
+    def layouts(self) -> tuple[tuple[int, int], ...] | None: ...
+    @property
+    def checkpointing(self) -> tuple[bool, ...]: ...
+    @property
+    def wire_dtypes(self) -> tuple[WireDtype, ...]: ...
+    @property
+    def max_shift(self) -> int: ...
+    @property
+    def gpus_per_node(self) -> int | None: ...
 
 
 class SearchSpace:
@@ -37,7 +55,7 @@ class SearchSpace:
     per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1, wire dtype; where the
     layout spans nodes with pp > 1 and dp > 1, rank_order."""
 
-    def __init__(self, profile: Profile, options: SearchOptions) -> None:
+    def __init__(self, profile: Profile, options: SpaceOptions) -> None:
         self.profile = profile
         self.options = options
         self.n_layers = profile.n_layers
