@@ -286,57 +286,6 @@ def too_noisy(leaders: Sequence[Leader]) -> bool:
     return max(a.step_times_ms) >= min(b.step_times_ms) and a.step_time_ms * 1.02 > b.step_time_ms
 
 
-def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:
-    """A trial's record from the user attributes the search stores on it (state: the stored trial's, None for a live
-    one). A trial still running, or without an outcome, never finished: "interrupted"; one a later search failed for
-    that (state "fail", no outcome) died with its tuner, or its search stopped answering (its heartbeat lapsed)."""
-    candidate = Candidate.from_dict(attrs["candidate"]) if "candidate" in attrs else None
-    measurement = attrs.get("measurement") or {}
-    predicted = attrs.get("predicted") or {}
-    outcome: Outcome = "interrupted"
-    reason = attrs.get("reason", "stopped before it finished")
-    if state != "running" and "outcome" in attrs:
-        outcome = attrs["outcome"]
-    elif state == "fail":
-        worker = _worker_of(attrs)
-        reason = f"its search (worker {worker}) died or stopped answering during this trial" if worker else (
-            "the tuner died during this trial")
-    return TrialRecord(
-        number=number,
-        candidate=candidate,
-        outcome=outcome,
-        reason=reason,
-        throughput_samples_per_s=measurement.get("throughput_samples_per_s"),
-        step_time_ms=measurement.get("step_time_ms"),
-        peak_memory_bytes=tuple(measurement.get("peak_memory_bytes", ())),
-        predicted_throughput_samples_per_s=predicted.get("throughput_samples_per_s"),
-        predicted_peak_memory_bytes=tuple(predicted.get("peak_memory_bytes", ())),
-        phase=attrs.get("phase", "explore"),
-        launched=bool(attrs.get("launched", False)),
-        wall_time_s=float(measurement.get("wall_time_s", 0.0)) if attrs.get("launched") else 0.0,
-        oom_bytes=(measurement.get("error") or {}).get("bytes_requested")
-        if measurement.get("status") == "oom"
-        else None,
-        worker=_worker_of(attrs),
-    )
-
-
-def _worker_of(attrs: Mapping[str, Any]) -> str | None:
-    owner = attrs.get("owner")
-    return str(owner["worker"]) if isinstance(owner, Mapping) and owner.get("worker") else None
-
-
-def predicted_attrs(estimate: Estimate) -> dict[str, Any]:
-    """What a trial stores of its candidate's simulation."""
-    return {
-        "step_time_ms": estimate.step_time_ms,
-        "throughput_samples_per_s": estimate.throughput_samples_per_s,
-        "bubble_fraction": estimate.bubble_fraction,
-        "peak_memory_bytes": list(estimate.peak_memory_bytes),
-        "feasible": estimate.feasible,
-    }
-
-
 def explain_infeasible(result: SearchResult, limit: int | None) -> InfeasibleError:
     """Nothing ran within the memory limit: say what would fit, from what the runs measured when there are any (a
     prediction can be far off the real peak), else from the simulator."""

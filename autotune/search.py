@@ -38,8 +38,6 @@ from autotune.records import (
     SearchResult,
     TrialRecord,
     leaders_of,
-    predicted_attrs,
-    record_from_attrs,
     remeasured_by,
     summarize,
 )
@@ -48,14 +46,27 @@ from autotune.search_space import SearchSpace
 from autotune.shared_study import SharedStudy, load_entries, load_records, load_workers, open_shared_study
 from autotune.simulate import Estimate, LinkModel, Predictor
 from autotune.study_storage import (
+    CANDIDATE,
+    CANDIDATE_KEY,
     GRACE_PERIOD_S,
     HEARTBEAT_INTERVAL_S,
+    LAUNCHED,
+    MEASUREMENT,
+    OUTCOME,
+    PHASE,
+    PREDICTED,
+    REASON,
+    STUDY_PROFILE,
+    STUDY_SETUP,
     Heartbeat,
     StudyStorage,
     claim,
     default_worker,
     open_storage,
+    predicted_attrs,
+    record_from_attrs,
     storage_error,
+    trial_id,
 )
 from autotune.trial import TrialOptions, TrialRunner, run_trial
 from autotune.trial.launch import trial_timeout_s
@@ -346,7 +357,7 @@ class _Engine:
                 log.debug("seed %s lies outside the search space", candidate.key)
                 continue
             seen.add(candidate.key)
-            self.study.enqueue_trial(params, user_attrs={"phase": phase}, skip_if_exists=True)
+            self.study.enqueue_trial(params, user_attrs={PHASE: phase}, skip_if_exists=True)
 
     def explore(self, deadline: float | None) -> None:
         """Ask, prune or run until the budget (less the leaders' re-runs) is spent. Asks that run nothing (candidates
@@ -384,14 +395,14 @@ class _Engine:
             raise KeyboardInterrupt
         trial = self.shared.ask(params, phase=phase)
         self.shared.refresh()  # decide on the whole study: other searches may have run or be running candidates
-        phase = trial.user_attrs.get("phase", "explore")
+        phase = trial.user_attrs.get(PHASE, "explore")
         try:
             candidate = self.space.suggest(trial)
         except InvalidCandidateError as exc:
             return self._tell(trial, "pruned", f"invalid: {exc}", phase=phase)
-        trial.set_user_attr("candidate", candidate.to_dict())
+        trial.set_user_attr(CANDIDATE, candidate.to_dict())
         estimate = self.estimate(candidate)
-        trial.set_user_attr("predicted", predicted_attrs(estimate))
+        trial.set_user_attr(PREDICTED, predicted_attrs(estimate))
         reason = self._prune_reason(candidate, estimate, phase)
         if reason is not None:
             return self._tell(trial, "pruned", reason, phase=phase)
@@ -443,7 +454,7 @@ class _Engine:
         bound = self.options.trial_timeout_s or trial_timeout_s(options, self.estimate(candidate).step_time_ms / 1000)
         options = replace(options, timeout_s=bound)
         try:
-            with Heartbeat(self.shared.storage, trial._trial_id):
+            with Heartbeat(self.shared.storage, trial_id(self.shared.storage.rdb, self.study, trial)):
                 measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
             self._tell(trial, "interrupted", "stopped by Ctrl-C", phase=phase)
@@ -484,11 +495,11 @@ class _Engine:
     def _store_outcome(
         self, trial: optuna.Trial, outcome: Outcome, reason: str, measurement: Measurement | None, phase: str
     ) -> None:
-        trial.set_user_attr("outcome", outcome)
-        trial.set_user_attr("reason", reason)
-        trial.set_user_attr("phase", phase)
+        trial.set_user_attr(OUTCOME, outcome)
+        trial.set_user_attr(REASON, reason)
+        trial.set_user_attr(PHASE, phase)
         if measurement is not None:
-            trial.set_user_attr("measurement", measurement.to_dict())
+            trial.set_user_attr(MEASUREMENT, measurement.to_dict())
         limit = self.options.memory_limit_bytes
         State = optuna.trial.TrialState
         if outcome in ("ok", "duplicate") and measurement is not None and measurement.status == "ok":
@@ -533,7 +544,7 @@ class _Engine:
         """Another search of the study is running one of these candidates now."""
         keys = {c.key for c in top}
         running = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        return any(t.user_attrs.get("candidate_key") in keys and t.user_attrs.get("launched") for t in running)
+        return any(t.user_attrs.get(CANDIDATE_KEY) in keys and t.user_attrs.get(LAUNCHED) for t in running)
 
     def leaders(self) -> list[Leader]:
         return leaders_of(self.runs)
@@ -559,10 +570,10 @@ def load_search(
         if error is None:
             raise
         raise error from None
-    if "profile" not in study.user_attrs:
+    if STUDY_PROFILE not in study.user_attrs:
         raise UsageError(f"study {study_name!r} was not written by autotune search (it has no profile)")
-    profile = Profile.from_dict(study.user_attrs["profile"])
-    setup = dict(study.user_attrs.get("setup", {}))
+    profile = Profile.from_dict(study.user_attrs[STUDY_PROFILE])
+    setup = dict(study.user_attrs.get(STUDY_SETUP, {}))
     entries = load_entries(study)
     records = [record for record, _ in entries]
     runs: dict[str, list[Measurement]] = {}

@@ -18,8 +18,22 @@ import optuna
 
 from autotune.candidate import Measurement
 from autotune.errors import UsageError
-from autotune.records import Entry, TrialRecord, TrialState, WorkerRuns, record_from_attrs, remeasured_by, workers_of
-from autotune.study_storage import GRACE_PERIOD_S, Owner, StudyStorage, reap_stale
+from autotune.records import Entry, TrialRecord, TrialState, WorkerRuns, remeasured_by, workers_of
+from autotune.study_storage import (
+    GRACE_PERIOD_S,
+    LAUNCHED,
+    MEASUREMENT,
+    OWNER,
+    PHASE,
+    STUDY_PROFILE,
+    STUDY_SEEDED,
+    STUDY_SETUP,
+    STUDY_WORKERS,
+    Owner,
+    StudyStorage,
+    reap_stale,
+    record_from_attrs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +114,18 @@ class SharedStudy:
         the lock, so no other search's ask takes it)."""
         with self.storage.lock(f"ask:{self.name}"):
             if params is not None:
-                self.study.enqueue_trial(params, user_attrs={"phase": phase} if phase else None)
+                self.study.enqueue_trial(params, user_attrs={PHASE: phase} if phase else None)
             trial = self.study.ask()
-        trial.set_user_attr("owner", self.owner.to_dict())
+        trial.set_user_attr(OWNER, self.owner.to_dict())
         return trial
 
     def seed_once(self, enqueue: Callable[[], None]) -> None:
         """Run enqueue (queue the seeds) if no search of this study has: once per study, whoever starts first."""
         with self.storage.lock(f"seed:{self.name}"):
             self.refresh()
-            if not self.study.user_attrs.get("seeded") and not self.records:
+            if not self.study.user_attrs.get(STUDY_SEEDED) and not self.records:
                 enqueue()
-            self.study.set_user_attr("seeded", True)
+            self.study.set_user_attr(STUDY_SEEDED, True)
 
 
 def check_study_name(storage: StudyStorage, name: str, *, resume: bool) -> None:
@@ -158,15 +172,15 @@ def open_shared_study(
             n_startup_trials=5,
             constant_liar=True,  # another search's running trials count as bad guesses: no two ask the same
         )
-        study.set_user_attr("profile", dict(profile))
-        study.set_user_attr("setup", dict(setup))
+        study.set_user_attr(STUDY_PROFILE, dict(profile))
+        study.set_user_attr(STUDY_SETUP, dict(setup))
     return SharedStudy(storage, study, owner, stale_after_s=stale_after_s)
 
 
 def _check_setup(study: optuna.Study, setup: Mapping[str, Any], profile: Mapping[str, Any], name: str) -> None:
-    before = study.user_attrs.get("setup") or {}
+    before = study.user_attrs.get(STUDY_SETUP) or {}
     differ = [k for k in SETUP_KEYS if k in before and before.get(k) != setup.get(k)]
-    layers_before = len((study.user_attrs.get("profile") or {}).get("layers", ()))
+    layers_before = len((study.user_attrs.get(STUDY_PROFILE) or {}).get("layers", ()))
     layers_now = len(profile.get("layers", ()))
     if differ:
         was = ", ".join(f"{k} {before.get(k)}" for k in differ)
@@ -184,7 +198,7 @@ def _check_setup(study: optuna.Study, setup: Mapping[str, Any], profile: Mapping
 
 def _register(study: optuna.Study, owner: Owner) -> int:
     """Record this search among the study's workers; its index (registration order) offsets the sampler's seed."""
-    workers: dict[str, Any] = dict(study.user_attrs.get("workers") or {})
+    workers: dict[str, Any] = dict(study.user_attrs.get(STUDY_WORKERS) or {})
     previous = workers.get(owner.worker)
     if previous:
         other = Owner(worker=owner.worker, host=str(previous.get("host")), pid=int(previous.get("pid", 0)))
@@ -194,7 +208,7 @@ def _register(study: optuna.Study, owner: Owner) -> int:
                 f"this host; give each search its own --worker NAME"
             )
     workers[owner.worker] = {"host": owner.host, "pid": owner.pid}
-    study.set_user_attr("workers", workers)
+    study.set_user_attr(STUDY_WORKERS, workers)
     return list(workers).index(owner.worker)
 
 
@@ -202,8 +216,8 @@ def record_and_run(frozen: optuna.trial.FrozenTrial) -> tuple[TrialRecord, Measu
     """A stored trial's record, and its measurement when it was a real run."""
     record = record_from_attrs(frozen.number, frozen.user_attrs, _STATES[frozen.state])
     run = None
-    if "measurement" in frozen.user_attrs and frozen.user_attrs.get("launched"):
-        run = Measurement.from_dict(frozen.user_attrs["measurement"])
+    if MEASUREMENT in frozen.user_attrs and frozen.user_attrs.get(LAUNCHED):
+        run = Measurement.from_dict(frozen.user_attrs[MEASUREMENT])
     return record, run
 
 
@@ -230,5 +244,5 @@ def load_workers(study: optuna.Study, entries: list[Entry]) -> tuple[WorkerRuns,
 
 
 def _hosts(study: optuna.Study) -> dict[str, str]:
-    workers = study.user_attrs.get("workers") or {}
+    workers = study.user_attrs.get(STUDY_WORKERS) or {}
     return {str(name): str(info.get("host")) for name, info in workers.items() if isinstance(info, dict)}

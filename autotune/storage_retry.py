@@ -193,7 +193,9 @@ def _retried(name: str) -> Callable[..., Any]:
     return call
 
 
-# Every method that reads or writes the database, as Optuna's cache layer calls them (some are private there).
+# Every method that reads or writes the database, as Optuna's cache layer (optuna.storages._CachedStorage, which
+# wraps every RDBStorage) calls them: some are private there, the only private Optuna names autotune uses. A name
+# this Optuna lacks is left alone (its calls then go unretried) rather than breaking the import.
 _RETRIED = (
     "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name",
     "get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs",
@@ -203,7 +205,8 @@ _RETRIED = (
     "_get_stale_trial_ids",
 )
 for _name in _RETRIED:
-    setattr(RetryingRDBStorage, _name, _retried(_name))
+    if hasattr(optuna.storages.RDBStorage, _name):
+        setattr(RetryingRDBStorage, _name, _retried(_name))
 
 
 def first_line(exc: BaseException) -> str:

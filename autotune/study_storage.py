@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,11 @@ import optuna
 import sqlalchemy
 from sqlalchemy.engine import make_url
 
+from autotune.candidate import Candidate
 from autotune.errors import StorageError
 from autotune.masking import mask_url
+from autotune.records import Outcome, TrialRecord, TrialState
+from autotune.simulate import Estimate
 from autotune.storage_retry import Outage, RetryingRDBStorage, is_transient, retry_bound_s
 from autotune.storage_retry import chain as _chain
 from autotune.storage_retry import first_line as _first_line
@@ -50,6 +53,43 @@ CONNECT_TIMEOUT_S = 10
 LOCK_CLASS = 0x4154_554E
 """'ATUN': the first key of PostgreSQL's two-int advisory locks, so autotune's do not collide with others'."""
 _THREAD_LOCK = threading.RLock()  # an flock is per open file: the threads of one process need their own mutex
+
+
+# --- the study's record format: what a search stores on its trials and on the study, and reading it back ---------
+
+PHASE = "phase"
+"""Trial: seed | default | explore | remeasure | rank-order ...: why it was asked (set when enqueued)."""
+CANDIDATE = "candidate"
+"""Trial: Candidate.to_dict() of what it runs."""
+CANDIDATE_KEY = "candidate_key"
+"""Trial: Candidate.key, set by claim() with LAUNCHED."""
+LAUNCHED = "launched"
+"""Trial: it ran (or runs) on ranks, as opposed to pruned or a repeat not launched again."""
+PREDICTED = "predicted"
+"""Trial: predicted_attrs() of the simulation it was asked with."""
+OUTCOME = "outcome"
+"""Trial: ok | oom | timeout | error | pruned | duplicate ... once it ended."""
+REASON = "reason"
+"""Trial: why it ended as it did (one line)."""
+MEASUREMENT = "measurement"
+"""Trial: Measurement.to_dict() of a launched run."""
+OWNER = "owner"
+"""Trial: Owner.to_dict() of the search that asked it."""
+STUDY_PROFILE = "profile"
+"""Study: the Profile.to_dict() every search of the study plans with."""
+STUDY_SETUP = "setup"
+"""Study: what every search of the study must agree on (model, gpus, batch size, link ...)."""
+STUDY_SEEDED = "seeded"
+"""Study: the first search queued its seeds."""
+STUDY_WORKERS = "workers"
+"""Study: per worker, its host and what it measured."""
+
+
+def trial_id(storage: optuna.storages.BaseStorage, study: optuna.Study, trial: optuna.trial.BaseTrial) -> int:
+    """The storage's id of a trial, through the storage's public API (Optuna keeps it in a private attribute)."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name),
+                                                            trial.number)
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +108,7 @@ class Owner:
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> Owner | None:
-        data = attrs.get("owner")
+        data = attrs.get(OWNER)
         if not isinstance(data, dict):
             return None
         return cls(worker=str(data.get("worker", "")), host=str(data.get("host", "")), pid=int(data.get("pid", 0)))
@@ -316,7 +356,7 @@ def reap_stale(study: optuna.Study, *, stale_after_s: float, heartbeats: bool = 
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         owner = Owner.from_attrs(frozen.user_attrs)
         started = frozen.datetime_start.timestamp() if frozen.datetime_start else now
-        beats = owner is not None and bool(frozen.user_attrs.get("launched"))
+        beats = owner is not None and bool(frozen.user_attrs.get(LAUNCHED))
         if (owner is not None and owner.gone()) or (not beats and now - started > stale_after_s):
             study.tell(frozen.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     after = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
@@ -345,20 +385,20 @@ def claim(
 def _claim_once(study: optuna.Study, trial: optuna.Trial, key: str, *, remeasure: bool) -> str | None:
     State = optuna.trial.TrialState
     for t in study.get_trials(deepcopy=False, states=(State.RUNNING, State.COMPLETE, State.PRUNED, State.FAIL)):
-        if t.number == trial.number or t.user_attrs.get("candidate_key") != key or not t.user_attrs.get("launched"):
+        if t.number == trial.number or t.user_attrs.get(CANDIDATE_KEY) != key or not t.user_attrs.get(LAUNCHED):
             continue
         refused = None
         if t.state == State.RUNNING:
             owner = Owner.from_attrs(t.user_attrs)
             refused = f"trial {t.number} runs it" + (f" (worker {owner.worker})" if owner else "")
-        elif not remeasure and "measurement" in t.user_attrs:
+        elif not remeasure and MEASUREMENT in t.user_attrs:
             refused = f"trial {t.number} measured it"
         if refused is not None:
-            if trial.user_attrs.get("launched"):  # marked by a try whose lock an outage dropped
-                trial.set_user_attr("launched", False)
+            if trial.user_attrs.get(LAUNCHED):  # marked by a try whose lock an outage dropped
+                trial.set_user_attr(LAUNCHED, False)
             return refused
-    trial.set_user_attr("candidate_key", key)
-    trial.set_user_attr("launched", True)
+    trial.set_user_attr(CANDIDATE_KEY, key)
+    trial.set_user_attr(LAUNCHED, True)
     return None
 
 
@@ -368,3 +408,54 @@ def _zombie(pid: int) -> bool:
             return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
     except OSError:
         return False
+
+
+def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:
+    """A trial's record from the user attributes the search stores on it (state: the stored trial's, None for a live
+    one). A trial still running, or without an outcome, never finished: "interrupted"; one a later search failed for
+    that (state "fail", no outcome) died with its tuner, or its search stopped answering (its heartbeat lapsed)."""
+    candidate = Candidate.from_dict(attrs[CANDIDATE]) if CANDIDATE in attrs else None
+    measurement = attrs.get(MEASUREMENT) or {}
+    predicted = attrs.get(PREDICTED) or {}
+    outcome: Outcome = "interrupted"
+    reason = attrs.get(REASON, "stopped before it finished")
+    if state != "running" and OUTCOME in attrs:
+        outcome = attrs[OUTCOME]
+    elif state == "fail":
+        worker = _worker_of(attrs)
+        reason = f"its search (worker {worker}) died or stopped answering during this trial" if worker else (
+            "the tuner died during this trial")
+    return TrialRecord(
+        number=number,
+        candidate=candidate,
+        outcome=outcome,
+        reason=reason,
+        throughput_samples_per_s=measurement.get("throughput_samples_per_s"),
+        step_time_ms=measurement.get("step_time_ms"),
+        peak_memory_bytes=tuple(measurement.get("peak_memory_bytes", ())),
+        predicted_throughput_samples_per_s=predicted.get("throughput_samples_per_s"),
+        predicted_peak_memory_bytes=tuple(predicted.get("peak_memory_bytes", ())),
+        phase=attrs.get(PHASE, "explore"),
+        launched=bool(attrs.get(LAUNCHED, False)),
+        wall_time_s=float(measurement.get("wall_time_s", 0.0)) if attrs.get(LAUNCHED) else 0.0,
+        oom_bytes=(measurement.get("error") or {}).get("bytes_requested")
+        if measurement.get("status") == "oom"
+        else None,
+        worker=_worker_of(attrs),
+    )
+
+
+def _worker_of(attrs: Mapping[str, Any]) -> str | None:
+    owner = attrs.get(OWNER)
+    return str(owner["worker"]) if isinstance(owner, Mapping) and owner.get("worker") else None
+
+
+def predicted_attrs(estimate: Estimate) -> dict[str, Any]:
+    """What a trial stores of its candidate's simulation."""
+    return {
+        "step_time_ms": estimate.step_time_ms,
+        "throughput_samples_per_s": estimate.throughput_samples_per_s,
+        "bubble_fraction": estimate.bubble_fraction,
+        "peak_memory_bytes": list(estimate.peak_memory_bytes),
+        "feasible": estimate.feasible,
+    }

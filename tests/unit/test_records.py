@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 from autotune.candidate import Candidate, Measurement, TrialError
-from autotune.records import TrialRecord, record_from_attrs, summarize
+from autotune.records import TrialRecord, summarize
 from autotune.schedules import Schedule
+from autotune.study_storage import record_from_attrs
 
 A = Candidate(schedule=Schedule.GPIPE, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
               layers_per_stage=(4, 4))

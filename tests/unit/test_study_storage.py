@@ -16,8 +16,7 @@ import optuna
 import pytest
 
 from autotune.errors import StorageError
-from autotune.records import record_from_attrs
-from autotune.study_storage import Heartbeat, Owner, claim, open_storage, reap_stale
+from autotune.study_storage import Heartbeat, Owner, claim, open_storage, reap_stale, record_from_attrs, trial_id
 
 PW = "hunter2-Secret"
 
@@ -168,9 +167,9 @@ def test_a_trial_is_reaped_only_when_its_search_is_gone(tmp_path: Path) -> None:
     dead = running({"worker": "dead", "host": here, "pid": _dead_pid()}, launched=True)
     elsewhere = running({"worker": "far", "host": "another-host", "pid": 1}, launched=True)
     beating = running({"worker": "beat", "host": "another-host", "pid": 1}, launched=True)
-    storage.rdb.record_heartbeat(elsewhere._trial_id)  # then it stops beating: its host died
+    storage.rdb.record_heartbeat(trial_id(storage.rdb, study, elsewhere))  # then it stops beating: its host died
     assert reap_stale(study, stale_after_s=600) == [dead.number]  # its process is gone: no need to wait
-    with Heartbeat(storage, beating._trial_id):
+    with Heartbeat(storage, trial_id(storage.rdb, study, beating)):
         reaped: list[int] = []
         deadline = time.monotonic() + 30  # past the grace period (SQLite's clock has 1 s steps)
         while time.monotonic() < deadline:  # polled: reaped as soon as the grace period is over
