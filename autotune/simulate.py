@@ -16,7 +16,6 @@ from autotune.memory_model import (
     first_layer_batch_view_bytes,
     held_per_microbatch,
     layer_backward_bytes,
-    split_kept_bytes,
     loss_backward_bytes,
     optimizer_step_bytes,
     parameter_memory_bytes,
@@ -24,6 +23,7 @@ from autotune.memory_model import (
     recompute_bytes,
     sends_kept_to_the_end,
     sent_bytes,
+    split_kept_bytes,
     wire_factor,
 )
 from autotune.placement import crossing_boundaries, dp_nodes

@@ -2,7 +2,7 @@
 calibration measured (bench/results/calibration_memory.json: its profiles and measured peaks) with the whole model,
 with each term left out in turn, and with all of them left out (the model before issue 24).
 
-    python bench/memory_terms.py            # after: python bench/calibrate.py ... --memory-only --name calibration_memory
+    python bench/memory_terms.py --before DIR   # after: bench/calibrate.py ... --memory-only --name calibration_memory
 
 --before DIR re-predicts with another copy of the package too (the model before issue 24:
 git archive fafcb52 autotune | tar -x -C DIR), in a subprocess with DIR first on its path.
@@ -14,8 +14,8 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -35,8 +35,9 @@ def profile() -> Profile:
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
 def test_one_stage_alone_is_what_the_simulator_peaks_at(checkpointing, wire):
     """With one rank holding one stage, the simulator's walk peaks at the planner's per-stage figure plus what the
-    planner leaves out: the batch's inputs (less the saved inputs, views of it) and a backward's temporaries (at most the worst layer's weight, input and
-    output gradients, 400 + 100 + 100, or the loss's 2 x 100), so never below it."""
+    planner leaves out: the batch's inputs (less the saved inputs, views of it) and a backward's temporaries (at
+    most the worst layer's weight, input and output gradients, 400 + 100 + 100, or the loss's 2 x 100), so never
+    below it."""
     c = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, global_batch_size=16, n_microbatches=4,
                   layers_per_stage=(4,), activation_checkpointing=checkpointing, wire_dtype=wire)
     peak = simulate(profile(), c, link=LINK, with_timeline=False).peak_memory_bytes[0]
