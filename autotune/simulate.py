@@ -453,6 +453,8 @@ class _StageCosts:
     """The same for the stage's first backward of the step, whose weight gradients become .grad."""
     split_kept_bytes: list[int]
     """The gradients an I makes for its W (memory_model.split_kept_bytes)."""
+    loss_saved_bytes: list[int]
+    """What the loss saved (part of held_bytes, the last stage only): an I lets go of it."""
     largest_layer_bytes: list[int]
     """Parameter bytes of the stage's largest layer."""
 
@@ -523,6 +525,7 @@ def _stage_costs(
         if first:  # what the stage saves of its input is a view of the batch, counted with it (memory_model)
             held -= first_layer_batch_view_bytes(stage_in, saved_bytes[a], candidate=candidate)
         result["held_bytes"].append(int(held))
+        result["loss_saved_bytes"].append(min(loss_saved, saved) if last else 0)
         result["recompute_bytes"].append(recompute)
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
@@ -581,10 +584,11 @@ def _peak_memory(
     backward on the last stage, which runs before the stage's own (and before a checkpointed stage's recompute),
     w = a W's fresh weight gradients at its largest layer (the first stage's W runs the whole backward: t):
 
-        F: +h                                         B: (+max(l, r + t), transient) -h +o* +g*
-        I: (+max(l, r + max(t, k + g)), transient) +r +g*   W: (+w, transient) -h -r +o*
+        F: +h                                              B: (+max(l, r + t), transient) -h +o* +g*
+        I: (+max(l, r + max(t, k + g)), transient) +r +g* +k -s   W: (+w, transient) -h -r -k +s +o*
 
-    (k: the gradients an I makes for its W, memory_model.split_kept_bytes; after the I the stage holds about h)
+    (k: the gradients an I makes for its W, memory_model.split_kept_bytes, kept until the W; s: what the loss saved,
+    let go of when the I detaches the loss)
 
     * where the schedule keeps its sends to the end (memory_model.sends_kept_to_the_end) the output (not on the last
     stage) stays after the backward and the gradient sent stays too; under 1F1B the last backward's output and
@@ -633,15 +637,16 @@ def _peak_memory(
                     live += grad[s] - linger
                     linger = stays + grad[s]
             elif kind == "I":
-                peak = max(peak, live + max(loss, recompute[s] + max(temp, stages.split_kept_bytes[s] + grad[s])))
-                live += recompute[s] + grad[s]
+                k = stages.split_kept_bytes[s]
+                peak = max(peak, live + max(loss, recompute[s] + max(temp, k + grad[s])))
+                live += recompute[s] + grad[s] + k - stages.loss_saved_bytes[s]
                 on_buffers += grad[s]
             else:  # W: weight gradients only (the first stage's W runs its whole backward)
                 if s != 0:
                     temp = stages.largest_layer_bytes[s] if s in started else 0
                 peak = max(peak, live + temp)
                 started.add(s)
-                live -= held[s] + recompute[s] - stays
+                live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
             peak = max(peak, live)
         step = optimizer_step_bytes(
             step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,

@@ -3,7 +3,8 @@ memory model (autotune.memory_model). Runs each candidate as a 2-rank gloo pipel
 then one step under autotune.trial.memory.PeakBreakdown) and prints, per rank, the bytes per kind at the peak and
 what was running then.
 
-    python bench/memory_breakdown.py recipes/gpt.py --batch-size 64 --candidates Interleaved1F1B/m4/[2-2-2-2] 1F1B/m4/[4-4]
+    python bench/memory_breakdown.py recipes/gpt.py --batch-size 64 \
+        --candidates Interleaved1F1B/m4/[2-2-2-2] 1F1B/m4/[4-4]
 
 A candidate is written as in the calibration tables: <schedule>/m<n_microbatches>/[<layers per stage>][+ckpt][+bf16].
 """
@@ -156,7 +157,8 @@ def main() -> None:
         stages = _stage_costs(costs, candidate, input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
                               link=LinkModel.for_device(profile.device))
         for field in ("parameter_bytes", "receive_buffer_bytes", "held_bytes", "output_held_bytes", "recompute_bytes",
-                      "sent_grad_bytes", "loss_backward_bytes", "first_backward_bytes", "backward_bytes", "split_kept_bytes"):
+                      "sent_grad_bytes", "loss_backward_bytes", "first_backward_bytes", "backward_bytes",
+                      "split_kept_bytes"):
             print(f"   model, per stage: {field:22s} {getattr(stages, field)}")
         for r in ranks:
             extra = f"  predicted {predicted[r['rank']]} ({predicted[r['rank']] / r['peak_bytes'] - 1:+.1%})"

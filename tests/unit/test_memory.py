@@ -131,3 +131,23 @@ def test_default_cuda_limit_leaves_headroom_for_context_nccl_and_fragmentation(m
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
     assert device_memory_bytes("cuda") == budget
     assert device_memory_bytes("cpu") is None
+
+
+def test_peak_breakdown_names_what_is_alive_at_the_peak():
+    from autotune.trial.memory import PeakBreakdown
+
+    kept = torch.zeros(1000)  # 4000 bytes, alive before and after
+    tracker = PeakBreakdown(lambda: {"kept": [kept.untyped_storage().data_ptr()]})
+    with tracker:
+        tracker.phase = "1F0"
+        a = kept + 1  # 4000
+        b = a * 2  # 4000: the peak, a and b alive
+        del a
+        tracker.phase = "1B0"
+        c = b[:10] + 1  # 40, after the peak
+    assert tracker.peak_phase == "1F0"
+    assert tracker.breakdown["kept"] == 4000
+    assert tracker.breakdown["other:add.Tensor in 1F0"] == 4000
+    assert tracker.breakdown["other:mul.Tensor in 1F0"] == 4000
+    assert tracker.peak_bytes >= 12000 and not any("1B0" in k for k in tracker.breakdown)
+    del b, c

@@ -35,8 +35,9 @@ def profile() -> Profile:
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
 def test_one_stage_alone_is_what_the_simulator_peaks_at(checkpointing, wire):
     """With one rank holding one stage, the simulator's walk peaks at the planner's per-stage figure plus what the
-    planner leaves out: the batch's inputs (less the saved inputs, views of it) and a backward's temporaries (at most the worst layer's weight, input and
-    output gradients, 400 + 100 + 100, or the loss's 2 x 100), so never below it."""
+    planner leaves out: the batch's inputs (less the saved inputs, views of it) and a backward's temporaries (at
+    most the worst layer's weight, input and output gradients, 400 + 100 + 100, or the loss's 2 x 100), so never
+    below it."""
     c = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, global_batch_size=16, n_microbatches=4,
                   layers_per_stage=(4,), activation_checkpointing=checkpointing, wire_dtype=wire)
     peak = simulate(profile(), c, link=LINK, with_timeline=False).peak_memory_bytes[0]
@@ -125,3 +126,17 @@ def test_a_hand_off_inside_a_rank_is_no_send():
                   layers_per_stage=(1, 1, 1, 1))
     prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
     assert simulate(prof, c, link=LINK, with_timeline=False).peak_memory_bytes[1] == 4 * 1000 + 2000
+
+
+def test_every_rank_keeps_its_sends_under_a_multi_stage_schedule():
+    """ZBV, 2 ranks, m=8, 1000-byte outputs: rank 1 (stages 1 and 2) sends stage 2's outputs and stage 1's input
+    gradients to rank 0, and torch keeps all 16 until the pipeline ends (the runtime waits for its sends last; the
+    I leaves the gradient on the receive buffer), on top of its 32 receive buffers; what else it may hold at the end
+    is a backward's temporaries (an input gradient, one more being sent)."""
+    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0,
+                        output_bytes=1000, parameter_bytes=0)] * 4
+    c = Candidate(schedule=Schedule.ZBV_ZERO_BUBBLE, pipeline_degree=2, global_batch_size=8, n_microbatches=8,
+                  layers_per_stage=(1, 1, 1, 1))
+    prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
+    peak = simulate(prof, c, link=LINK, with_timeline=False).peak_memory_bytes[1]
+    assert 32 * 1000 + 16 * 1000 <= peak <= 32 * 1000 + 16 * 1000 + 2 * 1000
