@@ -87,9 +87,6 @@ class SearchOptions:
     timeout_s: float | None = None
     """Stop launching new trials after this long."""
     memory_limit_bytes: int | None = None
-    storage: str | None = None
-    """Optuna storage URL; None: sqlite under .autotune/ named after the study."""
-    study_name: str | None = None
     resume: bool = False
     seed: int = 0
     schedules: tuple[Schedule, ...] = tuple(Schedule)

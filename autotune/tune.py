@@ -277,8 +277,6 @@ def tune(
         n_trials=request.trials,
         timeout_s=request.timeout_s,
         memory_limit_bytes=limit,
-        study_name=name,
-        storage=storage.masked,
         resume=request.resume,
         seed=request.seed,
         layouts=request.layouts,
