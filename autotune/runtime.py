@@ -7,6 +7,10 @@ training script.
     pipe = setup_pipeline("tuned.yaml", "model.py")      # under torchrun: reads RANK / WORLD_SIZE
     for inputs, targets in batches:                       # the same global batch on every rank
         losses = pipe.step(inputs, targets)               # forward, backward, DP all-reduce, optimizer step
+
+or, with a data loader per replica (its replica_batch_size rows), keeping only what this rank consumes:
+
+        losses = pipe.step(pipe.prepare_batch(inputs, targets, replica_rows=True))
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune import compat
 from autotune.candidate import Candidate, stage_bounds
-from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, map_inputs
+from autotune.model_file import ModelSpec, build_blocks, build_optimizer, input_tensors, load_model_file, map_inputs
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
@@ -133,6 +137,24 @@ class StageBoundary(nn.Module):
         return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankBatch:
+    """The part of a batch one rank consumes, on its device (RankPipeline.prepare_batch): its replica's rows of the
+    first stage's arguments (on the rank holding it), of the side inputs (every stage gets them) and of the targets
+    (on the rank holding the last stage). torch's schedule cuts them into this rank's micro-batches."""
+
+    args: tuple[torch.Tensor, ...]
+    """The first stage's positional arguments; empty on a rank without the first stage."""
+    side: dict[str, torch.Tensor]
+    """Side inputs every stage gets as keyword arguments (attention masks, position ids); empty for most models."""
+    target: torch.Tensor | None
+    """The loss's targets; None on a rank without the last stage."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this rank holds of the batch."""
+        return [*self.args, *self.side.values(), *([] if self.target is None else [self.target])]
+
+
 @dataclass(kw_only=True)
 class RankPipeline:
     """One rank's share of a pipelined training step."""
@@ -184,29 +206,65 @@ class RankPipeline:
         rows = self.candidate.replica_batch_size
         return tensor[self.layout.dp_rank * rows : (self.layout.dp_rank + 1) * rows]
 
-    def step(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
-        """One optimizer step on the global batch (inputs, targets); returns this rank's micro-batch losses
-        (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or dict of tensors)."""
+    def prepare_batch(self, inputs: Any, targets: torch.Tensor, *, replica_rows: bool = False) -> RankBatch:
+        """What this rank consumes of a batch, copied to its device as a data loader would (from pinned memory on
+        CUDA), so a step copies nothing: the first stage's arguments only where it is held, the targets only where
+        the last stage is, the side inputs everywhere. Nothing of it shares storage with `inputs` or `targets`: the
+        caller's batch can be freed, and the rank keeps only its replica's rows.
+
+        inputs, targets: make_batch's, the global batch (this rank's replica's rows are taken), or with
+        replica_rows its replica's rows already (a per-replica data loader's batch of replica_batch_size)."""
+        rows = self.candidate.replica_batch_size if replica_rows else self.candidate.global_batch_size
+        for _, t in [*(input_tensors(inputs) or []), ("targets", targets)]:
+            if t.dim() == 0 or t.shape[0] != rows:
+                from autotune.errors import ConfigError
+
+                raise ConfigError(
+                    f"prepare_batch got a batch of {t.shape[0] if t.dim() else 0} rows; this rank expects "
+                    f"{rows} ({'replica_batch_size' if replica_rows else 'global_batch_size'}): pass "
+                    f"{'replica_rows=False for the global batch' if replica_rows else 'replica_rows=True for a replica batch'}"
+                )
+        mine = (lambda t: t) if replica_rows else self.replica_slice
+        if self.split_inputs is not None:
+            first, side = self.split_inputs(map_inputs(inputs, mine))
+        else:
+            first, side = (mine(inputs),), {}
+        return RankBatch(
+            args=tuple(self._to_device(t) for t in first) if self.holds_first else (),
+            side={k: self._to_device(t) for k, t in side.items()},
+            target=self._to_device(mine(targets)) if self.holds_last else None,
+        )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of its own on this rank's device (a view of the caller's batch would keep all of it alive)."""
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device, copy=True, memory_format=torch.contiguous_format)
+
+    def step(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One optimizer step on the global batch (inputs, targets), or on a RankBatch (prepare_batch); returns this
+        rank's micro-batch losses (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or
+        dict of tensors)."""
         losses = self.forward_backward(inputs, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
 
-    def forward_backward(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
-        """Run the schedule and average gradients over micro-batches and replicas (tied ones summed over their
-        holders first), leaving them in .grad (no optimizer step)."""
+    def forward_backward(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Run the schedule on the global batch (inputs, targets) or a RankBatch, and average gradients over
+        micro-batches and replicas (tied ones summed over their holders first), leaving them in .grad (no
+        optimizer step)."""
+        if isinstance(inputs, RankBatch):
+            batch = inputs
+        elif targets is None:
+            raise TypeError("forward_backward(inputs, targets): targets missing (or pass a RankBatch alone)")
+        else:
+            batch = self.prepare_batch(inputs, targets)
         losses: list[torch.Tensor] = []
-        mine = map_inputs(inputs, lambda t: self.replica_slice(t).to(self.device))
-        if self.split_inputs is not None:
-            first, side = self.split_inputs(mine)
+        if batch.target is not None:
+            self.schedule.step(*batch.args, target=batch.target, losses=losses, return_outputs=False, **batch.side)
         else:
-            first, side = (mine,), {}
-        args = first if self.holds_first else ()
-        if self.holds_last:
-            target = self.replica_slice(targets).to(self.device)
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
-        else:
-            self.schedule.step(*args, return_outputs=False, **side)
+            self.schedule.step(*batch.args, return_outputs=False, **batch.side)
         self.reduce_gradients()
         return losses
 

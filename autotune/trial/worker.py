@@ -29,8 +29,8 @@ from autotune.candidate import Candidate
 from autotune.compat import COMMS_ERROR_TEXTS, STAGE_COMPUTE_METHODS, TORCH_PATH
 from autotune.devices import keep_freed_cpu_memory, rank_threads, usable_cores
 from autotune.files import atomic_write_json
-from autotune.model_file import ModelSpec, input_tensors, load_model_file, make_batch, map_inputs
-from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
+from autotune.model_file import ModelSpec, load_model_file, make_batch
+from autotune.runtime import RankBatch, RankLayout, RankPipeline, build_pipeline, init_groups
 from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
@@ -115,7 +115,10 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
-    inputs, targets = make_batch(spec, candidate.global_batch_size)
+    # As a data loader per replica would: this replica's rows only, and of them only what this rank consumes, on
+    # its device before any step (a step copies nothing).
+    batch = pipe.prepare_batch(*make_batch(spec, candidate.replica_batch_size), replica_rows=True)
+    gc.collect()  # the rows this rank does not consume go now, not at some later collection
     phases["setup"] = time.perf_counter() - t0
 
     # Warm-up: the first step infers shapes and creates optimizer state; the last warm-up step is the tracked one,
@@ -130,19 +133,19 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     for i in range(n_warmup):
         tracked = i == n_warmup - 1
         if i == 0 and compare:
-            wire_error = _wire_grad_error(pipe, spec, job.rank, device, pp_group, dp_group, inputs, targets)
+            wire_error = _wire_grad_error(pipe, spec, job.rank, device, pp_group, dp_group, batch)
             if not tracked:  # the rest of this warm-up step: its forward_backward just ran
                 pipe.optimizer.step()
                 pipe.optimizer.zero_grad(set_to_none=True)
                 continue
             pipe.optimizer.zero_grad(set_to_none=True)
         if tracked:
-            peak_bytes, activation_bytes = _tracked_step(pipe, inputs, targets, job, device)
+            peak_bytes, activation_bytes = _tracked_step(pipe, batch, job, device)
         else:
-            pipe.step(inputs, targets)
+            pipe.step(batch)
     # The tracked step runs every operator through Python and disturbs caches and the allocator: the first step
     # after it ran ~1.5x slower here. One more untracked step before timing.
-    pipe.step(inputs, targets)
+    pipe.step(batch)
     phases["warmup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -151,7 +154,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     for _ in range(job.steps):
         dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
         start = time.perf_counter()
-        losses = pipe.step(inputs, targets)
+        losses = pipe.step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times_ms.append((time.perf_counter() - start) * 1000)
@@ -180,16 +183,15 @@ def _wire_grad_error(
     device: torch.device,
     pp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
-    inputs: Any,
-    targets: torch.Tensor,
+    batch: RankBatch,
 ) -> float | None:
     """||g_bf16 - g_fp32|| / ||g_fp32|| over this rank's parameters: one forward/backward of the bf16-wire pipeline
     and of a float32-wire twin (built with the same seed, on the same ranks and groups) on the same batch. Leaves the
     bf16 pipeline's gradients in .grad; None when this rank's float32 gradients are all zero."""
     twin = build_pipeline(spec, replace(pipe.candidate, wire_dtype="float32"), rank=rank, device=device,
                           pp_group=pp_group, dp_group=dp_group)
-    pipe.forward_backward(inputs, targets)
-    twin.forward_backward(inputs, targets)
+    pipe.forward_backward(batch)
+    twin.forward_backward(batch)
     diff = reference = 0.0
     for got, want in zip(pipe.parameters(), twin.parameters()):  # same modules, same order
         if want.grad is None:
@@ -202,26 +204,20 @@ def _wire_grad_error(
     return math.sqrt(diff / reference) if reference > 0 else None
 
 
-def _tracked_step(
-    pipe: Any, inputs: Any, targets: torch.Tensor, job: RankJob, device: torch.device
-) -> tuple[int, int]:
-    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank."""
-    if device.type == "cpu" or pipe.candidate.data_parallel_degree == 1:
-        # The batch on the device first (a no-op on CPU; with one replica, the copy the step makes anyway), so the
-        # micro-batches the first stage saves are views of an excluded storage: the batch is there whatever the
-        # schedule. With dp > 1 on CUDA the step copies only its replica's rows, and rank 0 counts that copy.
-        inputs, targets = map_inputs(inputs, lambda t: t.to(device)), targets.to(device)
-    batch = [t for _, t in input_tensors(inputs) or []]
-    activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch, targets])
+def _tracked_step(pipe: RankPipeline, batch: RankBatch, job: RankJob, device: torch.device) -> tuple[int, int]:
+    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank. The rank's micro-batches
+    are on the device already (counted in the peak, as a loader's prefetched batch is); the micro-batches the first
+    stage saves are views of them, excluded from the activations: they are there whatever the schedule."""
+    activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch.tensors()])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with activations:
-            pipe.step(inputs, targets)
+            pipe.step(batch)
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device)), activations.peak_bytes
     with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker, activations:
-        pipe.step(inputs, targets)
+        pipe.step(batch)
     return tracker.peak_bytes, activations.peak_bytes
 
 
