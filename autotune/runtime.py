@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,13 +29,14 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
 from autotune import compat
-from autotune.candidate import Candidate, stage_bounds
+from autotune.candidate import Candidate, WireDtype, stage_bounds
+from autotune.errors import InvalidCandidateError
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, input_tensors, load_model_file, map_inputs
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
 from autotune.placement import RankOrder, global_rank, grid_position
-from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
+from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
@@ -154,6 +155,11 @@ class RankBatch:
         """Every tensor this rank holds of the batch."""
         return [*self.args, *self.side.values(), *([] if self.target is None else [self.target])]
 
+    def head(self, rows: int) -> RankBatch:
+        """The first `rows` rows (views: no copy), e.g. the first micro-batches."""
+        return RankBatch(args=tuple(t[:rows] for t in self.args), side={k: t[:rows] for k, t in self.side.items()},
+                         target=None if self.target is None else self.target[:rows])
+
 
 @dataclass(kw_only=True)
 class RankPipeline:
@@ -174,6 +180,8 @@ class RankPipeline:
     optimizer: torch.optim.Optimizer
     dp_group: dist.ProcessGroup | None
     device: torch.device
+    pp_group: dist.ProcessGroup | None = None
+    """The group of this replica's pipeline (None: the default group, one replica)."""
     parameter_names: dict[int, str] = field(default_factory=dict)
     """id(parameter) -> its name in the user's model (the first, for a tied one)."""
     shared_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
@@ -219,10 +227,11 @@ class RankPipeline:
             if t.dim() == 0 or t.shape[0] != rows:
                 from autotune.errors import ConfigError
 
+                which, fix = (("replica_batch_size", "replica_rows=False for the global batch") if replica_rows
+                              else ("global_batch_size", "replica_rows=True for a replica's batch"))
                 raise ConfigError(
-                    f"prepare_batch got a batch of {t.shape[0] if t.dim() else 0} rows; this rank expects "
-                    f"{rows} ({'replica_batch_size' if replica_rows else 'global_batch_size'}): pass "
-                    f"{'replica_rows=False for the global batch' if replica_rows else 'replica_rows=True for a replica batch'}"
+                    f"prepare_batch got a batch of {t.shape[0] if t.dim() else 0} rows; this rank expects {rows} "
+                    f"({which}): pass {fix}"
                 )
         mine = (lambda t: t) if replica_rows else self.replica_slice
         if self.split_inputs is not None:
@@ -420,12 +429,46 @@ def build_pipeline(
         schedule=schedule,
         optimizer=build_optimizer(spec, _unique_parameters(modules)),
         dp_group=dp_group,
+        pp_group=pp_group,
         device=device,
         parameter_names=names,
         shared_groups=groups,
         split_inputs=split,
         stages=stages,
     )
+
+
+def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatches: int) -> RankPipeline:
+    """The same stages over the same modules (parameters and .grad shared, no copy) with another wire dtype and a
+    schedule of n_microbatches micro-batches of the same size: torch stage objects and a schedule only, no
+    parameters, no process groups (the pipeline's own are reused). For a comparison on the first micro-batches
+    (trial.worker's wire error); it has no optimizer step of its own (the pipeline's optimizer is shared)."""
+    base = pipe.candidate
+    candidate = replace(base, wire_dtype=wire_dtype, n_microbatches=n_microbatches,
+                        global_batch_size=n_microbatches * base.micro_batch_size * base.data_parallel_degree)
+    dtype = torch.bfloat16 if wire_dtype == "bfloat16" else None
+    modules: list[nn.Module] = []
+    stages: list[PipelineStage] = []
+    for s, old in zip(pipe.stage_indices, pipe.modules):
+        inner = old.inner if isinstance(old, StageBoundary) else old
+        module = StageBoundary(inner, wire_dtype=dtype, last=s == candidate.n_stages - 1)
+        modules.append(module)
+        stages.append(compat.prepare_stage(
+            PipelineStage(module, s, candidate.n_stages, pipe.device, group=pipe.pp_group)))
+    return replace(pipe, candidate=candidate, modules=modules, stages=stages,
+                   schedule=make_schedule(candidate, stages, loss_fn=pipe.spec.loss_fn))
+
+
+def fewest_microbatches(candidate: Candidate) -> int:
+    """The fewest micro-batches (of the candidate's size) its schedule runs on its stages."""
+    for m in range(1, candidate.n_microbatches):
+        try:
+            validate_schedule(candidate.schedule, pipeline_degree=candidate.pipeline_degree, n_microbatches=m,
+                              n_stages=candidate.n_stages)
+        except InvalidCandidateError:
+            continue
+        return m
+    return candidate.n_microbatches
 
 
 def _shared_groups(
