@@ -182,6 +182,9 @@ class RankPipeline:
     device: torch.device
     pp_group: dist.ProcessGroup | None = None
     """The group of this replica's pipeline (None: the default group, one replica)."""
+    replicated: bool = False
+    """Each stage runs under torch's DistributedDataParallel over dp_group: its gradients are averaged over the
+    replicas in buckets during the stage's last backward (overlapped with it), not after the schedule."""
     parameter_names: dict[int, str] = field(default_factory=dict)
     """id(parameter) -> its name in the user's model (the first, for a tied one)."""
     shared_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
@@ -279,17 +282,19 @@ class RankPipeline:
 
     def reduce_gradients(self) -> None:
         """Sum tied gradients over the ranks holding them, then average every gradient over micro-batches and
-        replicas (one flat all-reduce over this rank's replicas)."""
+        replicas (replicated: DistributedDataParallel averaged them over the replicas during the backward; else one
+        flat all-reduce over this rank's replicas)."""
         for params, group in self.shared_groups:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
-        scale = 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
+        replicas = 1 if self.replicated else self.candidate.data_parallel_degree
+        scale = 1.0 / (self.candidate.n_microbatches * replicas)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        if self.dp_group is None:
+        if self.dp_group is None or self.replicated:
             for grad in grads:
                 grad.mul_(scale)
             return
@@ -418,6 +423,7 @@ def build_pipeline(
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     load_state: LoadState | None = None,
+    overlap_gradient_sync: bool = True,
 ) -> RankPipeline:
     """Build this rank's stages only: the model on the meta device, the blocks of this rank's stages materialised on
     `device` with their per-block initialisation (autotune.models.materialize: every rank holding a tied parameter
@@ -425,7 +431,10 @@ def build_pipeline(
     calls this (it creates the process groups of tied parameters, on every rank).
 
     load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
-    one must be returned (copied into the rank's tensors, cast to their dtype)."""
+    one must be returned (copied into the rank's tensors, cast to their dtype).
+
+    overlap_gradient_sync: with replicas, run each stage under DistributedDataParallel where it can
+    (overlaps_gradient_sync); False: one flat all-reduce after the schedule (for comparisons)."""
     layout = RankLayout.of(candidate, rank)
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
     if spec.n_layers != sum(candidate.layers_per_stage):
@@ -448,7 +457,6 @@ def build_pipeline(
         module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
-        stages.append(compat.prepare_stage(PipelineStage(module, s, candidate.n_stages, device, group=pp_group)))
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
@@ -456,6 +464,10 @@ def build_pipeline(
     if load_state is not None:
         _load_state(spec, blocks.model, modules, load_state)
     del blocks
+    replicated = overlap_gradient_sync and dp_group is not None and overlaps_gradient_sync(candidate, modules)
+    for s, module in zip(stage_indices, modules):
+        submod = _replicate(module, dp_group, device) if replicated else module
+        stages.append(compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group)))
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     return RankPipeline(
         spec=spec,
@@ -467,6 +479,7 @@ def build_pipeline(
         optimizer=build_optimizer(spec, _unique_parameters(modules)),
         dp_group=dp_group,
         pp_group=pp_group,
+        replicated=replicated,
         device=device,
         parameter_names=names,
         shared_groups=groups,
@@ -492,8 +505,35 @@ def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatche
         modules.append(module)
         stages.append(compat.prepare_stage(
             PipelineStage(module, s, candidate.n_stages, pipe.device, group=pipe.pp_group)))
-    return replace(pipe, candidate=candidate, modules=modules, stages=stages,
+    return replace(pipe, candidate=candidate, modules=modules, stages=stages, replicated=False,
                    schedule=make_schedule(candidate, stages, loss_fn=pipe.spec.loss_fn))
+
+
+def overlaps_gradient_sync(candidate: Candidate, modules: list[nn.Module]) -> bool:
+    """Whether the stages run under DistributedDataParallel (their data-parallel sync bucketed and overlapped with
+    the last backward): with replicas, a schedule whose backwards are whole (torch's stage prepares DDP's reducer
+    for a whole backward, not for a split I / W), and no parameter in two of this rank's stages (two reducers would
+    each average it). Otherwise the gradients are averaged after the schedule, in one flat all-reduce."""
+    if candidate.data_parallel_degree == 1 or SCHEDULES[candidate.schedule].splits_backward:
+        return False
+    seen: set[int] = set()
+    for module in modules:
+        mine = {id(p) for p in module.parameters()}
+        if mine & seen:
+            return False
+        seen |= mine
+    return True
+
+
+def _replicate(module: nn.Module, dp_group: dist.ProcessGroup | None, device: torch.device) -> nn.Module:
+    """torch's DistributedDataParallel around a stage: replicas start equal (same per-block initialisation or
+    load_state), so no initial broadcast; gradients become views of its buckets (no second copy of them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        module, process_group=dp_group, device_ids=[device] if device.type == "cuda" else None,
+        broadcast_buffers=False, init_sync=False, find_unused_parameters=True, gradient_as_bucket_view=True,
+    )
 
 
 def fewest_microbatches(candidate: Candidate) -> int:
