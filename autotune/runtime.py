@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
 from autotune.placement import RankOrder, global_rank, grid_position
+from autotune.process_groups import init_groups, new_group  # init_groups: part of this module's interface
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
 
 if TYPE_CHECKING:
@@ -355,65 +356,6 @@ def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-@dataclass
-class _GroupCache:
-    """The process groups this process made, for the default group they were made under: one DeviceMesh (its pp and
-    dp sub-groups) per layout, one group per set of ranks sharing a tied parameter. A process that runs several
-    pipelines under one init_process_group (several jobs, a training script rebuilding its pipeline) makes each
-    once; a new default group (destroy + init) starts afresh."""
-
-    default: Any = None
-    meshes: dict[tuple[int, int, str], tuple[dist.ProcessGroup, dist.ProcessGroup]] = field(default_factory=dict)
-    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
-    created: int = 0
-    """Process-group creations so far in this process (a DeviceMesh counts once, each new_group once)."""
-
-    def current(self) -> _GroupCache:
-        default = dist.distributed_c10d._get_default_group()
-        if default is not self.default:
-            self.default, self.meshes, self.groups = default, {}, {}
-        return self
-
-
-GROUPS = _GroupCache()
-"""This process's cache of process groups (GROUPS.created counts what it made)."""
-
-
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
-    """dist.new_group, once per set of ranks under the current default group (every rank makes the same calls in the
-    same order, so every rank hits or misses the cache alike); typed as what every rank keeps of it (a non-member's
-    handle is never used)."""
-    cache = GROUPS.current()
-    key = tuple(ranks)
-    if key not in cache.groups:
-        cache.groups[key] = cast(dist.ProcessGroup, dist.new_group(ranks))
-        cache.created += 1
-    return cache.groups[key]
-
-
-def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's pipeline group and data-parallel group: the two dimensions of one DeviceMesh over the pp x dp grid
-    (under NCCL with a bound device, torch makes each dimension's groups with one communicator split rather than
-    one new_group per group). Made once per layout and default group, then reused (GROUPS). Every rank calls this,
-    in the same order."""
-    pp, dp = layout.pipeline_degree, layout.data_parallel_degree
-    if dp == 1:
-        return None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    cache = GROUPS.current()
-    key = (pp, dp, layout.rank_order)
-    if key not in cache.meshes:
-        # placement: pp-inner puts rank dp_rank * pp + pp_rank, i.e. a (dp, pp) grid in row-major order; dp-inner
-        # pp_rank * dp + dp_rank, a (pp, dp) grid.
-        shape, names = ((dp, pp), ("dp", "pp")) if layout.rank_order == "pp-inner" else ((pp, dp), ("pp", "dp"))
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        cache.meshes[key] = (mesh["pp"].get_group(), mesh["dp"].get_group())
-        cache.created += 1
-    return cache.meshes[key]
-
-
 def build_pipeline(
     spec: ModelSpec,
     candidate: Candidate,
@@ -569,7 +511,7 @@ def _shared_groups(
     mine: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
     for ranks in shared_groups(holders):
         for d in range(candidate.data_parallel_degree):
-            group = _new_group([layout.pipeline_ranks(d)[r] for r in ranks])
+            group = new_group([layout.pipeline_ranks(d)[r] for r in ranks])
             if d != layout.dp_rank or layout.pp_rank not in ranks:
                 continue
             params: list[nn.Parameter] = []

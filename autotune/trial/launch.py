@@ -89,9 +89,9 @@ def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:
 
     where steps counts what a rank runs: the warm-up steps (the last one, memory-tracked, twice: on CPU it runs
     every operator through Python), one more untracked step, the measured steps, and for a bfloat16 wire with
-    measure_wire_error its two forward/backward passes on the first micro-batches (counted as two steps). The defaults (2 warm-up, 5 measured) give 9 steps:
-    a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A prediction that is not a finite number gets the
-    floor: a hang is always bounded."""
+    measure_wire_error its two forward/backward passes on the first micro-batches (counted as two steps). The
+    defaults (2 warm-up, 5 measured) give 9 steps: a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A
+    prediction that is not a finite number gets the floor: a hang is always bounded."""
     steps = max(options.warmup, 1) + 1 + 1 + options.steps + (2 if options.measure_wire_error else 0)
     if not math.isfinite(predicted_step_s) or predicted_step_s < 0:
         return TRIAL_TIMEOUT_FLOOR_S

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
-from autotune.runtime import GROUPS, RankLayout, build_pipeline, init_groups
+from autotune.process_groups import GROUPS
+from autotune.runtime import RankLayout, build_pipeline, init_groups
 
 
 def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -> None:
@@ -29,7 +30,7 @@ def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -
 
 def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: str) -> None:
     """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int).
-    Writes groups-{rank}.json into store_dir: runtime.GROUPS.created after each job."""
+    Writes groups-{rank}.json into store_dir: process_groups.GROUPS.created after each job."""
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(str(Path(store_dir) / "store"), world_size)
