@@ -198,8 +198,9 @@ class Measurement:
     """Where the trial's time went (launch, setup, warmup, steps, teardown), slowest rank."""
     device: str = "cpu"
     wire_grad_rel_error: float | None = None
-    """bf16 between stages: ||g_bf16 - g_fp32|| / ||g_fp32|| of one step's gradients against a float32-wire twin,
-    the worst rank's; None when not measured (float32 wire, or TrialOptions.measure_wire_error off)."""
+    """bf16 between stages: ||g_bf16 - g_fp32|| / ||g_fp32|| of the gradients of the first micro-batches (the fewest
+    the schedule runs) against a float32 wire through the same stages, on a strided sample of each rank's gradient
+    elements, the worst rank's; None when not measured (float32 wire, or TrialOptions.measure_wire_error off)."""
     rank_nodes: tuple[int, ...] = ()
     """Per global rank: the node it ran on (multi-node trials, autotune.cluster); () on one machine."""
 

@@ -7,15 +7,19 @@ training script.
     pipe = setup_pipeline("tuned.yaml", "model.py")      # under torchrun: reads RANK / WORLD_SIZE
     for inputs, targets in batches:                       # the same global batch on every rank
         losses = pipe.step(inputs, targets)               # forward, backward, DP all-reduce, optimizer step
+
+or, with a data loader per replica (its replica_batch_size rows), keeping only what this rank consumes:
+
+        losses = pipe.step(pipe.prepare_batch(inputs, targets, replica_rows=True))
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,13 +29,15 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
 from autotune import compat
-from autotune.candidate import Candidate, stage_bounds
-from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, map_inputs
+from autotune.candidate import Candidate, WireDtype, stage_bounds
+from autotune.errors import InvalidCandidateError
+from autotune.model_file import ModelSpec, build_blocks, build_optimizer, input_tensors, load_model_file, map_inputs
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
 from autotune.placement import RankOrder, global_rank, grid_position
-from autotune.schedules import SCHEDULES, action_lists, stages_of_rank
+from autotune.process_groups import init_groups, new_group  # init_groups: part of this module's interface
+from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
@@ -133,6 +139,29 @@ class StageBoundary(nn.Module):
         return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankBatch:
+    """The part of a batch one rank consumes, on its device (RankPipeline.prepare_batch): its replica's rows of the
+    first stage's arguments (on the rank holding it), of the side inputs (every stage gets them) and of the targets
+    (on the rank holding the last stage). torch's schedule cuts them into this rank's micro-batches."""
+
+    args: tuple[torch.Tensor, ...]
+    """The first stage's positional arguments; empty on a rank without the first stage."""
+    side: dict[str, torch.Tensor]
+    """Side inputs every stage gets as keyword arguments (attention masks, position ids); empty for most models."""
+    target: torch.Tensor | None
+    """The loss's targets; None on a rank without the last stage."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this rank holds of the batch."""
+        return [*self.args, *self.side.values(), *([] if self.target is None else [self.target])]
+
+    def head(self, rows: int) -> RankBatch:
+        """The first `rows` rows (views: no copy), e.g. the first micro-batches."""
+        return RankBatch(args=tuple(t[:rows] for t in self.args), side={k: t[:rows] for k, t in self.side.items()},
+                         target=None if self.target is None else self.target[:rows])
+
+
 @dataclass(kw_only=True)
 class RankPipeline:
     """One rank's share of a pipelined training step."""
@@ -152,6 +181,11 @@ class RankPipeline:
     optimizer: torch.optim.Optimizer
     dp_group: dist.ProcessGroup | None
     device: torch.device
+    pp_group: dist.ProcessGroup | None = None
+    """The group of this replica's pipeline (None: the default group, one replica)."""
+    replicated: bool = False
+    """Each stage runs under torch's DistributedDataParallel over dp_group: its gradients are averaged over the
+    replicas in buckets during the stage's last backward (overlapped with it), not after the schedule."""
     parameter_names: dict[int, str] = field(default_factory=dict)
     """id(parameter) -> its name in the user's model (the first, for a tied one)."""
     shared_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
@@ -184,45 +218,84 @@ class RankPipeline:
         rows = self.candidate.replica_batch_size
         return tensor[self.layout.dp_rank * rows : (self.layout.dp_rank + 1) * rows]
 
-    def step(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
-        """One optimizer step on the global batch (inputs, targets); returns this rank's micro-batch losses
-        (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or dict of tensors)."""
+    def prepare_batch(self, inputs: Any, targets: torch.Tensor, *, replica_rows: bool = False) -> RankBatch:
+        """What this rank consumes of a batch, copied to its device as a data loader would (from pinned memory on
+        CUDA), so a step copies nothing: the first stage's arguments only where it is held, the targets only where
+        the last stage is, the side inputs everywhere. Nothing of it shares storage with `inputs` or `targets`: the
+        caller's batch can be freed, and the rank keeps only its replica's rows.
+
+        inputs, targets: make_batch's, the global batch (this rank's replica's rows are taken), or with
+        replica_rows its replica's rows already (a per-replica data loader's batch of replica_batch_size)."""
+        rows = self.candidate.replica_batch_size if replica_rows else self.candidate.global_batch_size
+        for _, t in [*(input_tensors(inputs) or []), ("targets", targets)]:
+            if t.dim() == 0 or t.shape[0] != rows:
+                from autotune.errors import ConfigError
+
+                which, fix = (("replica_batch_size", "replica_rows=False for the global batch") if replica_rows
+                              else ("global_batch_size", "replica_rows=True for a replica's batch"))
+                raise ConfigError(
+                    f"prepare_batch got a batch of {t.shape[0] if t.dim() else 0} rows; this rank expects {rows} "
+                    f"({which}): pass {fix}"
+                )
+        mine = (lambda t: t) if replica_rows else self.replica_slice
+        if self.split_inputs is not None:
+            first, side = self.split_inputs(map_inputs(inputs, mine))
+        else:
+            first, side = (mine(inputs),), {}
+        return RankBatch(
+            args=tuple(self._to_device(t) for t in first) if self.holds_first else (),
+            side={k: self._to_device(t) for k, t in side.items()},
+            target=self._to_device(mine(targets)) if self.holds_last else None,
+        )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of its own on this rank's device (a view of the caller's batch would keep all of it alive)."""
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device, copy=True, memory_format=torch.contiguous_format)
+
+    def step(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One optimizer step on the global batch (inputs, targets), or on a RankBatch (prepare_batch); returns this
+        rank's micro-batch losses (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or
+        dict of tensors)."""
         losses = self.forward_backward(inputs, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
 
-    def forward_backward(self, inputs: Any, targets: torch.Tensor) -> list[torch.Tensor]:
-        """Run the schedule and average gradients over micro-batches and replicas (tied ones summed over their
-        holders first), leaving them in .grad (no optimizer step)."""
+    def forward_backward(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Run the schedule on the global batch (inputs, targets) or a RankBatch, and average gradients over
+        micro-batches and replicas (tied ones summed over their holders first), leaving them in .grad (no
+        optimizer step)."""
+        if isinstance(inputs, RankBatch):
+            batch = inputs
+        elif targets is None:
+            raise TypeError("forward_backward(inputs, targets): targets missing (or pass a RankBatch alone)")
+        else:
+            batch = self.prepare_batch(inputs, targets)
         losses: list[torch.Tensor] = []
-        mine = map_inputs(inputs, lambda t: self.replica_slice(t).to(self.device))
-        if self.split_inputs is not None:
-            first, side = self.split_inputs(mine)
+        if batch.target is not None:
+            self.schedule.step(*batch.args, target=batch.target, losses=losses, return_outputs=False, **batch.side)
         else:
-            first, side = (mine,), {}
-        args = first if self.holds_first else ()
-        if self.holds_last:
-            target = self.replica_slice(targets).to(self.device)
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
-        else:
-            self.schedule.step(*args, return_outputs=False, **side)
+            self.schedule.step(*batch.args, return_outputs=False, **batch.side)
         self.reduce_gradients()
         return losses
 
     def reduce_gradients(self) -> None:
         """Sum tied gradients over the ranks holding them, then average every gradient over micro-batches and
-        replicas (one flat all-reduce over this rank's replicas)."""
+        replicas (replicated: DistributedDataParallel averaged them over the replicas during the backward; else one
+        flat all-reduce over this rank's replicas)."""
         for params, group in self.shared_groups:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
-        scale = 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
+        replicas = 1 if self.replicated else self.candidate.data_parallel_degree
+        scale = 1.0 / (self.candidate.n_microbatches * replicas)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        if self.dp_group is None:
+        if self.dp_group is None or self.replicated:
             for grad in grads:
                 grad.mul_(scale)
             return
@@ -283,28 +356,6 @@ def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
-    """dist.new_group, typed as what every rank keeps of it (a non-member's handle is never used)."""
-    return cast(dist.ProcessGroup, dist.new_group(ranks))
-
-
-def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's pipeline group and data-parallel group (every rank must create every group, in order)."""
-    pp, dp = layout.pipeline_degree, layout.data_parallel_degree
-    if dp == 1:
-        return None, None
-    pp_group = dp_group = None
-    for d in range(dp):
-        group = _new_group(layout.pipeline_ranks(d))
-        if d == layout.dp_rank:
-            pp_group = group
-    for p in range(pp):
-        group = _new_group(layout.replica_ranks(p))
-        if p == layout.pp_rank:
-            dp_group = group
-    return pp_group, dp_group
-
-
 def build_pipeline(
     spec: ModelSpec,
     candidate: Candidate,
@@ -314,6 +365,7 @@ def build_pipeline(
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     load_state: LoadState | None = None,
+    overlap_gradient_sync: bool = True,
 ) -> RankPipeline:
     """Build this rank's stages only: the model on the meta device, the blocks of this rank's stages materialised on
     `device` with their per-block initialisation (autotune.models.materialize: every rank holding a tied parameter
@@ -321,7 +373,10 @@ def build_pipeline(
     calls this (it creates the process groups of tied parameters, on every rank).
 
     load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
-    one must be returned (copied into the rank's tensors, cast to their dtype)."""
+    one must be returned (copied into the rank's tensors, cast to their dtype).
+
+    overlap_gradient_sync: with replicas, run each stage under DistributedDataParallel where it can
+    (overlaps_gradient_sync); False: one flat all-reduce after the schedule (for comparisons)."""
     layout = RankLayout.of(candidate, rank)
     stage_indices = stages_of_rank(candidate.schedule, candidate.pipeline_degree, candidate.n_stages, layout.pp_rank)
     if spec.n_layers != sum(candidate.layers_per_stage):
@@ -344,7 +399,6 @@ def build_pipeline(
         module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
         module.to(device)
         modules.append(module)
-        stages.append(compat.prepare_stage(PipelineStage(module, s, candidate.n_stages, device, group=pp_group)))
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
@@ -352,6 +406,10 @@ def build_pipeline(
     if load_state is not None:
         _load_state(spec, blocks.model, modules, load_state)
     del blocks
+    replicated = overlap_gradient_sync and dp_group is not None and overlaps_gradient_sync(candidate, modules)
+    for s, module in zip(stage_indices, modules):
+        submod = _replicate(module, dp_group, device) if replicated else module
+        stages.append(compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group)))
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     return RankPipeline(
         spec=spec,
@@ -362,12 +420,74 @@ def build_pipeline(
         schedule=schedule,
         optimizer=build_optimizer(spec, _unique_parameters(modules)),
         dp_group=dp_group,
+        pp_group=pp_group,
+        replicated=replicated,
         device=device,
         parameter_names=names,
         shared_groups=groups,
         split_inputs=split,
         stages=stages,
     )
+
+
+def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatches: int) -> RankPipeline:
+    """The same stages over the same modules (parameters and .grad shared, no copy) with another wire dtype and a
+    schedule of n_microbatches micro-batches of the same size: torch stage objects and a schedule only, no
+    parameters, no process groups (the pipeline's own are reused). For a comparison on the first micro-batches
+    (trial.worker's wire error); it has no optimizer step of its own (the pipeline's optimizer is shared)."""
+    base = pipe.candidate
+    candidate = replace(base, wire_dtype=wire_dtype, n_microbatches=n_microbatches,
+                        global_batch_size=n_microbatches * base.micro_batch_size * base.data_parallel_degree)
+    dtype = torch.bfloat16 if wire_dtype == "bfloat16" else None
+    modules: list[nn.Module] = []
+    stages: list[PipelineStage] = []
+    for s, old in zip(pipe.stage_indices, pipe.modules):
+        inner = old.inner if isinstance(old, StageBoundary) else old
+        module = StageBoundary(inner, wire_dtype=dtype, last=s == candidate.n_stages - 1)
+        modules.append(module)
+        stages.append(compat.prepare_stage(
+            PipelineStage(module, s, candidate.n_stages, pipe.device, group=pipe.pp_group)))
+    return replace(pipe, candidate=candidate, modules=modules, stages=stages, replicated=False,
+                   schedule=make_schedule(candidate, stages, loss_fn=pipe.spec.loss_fn))
+
+
+def overlaps_gradient_sync(candidate: Candidate, modules: list[nn.Module]) -> bool:
+    """Whether the stages run under DistributedDataParallel (their data-parallel sync bucketed and overlapped with
+    the last backward): with replicas, a schedule whose backwards are whole (torch's stage prepares DDP's reducer
+    for a whole backward, not for a split I / W), and no parameter in two of this rank's stages (two reducers would
+    each average it). Otherwise the gradients are averaged after the schedule, in one flat all-reduce."""
+    if candidate.data_parallel_degree == 1 or SCHEDULES[candidate.schedule].splits_backward:
+        return False
+    seen: set[int] = set()
+    for module in modules:
+        mine = {id(p) for p in module.parameters()}
+        if mine & seen:
+            return False
+        seen |= mine
+    return True
+
+
+def _replicate(module: nn.Module, dp_group: dist.ProcessGroup | None, device: torch.device) -> nn.Module:
+    """torch's DistributedDataParallel around a stage: replicas start equal (same per-block initialisation or
+    load_state), so no initial broadcast; gradients become views of its buckets (no second copy of them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        module, process_group=dp_group, device_ids=[device] if device.type == "cuda" else None,
+        broadcast_buffers=False, init_sync=False, find_unused_parameters=True, gradient_as_bucket_view=True,
+    )
+
+
+def fewest_microbatches(candidate: Candidate) -> int:
+    """The fewest micro-batches (of the candidate's size) its schedule runs on its stages."""
+    for m in range(1, candidate.n_microbatches):
+        try:
+            validate_schedule(candidate.schedule, pipeline_degree=candidate.pipeline_degree, n_microbatches=m,
+                              n_stages=candidate.n_stages)
+        except InvalidCandidateError:
+            continue
+        return m
+    return candidate.n_microbatches
 
 
 def _shared_groups(
@@ -391,7 +511,7 @@ def _shared_groups(
     mine: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
     for ranks in shared_groups(holders):
         for d in range(candidate.data_parallel_degree):
-            group = _new_group([layout.pipeline_ranks(d)[r] for r in ranks])
+            group = new_group([layout.pipeline_ranks(d)[r] for r in ranks])
             if d != layout.dp_rank or layout.pp_rank not in ranks:
                 continue
             params: list[nn.Parameter] = []

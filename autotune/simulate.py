@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
 from typing import Any
@@ -347,7 +347,13 @@ def simulate_costs(
         rank_params[r] += stages.parameter_bytes[s]
     optimizer_ms = [p * optimizer_ms_per_byte for p in rank_params]
     allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
-    step_ms = max(rank_end[r] + allreduce_ms[r] + optimizer_ms[r] for r in range(pp))
+    if SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
+        sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
+    else:
+        dp = candidate.data_parallel_degree
+        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end,
+                                        lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+    step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
                          batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor)
@@ -371,6 +377,39 @@ def simulate_costs(
         memory_limit_bytes=memory_limit_bytes,
         timeline=timeline,
     )
+
+
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch's DistributedDataParallel buckets: the first (the last layers' gradients) 1 MiB, the others 25 MiB."""
+
+
+def _overlapped_sync_end(
+    plan: ActionGraph, finish: list[float], dur: list[float], parameter_bytes: list[int], rank_end: list[float],
+    allreduce_ms: Callable[[float], float],
+) -> list[float]:
+    """When each rank's data-parallel gradient sync ends under DistributedDataParallel (runtime.
+    overlaps_gradient_sync): a stage's gradients become ready evenly over its last backward, last layers first, and
+    each of DDP's buckets is all-reduced, one after another on the rank, once it is full. With one bucket nothing
+    overlaps: the all-reduce follows the backward, as the flat one did."""
+    last_b: dict[int, int] = {}
+    for a in range(len(dur)):
+        if plan.kind[a] == "B" and (plan.stage[a] not in last_b or finish[a] > finish[last_b[plan.stage[a]]]):
+            last_b[plan.stage[a]] = a
+    ready: list[list[tuple[float, float]]] = [[] for _ in rank_end]  # (ready at, bucket bytes) per rank
+    for stage, a in last_b.items():
+        total, done = float(parameter_bytes[stage]), 0.0
+        while done < total:
+            size = min(total - done, DDP_FIRST_BUCKET_BYTES if done == 0 else DDP_BUCKET_BYTES)
+            done += size
+            ready[plan.stage_rank[stage]].append((finish[a] - dur[a] + dur[a] * done / total, size))
+    ends = []
+    for r, buckets in enumerate(ready):
+        t = 0.0
+        for at, size in sorted(buckets):
+            t = max(t, at) + allreduce_ms(size)
+        ends.append(max(t, rank_end[r]))
+    return ends
 
 
 def step_time_lower_bound(

@@ -65,7 +65,7 @@ def trial(
         typer.Option(
             "--wire-dtype",
             help="dtype of activations and gradients sent between stages. bfloat16 also measures the gradients' "
-            "relative error against a float32 twin on the first warm-up step.",
+            "relative error against a float32 wire on the first micro-batches, through the same stages.",
         ),
     ] = WireDtypeChoice.float32,
     steps: StepsOpt = 5,

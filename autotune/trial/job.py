@@ -34,7 +34,7 @@ class RankJob:
     split_at: tuple[str, ...] | None = None
     """ModelSpec.split_at: where the model file's model is cut into blocks."""
     measure_wire_error: bool = False
-    """bfloat16 wire: compare the first warm-up step's gradients with a float32-wire twin's (TrialOptions)."""
+    """bfloat16 wire: compare gradients with a float32 wire's on the first micro-batches (TrialOptions)."""
     local_rank: int | None = None
     """This rank's index on its machine (its GPU); None: the global rank (one machine)."""
     local_world_size: int | None = None

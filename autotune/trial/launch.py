@@ -78,8 +78,9 @@ class TrialOptions:
     keep_run_dir: bool = False
     """Keep the ranks' logs and stack dumps (for --debug)."""
     measure_wire_error: bool = False
-    """For a bfloat16-wire candidate: also run one forward/backward of a float32-wire twin and report the gradients'
-    relative error (Measurement.wire_grad_rel_error)."""
+    """For a bfloat16-wire candidate: also run the first micro-batches (the fewest its schedule runs) forward and
+    backward with a float32 wire and with its own, through the same stages, and report the gradients' relative error
+    on a strided sample of them (Measurement.wire_grad_rel_error). Its memory counts in the trial's peak."""
 
 
 def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:
@@ -89,9 +90,9 @@ def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:
 
     where steps counts what a rank runs: the warm-up steps (the last one, memory-tracked, twice: on CPU it runs
     every operator through Python), one more untracked step, the measured steps, and for a bfloat16 wire with
-    measure_wire_error the float32 twin's forward/backward (two). The defaults (2 warm-up, 5 measured) give 9 steps:
-    a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A prediction that is not a finite number gets the
-    floor: a hang is always bounded."""
+    measure_wire_error its two forward/backward passes on the first micro-batches (counted as two steps). The
+    defaults (2 warm-up, 5 measured) give 9 steps: a 60 s step gets 1740 s, a 1 s step the floor of 300 s. A
+    prediction that is not a finite number gets the floor: a hang is always bounded."""
     steps = max(options.warmup, 1) + 1 + 1 + options.steps + (2 if options.measure_wire_error else 0)
     if not math.isfinite(predicted_step_s) or predicted_step_s < 0:
         return TRIAL_TIMEOUT_FLOOR_S

@@ -17,9 +17,9 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,22 @@ from autotune.candidate import Candidate
 from autotune.compat import COMMS_ERROR_TEXTS, STAGE_COMPUTE_METHODS, TORCH_PATH
 from autotune.devices import keep_freed_cpu_memory, rank_threads, usable_cores
 from autotune.files import atomic_write_json
-from autotune.model_file import ModelSpec, input_tensors, load_model_file, make_batch, map_inputs
-from autotune.runtime import RankLayout, RankPipeline, build_pipeline, init_groups
+from autotune.model_file import load_model_file, make_batch
+from autotune.runtime import (
+    RankBatch,
+    RankLayout,
+    RankPipeline,
+    build_pipeline,
+    fewest_microbatches,
+    init_groups,
+    rewired_pipeline,
+)
 from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
 from autotune.trial.progress import RankProgress, progress_path, track
+
+T = TypeVar("T")
 
 
 def run_rank(job: RankJob) -> None:
@@ -115,34 +125,31 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
-    inputs, targets = make_batch(spec, candidate.global_batch_size)
+    # As a data loader per replica would: this replica's rows only, and of them only what this rank consumes, on
+    # its device before any step (a step copies nothing).
+    batch = pipe.prepare_batch(*make_batch(spec, candidate.replica_batch_size), replica_rows=True)
+    gc.collect()  # the rows this rank does not consume go now, not at some later collection
     phases["setup"] = time.perf_counter() - t0
 
     # Warm-up: the first step infers shapes and creates optimizer state; the last warm-up step is the tracked one,
-    # followed by one untracked step.
-    # With measure_wire_error, the first step's gradients are also compared with a float32-wire twin's; when that
-    # step is the tracked one (warmup 1), the comparison runs before it, without an optimizer step.
+    # followed by one untracked step. With measure_wire_error, a bfloat16 wire's gradients are first compared with a
+    # float32 wire's on the fewest micro-batches the schedule runs, over the same parameters (_wire_grad_error); the
+    # memory it takes counts in the rank's peak.
     t0 = time.perf_counter()
     peak_bytes = activation_bytes = 0
     n_warmup = max(job.warmup, 1)
     wire_error = None
-    compare = job.measure_wire_error and candidate.wire_dtype == "bfloat16"
+    if job.measure_wire_error and candidate.wire_dtype == "bfloat16":
+        wire_error, peak_bytes = _measured(lambda: _wire_grad_error(pipe, batch), job, device)
     for i in range(n_warmup):
-        tracked = i == n_warmup - 1
-        if i == 0 and compare:
-            wire_error = _wire_grad_error(pipe, spec, job.rank, device, pp_group, dp_group, inputs, targets)
-            if not tracked:  # the rest of this warm-up step: its forward_backward just ran
-                pipe.optimizer.step()
-                pipe.optimizer.zero_grad(set_to_none=True)
-                continue
-            pipe.optimizer.zero_grad(set_to_none=True)
-        if tracked:
-            peak_bytes, activation_bytes = _tracked_step(pipe, inputs, targets, job, device)
+        if i == n_warmup - 1:
+            step_peak, activation_bytes = _tracked_step(pipe, batch, job, device)
+            peak_bytes = max(peak_bytes, step_peak)
         else:
-            pipe.step(inputs, targets)
+            pipe.step(batch)
     # The tracked step runs every operator through Python and disturbs caches and the allocator: the first step
     # after it ran ~1.5x slower here. One more untracked step before timing.
-    pipe.step(inputs, targets)
+    pipe.step(batch)
     phases["warmup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -151,7 +158,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     for _ in range(job.steps):
         dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
         start = time.perf_counter()
-        losses = pipe.step(inputs, targets)
+        losses = pipe.step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times_ms.append((time.perf_counter() - start) * 1000)
@@ -173,55 +180,76 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def _wire_grad_error(
-    pipe: RankPipeline,
-    spec: ModelSpec,
-    rank: int,
-    device: torch.device,
-    pp_group: dist.ProcessGroup | None,
-    dp_group: dist.ProcessGroup | None,
-    inputs: Any,
-    targets: torch.Tensor,
-) -> float | None:
-    """||g_bf16 - g_fp32|| / ||g_fp32|| over this rank's parameters: one forward/backward of the bf16-wire pipeline
-    and of a float32-wire twin (built with the same seed, on the same ranks and groups) on the same batch. Leaves the
-    bf16 pipeline's gradients in .grad; None when this rank's float32 gradients are all zero."""
-    twin = build_pipeline(spec, replace(pipe.candidate, wire_dtype="float32"), rank=rank, device=device,
-                          pp_group=pp_group, dp_group=dp_group)
-    pipe.forward_backward(inputs, targets)
-    twin.forward_backward(inputs, targets)
-    diff = reference = 0.0
-    for got, want in zip(pipe.parameters(), twin.parameters()):  # same modules, same order
-        if want.grad is None:
-            continue
-        bf16 = got.grad if got.grad is not None else torch.zeros_like(want.grad)
-        diff += float((bf16.double() - want.grad.double()).square().sum())
-        reference += float(want.grad.double().square().sum())
-    del twin
-    gc.collect()
-    return math.sqrt(diff / reference) if reference > 0 else None
+WIRE_SAMPLE_ELEMENTS = 2**18
+"""At most this many gradient elements (1 MiB) of the float32-wire pass are kept to compare, and at most one in
+WIRE_SAMPLE_STRIDE: an evenly strided sample over all the rank's parameters, not a copy of them."""
+WIRE_SAMPLE_STRIDE = 16
 
 
-def _tracked_step(
-    pipe: Any, inputs: Any, targets: torch.Tensor, job: RankJob, device: torch.device
-) -> tuple[int, int]:
-    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank."""
-    if device.type == "cpu" or pipe.candidate.data_parallel_degree == 1:
-        # The batch on the device first (a no-op on CPU; with one replica, the copy the step makes anyway), so the
-        # micro-batches the first stage saves are views of an excluded storage: the batch is there whatever the
-        # schedule. With dp > 1 on CUDA the step copies only its replica's rows, and rank 0 counts that copy.
-        inputs, targets = map_inputs(inputs, lambda t: t.to(device)), targets.to(device)
-    batch = [t for _, t in input_tensors(inputs) or []]
-    activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch, targets])
+def _wire_grad_error(pipe: RankPipeline, batch: RankBatch) -> float | None:
+    """||g_bf16 - g_fp32|| / ||g_fp32|| on this rank: one forward/backward of the first micro-batches (the fewest the
+    schedule runs) with a float32 wire, then with the bfloat16 wire, through the same modules (runtime.
+    rewired_pipeline: no second copy of the stages, no new process groups), on an evenly strided sample of the
+    gradient elements. None when the sampled float32 gradients are all zero. Leaves no gradients."""
+    m = fewest_microbatches(pipe.candidate)
+    rows = m * pipe.candidate.micro_batch_size
+    parameters = pipe.parameters()
+    stride = max(WIRE_SAMPLE_STRIDE, math.ceil(sum(p.numel() for p in parameters) / WIRE_SAMPLE_ELEMENTS))
+    reference: list[torch.Tensor] = []
+    diff = norm = 0.0
+    for wire in ("float32", "bfloat16"):
+        sampled = rewired_pipeline(pipe, wire_dtype=wire, n_microbatches=m)
+        sampled.forward_backward(batch.head(rows))
+        for i, part in enumerate(_strided_sample(parameters, stride)):
+            if wire == "float32":
+                reference.append(part.clone())
+                norm += float(torch.linalg.vector_norm(part)) ** 2
+            else:
+                diff += float(torch.linalg.vector_norm(part - reference[i])) ** 2
+        pipe.optimizer.zero_grad(set_to_none=True)
+        del sampled
+        gc.collect()  # torch's stage objects and their receive buffers: before the next pass builds its own
+    return math.sqrt(diff / norm) if norm > 0 else None
+
+
+def _strided_sample(parameters: list[torch.nn.Parameter], stride: int) -> Iterator[torch.Tensor]:
+    """Every stride-th element of the parameters' gradients laid end to end, one view per parameter (zeros for a
+    parameter without a gradient)."""
+    offset = 0
+    for p in parameters:
+        start = (-offset) % stride
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        yield grad.detach().reshape(-1)[start::stride].float()
+        offset += p.numel()
+
+
+def _measured(run: Callable[[], T], job: RankJob, device: torch.device) -> tuple[T, int]:
+    """run()'s result and this rank's peak memory bytes while it ran (CUDA allocator, or tracked live tensors)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = run()
+        torch.cuda.synchronize(device)
+        return result, int(torch.cuda.max_memory_allocated(device))
+    with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker:
+        result = run()
+    return result, tracker.peak_bytes
+
+
+def _tracked_step(pipe: RankPipeline, batch: RankBatch, job: RankJob, device: torch.device) -> tuple[int, int]:
+    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank. The rank's micro-batches
+    are on the device already (counted in the peak, as a loader's prefetched batch is); the micro-batches the first
+    stage saves are views of them, excluded from the activations: they are there whatever the schedule."""
+    activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch.tensors()])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with activations:
-            pipe.step(inputs, targets)
+            pipe.step(batch)
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device)), activations.peak_bytes
     with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker, activations:
-        pipe.step(inputs, targets)
+        pipe.step(batch)
     return tracker.peak_bytes, activations.peak_bytes
 
 

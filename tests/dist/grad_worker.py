@@ -7,6 +7,7 @@ optimizer steps and saves the losses, the parameters after them and the optimize
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 import traceback
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
+from autotune.process_groups import GROUPS
 from autotune.runtime import RankLayout, build_pipeline, init_groups
 
 
@@ -27,13 +29,17 @@ def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: str) -> None:
-    """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int)."""
+    """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int).
+    Writes groups-{rank}.json into store_dir: process_groups.GROUPS.created after each job."""
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(str(Path(store_dir) / "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        created = []
         for job in jobs:
             _job(rank, Candidate.from_dict(job["candidate"]), job["model"], Path(job["out"]), job.get("steps", 0))
+            created.append(GROUPS.created)
+        (Path(store_dir) / f"groups-{rank}.json").write_text(json.dumps(created))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure: print it and leave at once (no hanging peers)
         traceback.print_exc()

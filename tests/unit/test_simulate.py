@@ -194,6 +194,25 @@ def test_static_memory_optimizer_and_data_parallel_all_reduce():
     assert replicated.throughput_samples_per_s == pytest.approx(4 / replicated.step_time_ms * 1e3)
 
 
+def test_data_parallel_sync_overlaps_the_last_backward_bucket_by_bucket():
+    """DistributedDataParallel's buckets (1 MiB, then 25 MiB each) are all-reduced as the last backward fills them,
+    one after another; only what is left after the backward shows. A ring of 2 moves 1 MiB in 1 ms here."""
+    mib = 2**20
+    link = LinkModel(bandwidth_bytes_per_s=mib * 1e3, latency_s=0.0, per_action_overhead_ms=0.0,
+                     optimizer_bytes_per_s=1e30)
+    params = mib + 3 * 25 * mib  # four buckets: 1, 25, 25, 25 MiB
+    est = simulate(profile_of(layer(f=1.0, b=200.0, params=params)), candidate(Schedule.GPIPE, 1, 1, [1], dp=2),
+                   link=link)
+    # The backward runs 1..201 ms, the gradients ready evenly: bucket k is full at 1 + 200 x (bytes so far / all).
+    ready = [1 + 200 * done / 76 for done in (1, 26, 51, 76)]
+    end = 0.0
+    for at, size in zip(ready, (1, 25, 25, 25)):
+        end = max(end, at) + size
+    assert end == pytest.approx(226.0)
+    assert est.allreduce_ms == pytest.approx(76.0)  # the same bytes moved
+    assert est.step_time_ms == pytest.approx(end)  # not 201 + 76 = 277, the flat all-reduce after the backward
+
+
 def test_feasible_is_judged_against_the_limit():
     prof = profile_of(layer(saved=100), layer(saved=100))
     c = candidate(Schedule.GPIPE, 2, 4, [1, 1])

@@ -1,0 +1,73 @@
+"""The process groups of a pipeline: its pp x dp grid as one DeviceMesh, and the groups of ranks sharing a tied
+parameter; made once per layout and default group in a process, then reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from autotune.runtime import RankLayout
+
+__all__ = ["GROUPS", "init_groups", "new_group"]
+
+
+@dataclass
+class _GroupCache:
+    """The process groups this process made, for the default group they were made under: one DeviceMesh (its pp and
+    dp sub-groups) per layout, one group per set of ranks sharing a tied parameter. A process that runs several
+    pipelines under one init_process_group (several jobs, a training script rebuilding its pipeline) makes each
+    once; a new default group (destroy + init) starts afresh."""
+
+    default: Any = None
+    meshes: dict[tuple[int, int, str], tuple[dist.ProcessGroup, dist.ProcessGroup]] = field(default_factory=dict)
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    created: int = 0
+    """Process-group creations so far in this process (a DeviceMesh counts once, each new_group once)."""
+
+    def current(self) -> _GroupCache:
+        default = dist.distributed_c10d._get_default_group()
+        if default is not self.default:
+            self.default, self.meshes, self.groups = default, {}, {}
+        return self
+
+
+GROUPS = _GroupCache()
+"""This process's cache of process groups (GROUPS.created counts what it made)."""
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """dist.new_group, once per set of ranks under the current default group (every rank makes the same calls in the
+    same order, so every rank hits or misses the cache alike); typed as what every rank keeps of it (a non-member's
+    handle is never used)."""
+    cache = GROUPS.current()
+    key = tuple(ranks)
+    if key not in cache.groups:
+        cache.groups[key] = cast(dist.ProcessGroup, dist.new_group(ranks))
+        cache.created += 1
+    return cache.groups[key]
+
+
+def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's pipeline group and data-parallel group: the two dimensions of one DeviceMesh over the pp x dp grid
+    (under NCCL with a bound device, torch makes each dimension's groups with one communicator split rather than
+    one new_group per group). Made once per layout and default group, then reused (GROUPS). Every rank calls this,
+    in the same order."""
+    pp, dp = layout.pipeline_degree, layout.data_parallel_degree
+    if dp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cache = GROUPS.current()
+    key = (pp, dp, layout.rank_order)
+    if key not in cache.meshes:
+        # placement: pp-inner puts rank dp_rank * pp + pp_rank, i.e. a (dp, pp) grid in row-major order; dp-inner
+        # pp_rank * dp + dp_rank, a (pp, dp) grid.
+        shape, names = ((dp, pp), ("dp", "pp")) if layout.rank_order == "pp-inner" else ((pp, dp), ("pp", "dp"))
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        cache.meshes[key] = (mesh["pp"].get_group(), mesh["dp"].get_group())
+        cache.created += 1
+    return cache.meshes[key]
