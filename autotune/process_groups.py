@@ -8,10 +8,45 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from autotune.runtime import RankLayout
+from autotune.placement import RankOrder, global_rank, grid_position
 
-__all__ = ["GROUPS", "init_groups", "new_group"]
+if TYPE_CHECKING:
+    from autotune.candidate import Candidate
+
+__all__ = ["GROUPS", "RankLayout", "init_groups", "new_group"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """Where a global rank sits in the pp x dp grid: rank = dp_rank * pp + pp_rank (pp-inner), or
+    pp_rank * dp + dp_rank (dp-inner; autotune.placement)."""
+
+    rank: int
+    pipeline_degree: int
+    data_parallel_degree: int
+    rank_order: RankOrder = "pp-inner"
+
+    @property
+    def pp_rank(self) -> int:
+        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[1]
+
+    def pipeline_ranks(self, dp_rank: int) -> list[int]:
+        pp, dp = self.pipeline_degree, self.data_parallel_degree
+        return [global_rank(p, dp_rank, pp, dp, self.rank_order) for p in range(pp)]
+
+    def replica_ranks(self, pp_rank: int) -> list[int]:
+        pp, dp = self.pipeline_degree, self.data_parallel_degree
+        return [global_rank(pp_rank, d, pp, dp, self.rank_order) for d in range(dp)]
+
+    @classmethod
+    def of(cls, candidate: Candidate, rank: int) -> RankLayout:
+        """The layout of a global rank under a candidate (its pp, dp and rank order)."""
+        return cls(rank=rank, pipeline_degree=candidate.pipeline_degree,
+                   data_parallel_degree=candidate.data_parallel_degree, rank_order=candidate.rank_order)
 
 
 @dataclass

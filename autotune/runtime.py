@@ -35,8 +35,11 @@ from autotune.model_file import ModelSpec, build_blocks, build_optimizer, input_
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
-from autotune.placement import RankOrder, global_rank, grid_position
-from autotune.process_groups import init_groups, new_group  # init_groups: part of this module's interface
+from autotune.process_groups import (  # RankLayout, init_groups: part of this module's interface
+    RankLayout,
+    init_groups,
+    new_group,
+)
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
 
 if TYPE_CHECKING:
@@ -44,39 +47,6 @@ if TYPE_CHECKING:
 
 LoadState = Callable[[list[str]], Mapping[str, torch.Tensor]]
 """names (as in model.state_dict()) -> {name: tensor}: real weights for what a rank holds."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankLayout:
-    """Where a global rank sits in the pp x dp grid: rank = dp_rank * pp + pp_rank (pp-inner), or
-    pp_rank * dp + dp_rank (dp-inner; autotune.placement)."""
-
-    rank: int
-    pipeline_degree: int
-    data_parallel_degree: int
-    rank_order: RankOrder = "pp-inner"
-
-    @property
-    def pp_rank(self) -> int:
-        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[0]
-
-    @property
-    def dp_rank(self) -> int:
-        return grid_position(self.rank, self.pipeline_degree, self.data_parallel_degree, self.rank_order)[1]
-
-    def pipeline_ranks(self, dp_rank: int) -> list[int]:
-        pp, dp = self.pipeline_degree, self.data_parallel_degree
-        return [global_rank(p, dp_rank, pp, dp, self.rank_order) for p in range(pp)]
-
-    def replica_ranks(self, pp_rank: int) -> list[int]:
-        pp, dp = self.pipeline_degree, self.data_parallel_degree
-        return [global_rank(pp_rank, d, pp, dp, self.rank_order) for d in range(dp)]
-
-    @classmethod
-    def of(cls, candidate: Candidate, rank: int) -> RankLayout:
-        """The layout of a global rank under a candidate (its pp, dp and rank order)."""
-        return cls(rank=rank, pipeline_degree=candidate.pipeline_degree,
-                   data_parallel_degree=candidate.data_parallel_degree, rank_order=candidate.rank_order)
 
 
 class CheckpointedStage(nn.Module):
