@@ -311,15 +311,36 @@ def simulate_costs(
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
-    for a in plan.order:
-        t = finish[prev[a]]
-        u = finish[dep[a]] + xfer[a]
-        if u > t:
-            t = u
-        u = finish[own[a]]
-        if u > t:
-            t = u
-        finish[a] = t + dur[a]
+    if crossing is None or not any(crossing):
+        for a in plan.order:
+            t = finish[prev[a]]
+            u = finish[dep[a]] + xfer[a]
+            if u > t:
+                t = u
+            u = finish[own[a]]
+            if u > t:
+                t = u
+            finish[a] = t + dur[a]
+    else:
+        # Across nodes a tensor leaves only once its receiver has posted the receive (gloo moves no byte of a send
+        # before that; bench/internode.py: a 256 KiB receive posted 300 ms after its send still takes the full
+        # 44 ms at 50 Mbit/s), and torch's schedules post it when the rank gets to the action that needs it. So the
+        # wire time is not hidden behind the receiver's previous action: it starts at the later of the send and
+        # the receiver's arrival at a. Inside a node the calibrated latency stands for this (transfers unchanged).
+        far_in = stages.crosses_in + stages.crosses_out + stages.crosses_out + [False] * candidate.n_stages
+        late = [far_in[i] and c for i, c in zip(plan.slot, plan.cross)]
+        for a in plan.order:
+            t = finish[prev[a]]
+            u = finish[dep[a]]
+            if late[a] and t > u:
+                u = t
+            u += xfer[a]
+            if u > t:
+                t = u
+            u = finish[own[a]]
+            if u > t:
+                t = u
+            finish[a] = t + dur[a]
 
     pp = candidate.pipeline_degree
     rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
@@ -417,6 +438,10 @@ class _StageCosts:
     """Into stage s: stage s-1's output, when s-1 is on another rank."""
     grad_transfer: list[float]
     """Into stage s: the gradient of its output from s+1."""
+    crosses_in: list[bool]
+    """Stage s-1's output reaches s over the link between nodes."""
+    crosses_out: list[bool]
+    """The gradient of stage s's output comes back from s+1 over the link between nodes."""
     held_bytes: list[int]
     """What one in-flight micro-batch keeps between F and B: saved activations (the stage input only, with
     checkpointing) and the stage's output."""
@@ -479,8 +504,12 @@ def _stage_costs(
             groups = sum(parameter_groups[a:b]) if checkpointing else 0
             result["backward_input"].append(backward_input + recompute + overhead)
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
-        into = far if crossing is not None and s > 0 and crossing[s] else link
-        back = far if crossing is not None and s < n_stages - 1 and crossing[s + 1] else link
+        crosses_in = crossing is not None and s > 0 and crossing[s]
+        crosses_out = crossing is not None and s < n_stages - 1 and crossing[s + 1]
+        result["crosses_in"].append(bool(crosses_in))
+        result["crosses_out"].append(bool(crosses_out))
+        into = far if crosses_in else link
+        back = far if crosses_out else link
         result["activation_transfer"].append(into.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1

@@ -8,7 +8,7 @@ and (b) the two-node `autotune search`. Each trial is compared with the simulato
 with the shaping. Needs root and `ip netns`; without them it says so and exits 0. The namespaces are removed at the
 end, on failure and on Ctrl-C / SIGTERM.
 
-    python bench/internode.py --rates none 400 50 --search-trials 3
+    python bench/internode.py --rates none 200 20 --search-trials 2 --steps 3
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "bench" / "models" / "mlp13.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-BATCH = 64
+BATCH = 256
 
 # (schedule, pp, dp, B/M per replica, layers per stage, checkpointing, wire dtype): pp 2 across the link at several
 # B/M and both wire dtypes, a V schedule (its two middle hand-offs cross), and dp 2 (the all-reduce crosses).
@@ -68,7 +68,9 @@ def node_main(out: Path, steps: int, warmup: int) -> None:
     stop_on_sigterm()
     if env.node != 0:
         start_fork_server()
-        sys.exit(serve(env, 1, say=lambda text: print(text, file=sys.stderr)))
+        code = serve(env, 1, say=lambda text: print(text, file=sys.stderr))
+        sys.stderr.flush()
+        os._exit(code)  # as autotune's CLI: no interpreter teardown (the store threads abort in it)
     cluster = Cluster(env, 1)
     cluster.join()
     start_fork_server()
@@ -86,6 +88,8 @@ def node_main(out: Path, steps: int, warmup: int) -> None:
     finally:
         cluster.shutdown(code, "done" if code == 0 else "node 0 failed")
     out.write_text(json.dumps(result))
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- the driver (root namespace) ------------------------------------------------------------------------------------
@@ -127,29 +131,19 @@ def predictor(profile: Any, probed: tuple[float, float] | None) -> Any:
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 
-def fixed_set(pair: Any, profile: Any, folder: Path, steps: int, warmup: int) -> dict[str, Any]:
-    from autotune.candidate import Measurement
-
+def fixed_set(pair: Any, folder: Path, steps: int, warmup: int) -> dict[str, Any]:
+    """The fixed trials across the link: the probe's (latency s, bandwidth B/s) and every measurement."""
     out = folder / "fixed.json"
     run_nodes(pair, [str(Path(__file__).resolve()), "node", "--out", str(out), "--steps", str(steps),
                      "--warmup", str(warmup)], folder, timeout_s=900)
-    data = json.loads(out.read_text())
-    probed = tuple(data["probe"]) if data["probe"] else None
-    predict = predictor(profile, probed)
-    rows = []
-    for raw in data["runs"]:
-        m = Measurement.from_dict(raw)
-        est = predict(m.candidate)
-        rows.append({"candidate": m.candidate.key, "status": m.status, "measured_ms": m.step_time_ms,
-                     "step_times_ms": list(m.step_times_ms), "predicted_ms": est.step_time_ms,
-                     "predicted_allreduce_ms": est.allreduce_ms,
-                     "error": (est.step_time_ms - m.step_time_ms) / m.step_time_ms if m.step_time_ms else None})
-    return {"probe": probed, "rows": rows}
+    return json.loads(out.read_text())
 
 
-def search(pair: Any, profile: Any, folder: Path, trials: int, steps: int, warmup: int) -> dict[str, Any]:
+def search(pair: Any, folder: Path, trials: int, steps: int, warmup: int) -> dict[str, Any]:
+    """The two-node search: its probe line, its choice, and every launched trial with the search's own prediction."""
     import optuna
 
+    from autotune.candidate import Measurement
     from autotune.shared_study import load_records
 
     argv = ["-m", "autotune", "search", str(MODEL), "--gpus", "2", "--gpus-per-node", "1", "--device", "cpu",
@@ -160,27 +154,52 @@ def search(pair: Any, profile: Any, folder: Path, trials: int, steps: int, warmu
     log = (folder / "node0.log").read_text()
     probe_line = next((line for line in log.splitlines() if "inter-node link" in line), "")
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{folder / 'study.db'}")
+    records = load_records(study)[0]
     rows = []
-    for r in load_records(study)[0]:
+    for r in records:
         if not r.launched or r.candidate is None:
             continue
         predicted = BATCH / r.predicted_throughput_samples_per_s * 1e3 if r.predicted_throughput_samples_per_s else None
-        rows.append({"candidate": r.candidate.key, "status": r.outcome, "measured_ms": r.step_time_ms,
-                     "predicted_ms": predicted,
-                     "error": (predicted - r.step_time_ms) / r.step_time_ms if predicted and r.step_time_ms else None})
-    pruned = sum(1 for r in load_records(study)[0] if r.outcome == "pruned")
-    return {"probe_line": probe_line.strip(), "best": summary["best"]["candidate"] if summary.get("best") else None,
-            "rows": rows, "pruned": pruned}
+        rows.append({"candidate": r.candidate.to_dict(), "status": r.outcome, "measured_ms": r.step_time_ms,
+                     "search_predicted_ms": predicted})
+    best = Measurement.from_dict(summary["best"]).candidate.key if summary.get("best") else None
+    return {"probe_line": probe_line.strip(), "best": best, "rows": rows,
+            "pruned": sum(1 for r in records if r.outcome == "pruned")}
+
+
+def analyse(results: list[dict[str, Any]], profile: Any) -> None:
+    """Predict every trial of results (in place) with the current simulator over the probe of its rate."""
+    from autotune.candidate import Candidate, Measurement
+
+    for e in results:
+        probe = e["fixed"]["probe"]
+        predict = predictor(profile, tuple(probe) if probe else None)
+        for raw in e["fixed"]["runs"]:
+            m = Measurement.from_dict(raw)
+            est = predict(m.candidate)
+            raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
+        for row in e.get("search", {}).get("rows", []):
+            row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", nargs="+", default=["none", "400", "50"], help="tbf rates in Mbit/s; none: unshaped")
+    parser.add_argument("--rates", nargs="+", default=["none", "200", "20"], help="tbf rates in Mbit/s; none: unshaped")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--search-trials", type=int, default=3, help="0: no search")
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results")
+    parser.add_argument("--from-json", type=Path, help="predict a saved run's measurements again (no namespaces)")
     args = parser.parse_args()
+
+    from autotune.costs import Profile
+
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        results = saved["results"]
+        analyse(results, Profile.from_dict(saved["profile"]))
+        report(results, saved["profile"], saved["run"], no_write=True)
+        return
 
     from _netns import NamespacePair, unavailable
 
@@ -197,8 +216,8 @@ def main() -> None:
 
     from autotune.tune import load_and_profile
 
-    started = time.strftime("%H:%M UTC", time.gmtime())
-    load_before = os.getloadavg()
+    run: dict[str, Any] = {"started": time.strftime("%H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
+                           "steps": args.steps, "warmup": args.warmup, "search_trials": args.search_trials}
     _, profile = load_and_profile(MODEL, BATCH, "cpu", gpus=2)
     results = []
     with NamespacePair() as pair, tempfile.TemporaryDirectory(prefix="internode-") as tmp:
@@ -209,29 +228,31 @@ def main() -> None:
             folder = Path(tmp) / f"rate-{rate}"
             folder.mkdir()
             entry: dict[str, Any] = {"rate_mbit": mbit, "tcp_bytes_per_s": tcp,
-                                     "fixed": fixed_set(pair, profile, folder, args.steps, args.warmup)}
+                                     "fixed": fixed_set(pair, folder, args.steps, args.warmup)}
             print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s, probe {entry['fixed']['probe']}", file=sys.stderr)
-            for row in entry["fixed"]["rows"]:
-                print(f"  {row['candidate']}: measured {row['measured_ms']} predicted {row['predicted_ms']:.1f}",
-                      file=sys.stderr)
             if args.search_trials:
                 sfolder = folder / "search"
                 sfolder.mkdir()
-                entry["search"] = search(pair, profile, sfolder, args.search_trials, args.steps, args.warmup)
+                entry["search"] = search(pair, sfolder, args.search_trials, args.steps, args.warmup)
                 print(f"  search: {entry['search']['probe_line']} best {entry['search']['best']}", file=sys.stderr)
             results.append(entry)
-    report(results, args, started, load_before)
+    run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
+    run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    analyse(results, profile)
+    report(results, profile.to_dict(), run, no_write=args.no_write)
 
 
 def _mbit(bytes_per_s: float | None) -> str:
     return f"{bytes_per_s * 8 / 1e6:.0f}" if bytes_per_s else "-"
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace, started: str, load_before: tuple) -> None:
+def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str, Any], *, no_write: bool) -> None:
     import _results
 
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    probe_rows, trial_rows = [], []
+    from autotune.candidate import Candidate
+
+    probe_rows, trial_rows, added_rows = [], [], []
+    unshaped: dict[str, dict[str, Any]] = {}
     for e in results:
         rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
         probe = e["fixed"]["probe"]
@@ -240,30 +261,48 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, started: str
                            f"{probe[0] * 1e6:.0f}" if probe else "-",
                            f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
-        for where in ("fixed", "search"):
-            for row in e.get(where, {}).get("rows", []):
-                trial_rows.append([rate, where, row["candidate"], row["status"],
-                                   row["measured_ms"] if row["measured_ms"] else "-",
-                                   row["predicted_ms"] if row["predicted_ms"] else "-",
-                                   f"{row['error']:+.0%}" if row["error"] is not None else "-"])
+        rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
+                for r in e["fixed"]["runs"]]
+        for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
+            key = Candidate.from_dict(r).key
+            base = unshaped.get(key)
+            if e["rate_mbit"] is None:
+                unshaped[key] = r
+            elif base and r["step_time_ms"] and base["step_time_ms"]:
+                added_rows.append([rate, key, r["step_time_ms"] - base["step_time_ms"],
+                                   r["predicted_ms"] - base["predicted_ms"]])
+        rows += [("search", Candidate.from_dict(r["candidate"]).key, r["status"], r["measured_ms"],
+                  r["predicted_ms"], r["search_predicted_ms"]) for r in e.get("search", {}).get("rows", [])]
+        for where, key, status, measured, predicted, searched in rows:
+            error = f"{(predicted - measured) / measured:+.0%}" if measured and predicted else "-"
+            trial_rows.append([rate, where, key, status, measured or "-", predicted or "-", error,
+                               searched if searched else "-"])
     tables = {
         "probe vs shaping": _results.markdown_table(
             ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe latency us", "probe vs tbf",
              "the search's probe line"], probe_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
-            ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error"], trial_rows),
+            ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
+             "the search's own prediction ms"], trial_rows),
+        "what the link added: step time at the rate minus the same trial's unshaped": _results.markdown_table(
+            ["tbf rate Mbit/s", "candidate", "measured ms", "predicted ms"], added_rows),
+        "searches": _results.markdown_table(
+            ["tbf rate Mbit/s", "chosen", "launched", "pruned on a prediction"],
+            [["unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}", e["search"]["best"],
+              len(e["search"]["rows"]), e["search"]["pruned"]] for e in results if "search" in e]),
     }
-    notes = (f"Run from {started} to {time.strftime('%H:%M UTC', time.gmtime())}; load average before "
-             f"{load_before[0]:.2f}, `uptime` after: {uptime}. Steps {args.steps}, warmup {args.warmup}, "
-             f"search trials {args.search_trials}, batch {BATCH}, model bench/models/mlp13.py.")
-    if args.no_write:
-        print(json.dumps(results, indent=1, default=str))
+    notes = (f"Run from {run['started']} to {run.get('ended', '?')}; load average before "
+             f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, warmup "
+             f"{run['warmup']}, search trials {run['search_trials']}, batch {BATCH}, model bench/models/mlp13.py.")
+    if no_write:
         print("\n\n".join(tables.values()))
         print(notes)
+        out = Path(tempfile.gettempdir()) / "internode-last.json"
+        out.write_text(json.dumps({"results": results, "profile": profile, "run": run}, default=str))
+        print(f"(raw data: {out})")
         return
     _results.write("internode", title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
-                   tables=tables, data={"results": results, "steps": args.steps, "warmup": args.warmup,
-                                        "uptime": uptime}, notes=notes)
+                   tables=tables, data={"results": results, "profile": profile, "run": run}, notes=notes)
 
 
 if __name__ == "__main__":

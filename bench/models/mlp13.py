@@ -1,10 +1,10 @@
-"""A 13-layer MLP of even width (12 hidden blocks of 512 + a head): each pipeline hand-off is one 512-wide
+"""A 13-layer MLP of even width (12 hidden blocks of 256 + a head): each pipeline hand-off is one 256-wide
 activation, so a slow inter-node link shows in the step time (bench/internode.py)."""
 
 import torch
 from torch import nn
 
-WIDTH = 512
+WIDTH = 256
 N_BLOCKS = 12
 N_CLASSES = 10
 
