@@ -322,19 +322,20 @@ def simulate_costs(
                 t = u
             finish[a] = t + dur[a]
     else:
-        # Across nodes a tensor leaves only once its receiver has posted the receive (gloo moves no byte of a send
-        # before that; bench/internode.py: a 256 KiB receive posted 300 ms after its send still takes the full
-        # 44 ms at 50 Mbit/s), and torch's schedules post it when the rank gets to the action that needs it. So the
-        # wire time is not hidden behind the receiver's previous action: it starts at the later of the send and
-        # the receiver's arrival at a. Inside a node the calibrated latency stands for this (transfers unchanged).
-        far_in = stages.crosses_in + stages.crosses_out + stages.crosses_out + [False] * candidate.n_stages
-        late = [far_in[i] and c for i, c in zip(plan.slot, plan.cross)]
+        # Across nodes a tensor's bytes leave only once its receiver has posted the receive (gloo moves no byte of
+        # a send before that; bench/internode.py: a 256 KiB receive posted 300 ms after its send still takes the
+        # full 44 ms at 50 Mbit/s), and torch's schedules post it when the rank gets to the action that needs it.
+        # So the wire time (bytes / bandwidth) is not hidden behind the receiver's previous action: it runs from the
+        # later of the send and the receiver's arrival at a. The rest of the transfer (the latency, which the
+        # calibrated figures make a per-message cost of the runtime) overlaps as before.
+        wire_in = stages.activation_wire + stages.grad_wire + stages.grad_wire + [0.0] * candidate.n_stages
+        wire = [wire_in[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
         for a in plan.order:
             t = finish[prev[a]]
-            u = finish[dep[a]]
-            if late[a] and t > u:
-                u = t
-            u += xfer[a]
+            u = t + wire[a]  # the receive is posted when the rank gets to a; the bytes need wire[a] from then
+            v = finish[dep[a]] + xfer[a]  # and the whole transfer from the send (wire[a] is part of xfer[a])
+            if v > u:
+                u = v
             if u > t:
                 t = u
             u = finish[own[a]]
@@ -438,10 +439,10 @@ class _StageCosts:
     """Into stage s: stage s-1's output, when s-1 is on another rank."""
     grad_transfer: list[float]
     """Into stage s: the gradient of its output from s+1."""
-    crosses_in: list[bool]
-    """Stage s-1's output reaches s over the link between nodes."""
-    crosses_out: list[bool]
-    """The gradient of stage s's output comes back from s+1 over the link between nodes."""
+    activation_wire: list[float]
+    """Of activation_transfer, the time on the wire between nodes (bytes / bandwidth; 0 inside a node)."""
+    grad_wire: list[float]
+    """Of grad_transfer, the time on the wire between nodes (0 inside a node)."""
     held_bytes: list[int]
     """What one in-flight micro-batch keeps between F and B: saved activations (the stage input only, with
     checkpointing) and the stage's output."""
@@ -506,10 +507,10 @@ def _stage_costs(
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
         crosses_in = crossing is not None and s > 0 and crossing[s]
         crosses_out = crossing is not None and s < n_stages - 1 and crossing[s + 1]
-        result["crosses_in"].append(bool(crosses_in))
-        result["crosses_out"].append(bool(crosses_out))
         into = far if crosses_in else link
         back = far if crosses_out else link
+        result["activation_wire"].append(stage_in * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_in else 0.0)
+        result["grad_wire"].append(stage_out * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_out else 0.0)
         result["activation_transfer"].append(into.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1

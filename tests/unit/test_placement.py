@@ -155,3 +155,9 @@ def test_across_nodes_a_transfer_starts_when_its_receiver_posts_the_receive():
     assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(49.0)
     one = pipeline(2, schedule=Schedule.GPIPE, m=1, layers=2)  # nothing to overlap with: the same either way
     assert simulate(prof, one, link=link, gpus_per_node=1).step_time_ms == pytest.approx(1 + 10 + 1 + 2 + 10 + 2)
+    # Only the wire time waits for the receiver; the latency (a per-message cost) overlaps as before. With 5 ms of
+    # latency on top, the micro-batch-0 hand-offs wait for the send (1 + 15 = 16, 30 + 15 = 45: 5 ms later each),
+    # the micro-batch-1 ones for the receiver's post (17 + 10 = 27, 47 + 10 = 57: no later).
+    slow = dataclasses.replace(link, latency_s=5e-3)
+    assert simulate(prof, c, link=slow, gpus_per_node=2).step_time_ms == pytest.approx(29.0 + 2 * 5)
+    assert simulate(prof, c, link=slow, gpus_per_node=1).step_time_ms == pytest.approx(49.0 + 2 * 5)
