@@ -43,13 +43,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class NamespacePair:
-    """Two namespaces and the veth link between them; a context manager (removed on exit, error or not)."""
+    """Two namespaces and the veth link between them; a context manager (removed on exit, error or not). Another
+    process can shape a pair it did not make: NamespacePair(tag, subnet) of the same tag and subnet, not entered."""
 
     def __init__(self, tag: str | None = None, subnet: int | None = None) -> None:
         tag = tag or str(os.getpid() % 100000)
+        self.tag = tag
         self.namespaces = (f"at{tag}n0", f"at{tag}n1")
         self.interfaces = (f"at{tag}v0", f"at{tag}v1")  # at most 15 characters
         octet = subnet if subnet is not None else 100 + os.getpid() % 100
+        self.subnet = octet
         self.addresses = (f"10.{octet}.0.1", f"10.{octet}.0.2")
         self.rate_mbit: float | None = None
         self.made: list[str] = []

@@ -54,9 +54,16 @@ def candidates() -> list[Any]:
 # --- inside a namespace, under torchrun ---------------------------------------------------------------------------
 
 
-def node_main(out: Path, steps: int, warmup: int) -> None:
-    """One node of the fixed set: node 0 probes the link, runs every trial across both nodes and writes out; node 1
-    serves its ranks until node 0 is done."""
+def _mbit(rate: str) -> float | None:
+    return None if rate == "none" else float(rate)
+
+
+def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int) -> None:
+    """One node of the fixed set: node 0 probes the link at every rate, then runs every trial across both nodes at
+    every rate in turn (the rates of one trial back to back, so that a machine whose load drifts compares them at one
+    load) and writes out; node 1 serves its ranks until node 0 is done."""
+    from _netns import NamespacePair
+
     from autotune.cli.app import start_fork_server
     from autotune.cluster.env import detect, die_with_launcher
     from autotune.cluster.node import Cluster, serve, stop_on_sigterm
@@ -71,25 +78,97 @@ def node_main(out: Path, steps: int, warmup: int) -> None:
         code = serve(env, 1, say=lambda text: print(text, file=sys.stderr))
         sys.stderr.flush()
         os._exit(code)  # as autotune's CLI: no interpreter teardown (the store threads abort in it)
+    pair = NamespacePair(tag=tag, subnet=subnet)  # the driver's, shaped from here between trials
     cluster = Cluster(env, 1)
     cluster.join()
     start_fork_server()
     code, result = 1, {}
     try:
-        probed = cluster.probe("cpu", timeout_s=120)
+        probes = {}
+        for rate in rates:
+            pair.shape(_mbit(rate))
+            probed = cluster.probe("cpu", timeout_s=120)
+            probes[rate] = list(probed) if probed else None
         spec = load_model_file(MODEL)
-        runs = []
+        runs: dict[str, list[Any]] = {rate: [] for rate in rates}
         for c in candidates():
-            m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
-            print(f"{c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
-            runs.append(m.to_dict())
-        result = {"probe": list(probed) if probed else None, "runs": runs}
+            for rate in rates:
+                pair.shape(_mbit(rate))
+                m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
+                print(f"{rate} {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
+                runs[rate].append(m.to_dict())
+        result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
         code = 0
     finally:
         cluster.shutdown(code, "done" if code == 0 else "node 0 failed")
     out.write_text(json.dumps(result))
     sys.stderr.flush()
     os._exit(0)
+
+
+def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
+    """Two plain gloo ranks (one per namespace): the one-way time of a message (best ping-pong / 2), the time of
+    one message each way at once, and the time a receive takes when it is posted LATE_S after its send (0 if the
+    bytes moved before it was posted)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    peer, result = 1 - rank, {}
+    for size in P2P_BYTES:
+        buf = torch.zeros(size // 4)
+        times = []
+        for _ in range(4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            times.append((time.perf_counter() - t0) / 2)
+        other, both = torch.zeros(size // 4), []
+        for _ in range(4):  # both ranks send one and receive one at once (1F1B's fused send + receive)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for work in (dist.isend(buf, peer), dist.irecv(other, peer)):
+                work.wait()
+            both.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0:
+            dist.send(buf, peer)
+            late = None
+        else:
+            time.sleep(LATE_S)  # the sender has long posted its send
+            t0 = time.perf_counter()
+            dist.recv(buf, peer)
+            late = time.perf_counter() - t0
+        result[str(size)] = {"one_way_s": min(times[1:]), "late_receive_s": late, "exchange_s": min(both[1:])}
+    dist.barrier()
+    dist.destroy_process_group()
+    out.with_suffix(f".{rank}.json").write_text(json.dumps(result))
+
+
+P2P_BYTES = (16 * 2**10, 128 * 2**10, 512 * 2**10)
+LATE_S = 0.3
+
+
+def p2p(pair: Any, folder: Path) -> dict[str, Any]:
+    """p2p_main across the link as shaped now: per size, one-way and late-receive times (s)."""
+    out = folder / "p2p"
+    port = 29900 + os.getpid() % 90
+    procs = [pair.popen(n, [sys.executable, str(Path(__file__).resolve()), "p2p", str(n), pair.addresses[0],
+                            str(port), str(out)], stderr=subprocess.DEVNULL) for n in (0, 1)]
+    for p in procs:
+        if p.wait(timeout=300) != 0:
+            raise RuntimeError(f"the p2p measurement failed (exit {p.returncode})")
+    sent, received = (json.loads(out.with_suffix(f".{n}.json").read_text()) for n in (0, 1))
+    return {size: {"one_way_s": sent[size]["one_way_s"], "late_receive_s": received[size]["late_receive_s"],
+                   "exchange_s": sent[size]["exchange_s"]} for size in sent}
 
 
 # --- the driver (root namespace) ------------------------------------------------------------------------------------
@@ -131,11 +210,12 @@ def predictor(profile: Any, probed: tuple[float, float] | None) -> Any:
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 
-def fixed_set(pair: Any, folder: Path, steps: int, warmup: int) -> dict[str, Any]:
-    """The fixed trials across the link: the probe's (latency s, bandwidth B/s) and every measurement."""
+def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str]) -> dict[str, Any]:
+    """The fixed trials across the link, per rate: the probe's (latency s, bandwidth B/s) and every measurement."""
     out = folder / "fixed.json"
     run_nodes(pair, [str(Path(__file__).resolve()), "node", "--out", str(out), "--steps", str(steps),
-                     "--warmup", str(warmup)], folder, timeout_s=900)
+                     "--warmup", str(warmup), "--tag", pair.tag, "--subnet", str(pair.subnet), "--rates", *rates],
+              folder, timeout_s=1800)
     return json.loads(out.read_text())
 
 
@@ -222,27 +302,28 @@ def main() -> None:
     results = []
     with NamespacePair() as pair, tempfile.TemporaryDirectory(prefix="internode-") as tmp:
         for rate in args.rates:
-            mbit = None if rate == "none" else float(rate)
+            mbit = _mbit(rate)
             pair.shape(mbit)
             tcp = pair.transfer_rate(8 * 2**20 if (mbit or 1e9) >= 100 else 2 * 2**20)
-            folder = Path(tmp) / f"rate-{rate}"
-            folder.mkdir()
-            entry: dict[str, Any] = {"rate_mbit": mbit, "tcp_bytes_per_s": tcp,
-                                     "fixed": fixed_set(pair, folder, args.steps, args.warmup)}
-            print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s, probe {entry['fixed']['probe']}", file=sys.stderr)
+            results.append({"rate_mbit": mbit, "tcp_bytes_per_s": tcp, "p2p": p2p(pair, Path(tmp))})
+            print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s", file=sys.stderr)
+        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates)
+        for rate, entry in zip(args.rates, results):
+            entry["fixed"] = fixed[rate]
+            print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
             if args.search_trials:
-                sfolder = folder / "search"
-                sfolder.mkdir()
-                entry["search"] = search(pair, sfolder, args.search_trials, args.steps, args.warmup)
+                pair.shape(_mbit(rate))
+                folder = Path(tmp) / f"search-{rate}"
+                folder.mkdir()
+                entry["search"] = search(pair, folder, args.search_trials, args.steps, args.warmup)
                 print(f"  search: {entry['search']['probe_line']} best {entry['search']['best']}", file=sys.stderr)
-            results.append(entry)
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     analyse(results, profile)
     report(results, profile.to_dict(), run, no_write=args.no_write)
 
 
-def _mbit(bytes_per_s: float | None) -> str:
+def _as_mbit(bytes_per_s: float | None) -> str:
     return f"{bytes_per_s * 8 / 1e6:.0f}" if bytes_per_s else "-"
 
 
@@ -251,16 +332,19 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
 
     from autotune.candidate import Candidate
 
-    probe_rows, trial_rows, added_rows = [], [], []
+    probe_rows, trial_rows, added_rows, p2p_rows = [], [], [], []
     unshaped: dict[str, dict[str, Any]] = {}
     for e in results:
         rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
         probe = e["fixed"]["probe"]
         shaped = e["rate_mbit"] * 1e6 / 8 if e["rate_mbit"] else None
-        probe_rows.append([rate, _mbit(e["tcp_bytes_per_s"]), _mbit(probe[1]) if probe else "failed",
+        probe_rows.append([rate, _as_mbit(e["tcp_bytes_per_s"]), _as_mbit(probe[1]) if probe else "failed",
                            f"{probe[0] * 1e6:.0f}" if probe else "-",
                            f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
+        for size, t in e.get("p2p", {}).items():
+            p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
+                             t["late_receive_s"] * 1e3])
         rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
                 for r in e["fixed"]["runs"]]
         for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
@@ -281,6 +365,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         "probe vs shaping": _results.markdown_table(
             ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe latency us", "probe vs tbf",
              "the search's probe line"], probe_rows),
+        "one message across the link (plain gloo send/recv): one-way time, and a receive posted 300 ms after its "
+        "send": _results.markdown_table(
+            ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "late receive ms"], p2p_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),
@@ -306,13 +393,18 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "node":
+    if len(sys.argv) > 1 and sys.argv[1] == "p2p":
+        p2p_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "node":
         node_args = argparse.ArgumentParser()
         node_args.add_argument("node")
         node_args.add_argument("--out", type=Path, required=True)
         node_args.add_argument("--steps", type=int, required=True)
         node_args.add_argument("--warmup", type=int, required=True)
+        node_args.add_argument("--rates", nargs="+", required=True)
+        node_args.add_argument("--tag", required=True)
+        node_args.add_argument("--subnet", type=int, required=True)
         a = node_args.parse_args()
-        node_main(a.out, a.steps, a.warmup)
+        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet)
     else:
         main()
