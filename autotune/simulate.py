@@ -311,7 +311,7 @@ def simulate_costs(
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
-    if crossing is None or not any(crossing) or SCHEDULES[candidate.schedule].placement != "single":
+    if crossing is None or not any(crossing):
         for a in plan.order:
             t = finish[prev[a]]
             u = finish[dep[a]] + xfer[a]
@@ -322,31 +322,34 @@ def simulate_costs(
                 t = u
             finish[a] = t + dur[a]
     else:
-        # GPipe and 1F1B across nodes (torch's single-stage schedules; the others run on torch's runtime, which
-        # posts every receive as early as it can, so their transfers overlap as inside a node):
+        # Across nodes (bench/internode.py: two namespaces over a tbf-shaped link):
         #
-        # A tensor's bytes leave only once its receiver has posted the receive (gloo moves no byte of a send before
-        # that; bench/internode.py: a receive posted 300 ms after its send still takes the full wire time), and
-        # these schedules post it when the rank gets to the action that needs it. So the wire time (bytes /
-        # bandwidth) is not hidden behind the receiver's previous action: it runs from the later of the send and
-        # the receiver's arrival at a. The rest of the transfer (the latency, which the calibrated figures make a
-        # per-message cost of the runtime) overlaps as before.
+        # Two ranks move one tensor at a time between them, either way. The receive's readiness reaches the sender
+        # as a small message queued behind whatever the receiver is sending it, so of two transfers the other way
+        # round at once (1F1B's fused send + receive) the second starts when the first ends: one message each way
+        # at once took twice one message's time when the two were posted apart, as a pipeline's ranks post them,
+        # and LoopedBFS m16 at 20 Mbit/s (96 hand-offs of 16 KiB) took 689 ms, their wire time end to end.
         #
-        # And the two ranks move one tensor at a time between them, either way: the receive's readiness reaches
-        # the sender as a small message queued behind whatever the receiver is sending it, so of two transfers the
-        # other way round at once (1F1B's fused send + receive) the second starts when the first ends (the bench:
-        # one message each way at once takes twice one message's time when the two are posted apart, as a
-        # pipeline's ranks post them). Transfers are placed in the order the replay reaches them.
+        # GPipe and 1F1B (torch's single-stage schedules) post a receive only when the rank gets to the action that
+        # needs it, and gloo moves no byte of a send before its receive is posted (a receive posted 300 ms after
+        # its send still took the full wire time). So their wire time (bytes / bandwidth) is not hidden behind the
+        # receiver's previous action. Torch's runtime (the other schedules) posts receives ahead of time.
+        #
+        # The rest of a transfer (its latency, which the calibrated figures make a per-message cost of the runtime)
+        # overlaps as before. Transfers are placed in the order the replay reaches them.
         wire_in = stages.activation_wire + stages.grad_wire + stages.grad_wire + [0.0] * candidate.n_stages
         wire = [wire_in[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
         rank = plan.rank
+        posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
         for a in plan.order:
             t = finish[prev[a]]
             w = wire[a]
             if w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
-                start = max(t, finish[dep[a]], free.get(pair, 0.0))  # t: the rank gets to a, posts the receive
+                start = max(finish[dep[a]], free.get(pair, 0.0))
+                if posted_late and t > start:  # t: the rank gets to a and posts the receive
+                    start = t
                 free[pair] = u = start + w
             else:
                 u = t
