@@ -8,7 +8,7 @@ and (b) the two-node `autotune search`. Each trial is compared with the simulato
 with the shaping. Needs root and `ip netns`; without them it says so and exits 0. The namespaces are removed at the
 end, on failure and on Ctrl-C / SIGTERM.
 
-    python bench/internode.py --rates none 200 20 --search-trials 2 --steps 3
+    python bench/internode.py --rates none 200 20 --search-trials 2 --steps 5
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         results = saved["results"]
         analyse(results, Profile.from_dict(saved["profile"]))
-        report(results, saved["profile"], saved["run"], no_write=True)
+        report(results, saved["profile"], saved["run"], no_write=args.no_write)
         return
 
     from _netns import NamespacePair, unavailable
@@ -296,7 +296,8 @@ def main() -> None:
 
     from autotune.tune import load_and_profile
 
-    run: dict[str, Any] = {"started": time.strftime("%H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
+    run: dict[str, Any] = {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                           "started": time.strftime("%H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
                            "steps": args.steps, "warmup": args.warmup, "search_trials": args.search_trials}
     _, profile = load_and_profile(MODEL, BATCH, "cpu", gpus=2)
     results = []
@@ -323,6 +324,16 @@ def main() -> None:
     report(results, profile.to_dict(), run, no_write=args.no_write)
 
 
+HOW_TO_READ = """Two network namespaces joined by a veth pair, tbf on both ends (bench/_netns.py), one torchrun node
+in each (GLOO_SOCKET_IFNAME = its veth), one CPU rank per node. The probe is the cluster's own (autotune.cluster
+Cluster.probe); the TCP stream is a plain socket transfer, for what the shaped link carries (tbf counts headers, so
+payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_device("cpu").with_probe(probe) and
+gpus_per_node 1, as the search predicts; the search's own prediction (its own profile) is shown beside. The fixed
+trials run every rate of one configuration back to back (the machine's load drifts), so "what the link added"
+(rate minus unshaped, same configuration) is the comparison of the inter-node terms least disturbed by the load;
+the unshaped rows' errors are the compute side (profile vs trial on a loaded 2-core machine)."""
+
+
 def _as_mbit(bytes_per_s: float | None) -> str:
     return f"{bytes_per_s * 8 / 1e6:.0f}" if bytes_per_s else "-"
 
@@ -344,7 +355,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
         for size, t in e.get("p2p", {}).items():
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
-                             t["late_receive_s"] * 1e3])
+                             t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
         rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
                 for r in e["fixed"]["runs"]]
         for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
@@ -365,9 +376,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         "probe vs shaping": _results.markdown_table(
             ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe latency us", "probe vs tbf",
              "the search's probe line"], probe_rows),
-        "one message across the link (plain gloo send/recv): one-way time, and a receive posted 300 ms after its "
-        "send": _results.markdown_table(
-            ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "late receive ms"], p2p_rows),
+        "one message across the link (plain gloo send/recv, best of 3)": _results.markdown_table(
+            ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "one each way at once ms",
+             "receive posted 300 ms after its send ms"], p2p_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),
@@ -378,7 +389,8 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
             [["unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}", e["search"]["best"],
               len(e["search"]["rows"]), e["search"]["pruned"]] for e in results if "search" in e]),
     }
-    notes = (f"Run from {run['started']} to {run.get('ended', '?')}; load average before "
+    notes = (f"{HOW_TO_READ}\n\nMeasured by `{run.get('command', '?')}` from {run['started']} to "
+             f"{run.get('ended', '?')}; load average before "
              f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, warmup "
              f"{run['warmup']}, search trials {run['search_trials']}, batch {BATCH}, model bench/models/mlp13.py.")
     if no_write:
