@@ -148,12 +148,20 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
             dist.recv(buf, peer)
             late = time.perf_counter() - t0
         result[str(size)] = {"one_way_s": min(times[1:]), "late_receive_s": late, "exchange_s": min(both[1:])}
+    flat, reduce_times = torch.zeros(ALLREDUCE_BYTES // 4), []
+    for _ in range(3):  # the dp all-reduce's collective, one flat tensor as autotune.runtime does it
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        reduce_times.append(time.perf_counter() - t0)
+    result["allreduce"] = {"bytes": ALLREDUCE_BYTES, "seconds": min(reduce_times[1:])}
     dist.barrier()
     dist.destroy_process_group()
     out.with_suffix(f".{rank}.json").write_text(json.dumps(result))
 
 
 P2P_BYTES = (16 * 2**10, 128 * 2**10, 512 * 2**10)
+ALLREDUCE_BYTES = 2 * 2**20
 LATE_S = 0.3
 
 
@@ -167,8 +175,9 @@ def p2p(pair: Any, folder: Path) -> dict[str, Any]:
         if p.wait(timeout=300) != 0:
             raise RuntimeError(f"the p2p measurement failed (exit {p.returncode})")
     sent, received = (json.loads(out.with_suffix(f".{n}.json").read_text()) for n in (0, 1))
-    return {size: {"one_way_s": sent[size]["one_way_s"], "late_receive_s": received[size]["late_receive_s"],
-                   "exchange_s": sent[size]["exchange_s"]} for size in sent}
+    reduced = sent.pop("allreduce")
+    return {**{size: {"one_way_s": sent[size]["one_way_s"], "late_receive_s": received[size]["late_receive_s"],
+                      "exchange_s": sent[size]["exchange_s"]} for size in sent}, "allreduce": reduced}
 
 
 # --- the driver (root namespace) ------------------------------------------------------------------------------------
@@ -343,7 +352,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
 
     from autotune.candidate import Candidate
 
-    probe_rows, trial_rows, added_rows, p2p_rows = [], [], [], []
+    probe_rows, trial_rows, added_rows, p2p_rows, reduce_rows = [], [], [], [], []
     unshaped: dict[str, dict[str, Any]] = {}
     for e in results:
         rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
@@ -354,6 +363,10 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                            f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
         for size, t in e.get("p2p", {}).items():
+            if size == "allreduce":
+                model = predictor(None, tuple(probe) if probe else None).link.across_nodes()
+                reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2)])
+                continue
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
         rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
@@ -379,6 +392,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         "one message across the link (plain gloo send/recv, best of 3)": _results.markdown_table(
             ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "one each way at once ms",
              "receive posted 300 ms after its send ms"], p2p_rows),
+        "the dp all-reduce's collective across the link (gloo all_reduce of one flat tensor, 2 ranks)":
+            _results.markdown_table(["tbf rate Mbit/s", "bytes", "measured ms", "LinkModel.allreduce_ms"],
+                                    reduce_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),
