@@ -410,7 +410,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
              f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, warmup "
              f"{run['warmup']}, search trials {run['search_trials']}, batch {BATCH}, model bench/models/mlp13.py.")
     if no_write:
-        print("\n\n".join(tables.values()))
+        print("\n\n".join(f"## {heading}\n\n{table}" for heading, table in tables.items()))
         print(notes)
         out = Path(tempfile.gettempdir()) / "internode-last.json"
         out.write_text(json.dumps({"results": results, "profile": profile, "run": run}, default=str))
