@@ -300,7 +300,7 @@ def main() -> None:
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a background job inherits it ignored
         signal.signal(sig, stop)
 
     from autotune.tune import load_and_profile
@@ -435,4 +435,9 @@ if __name__ == "__main__":
         a = node_args.parse_args()
         node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet)
     else:
-        main()
+        try:
+            main()
+        except KeyboardInterrupt as stopped:
+            print(f"bench/internode.py: interrupted ({stopped or 'Ctrl-C'}); the namespaces are removed",
+                  file=sys.stderr)
+            sys.exit(130)
