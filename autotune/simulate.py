@@ -326,15 +326,57 @@ def simulate_costs(
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
-    for a in plan.order:
-        t = finish[prev[a]]
-        u = finish[dep[a]] + xfer[a]
-        if u > t:
-            t = u
-        u = finish[own[a]]
-        if u > t:
-            t = u
-        finish[a] = t + dur[a]
+    if crossing is None or not any(crossing):
+        for a in plan.order:
+            t = finish[prev[a]]
+            u = finish[dep[a]] + xfer[a]
+            if u > t:
+                t = u
+            u = finish[own[a]]
+            if u > t:
+                t = u
+            finish[a] = t + dur[a]
+    else:
+        # Across nodes (bench/internode.py: two namespaces over a tbf-shaped link):
+        #
+        # Two ranks move one tensor at a time between them, either way. The receive's readiness reaches the sender
+        # as a small message queued behind whatever the receiver is sending it, so of two transfers the other way
+        # round at once (1F1B's fused send + receive) the second starts when the first ends: one message each way
+        # at once took twice one message's time when the two were posted apart, as a pipeline's ranks post them,
+        # and LoopedBFS m16 at 20 Mbit/s (96 hand-offs of 16 KiB) took 689 ms, their wire time end to end.
+        #
+        # GPipe and 1F1B (torch's single-stage schedules) post a receive only when the rank gets to the action that
+        # needs it, and gloo moves no byte of a send before its receive is posted (a receive posted 300 ms after
+        # its send still took the full wire time). So their wire time (bytes / bandwidth) is not hidden behind the
+        # receiver's previous action. Torch's runtime (the other schedules) posts receives ahead of time.
+        #
+        # The rest of a transfer (its latency, which the calibrated figures make a per-message cost of the runtime)
+        # overlaps as before. Transfers are placed in the order the replay reaches them.
+        wire_in = stages.activation_wire + stages.grad_wire + stages.grad_wire + [0.0] * candidate.n_stages
+        wire = [wire_in[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
+        rank = plan.rank
+        posted_late = SCHEDULES[candidate.schedule].placement == "single"
+        free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
+        for a in plan.order:
+            t = finish[prev[a]]
+            w = wire[a]
+            if w:
+                pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
+                start = max(finish[dep[a]], free.get(pair, 0.0))
+                if posted_late and t > start:  # t: the rank gets to a and posts the receive
+                    start = t
+                free[pair] = u = start + w
+            else:
+                u = t
+            v = finish[dep[a]] + xfer[a]  # and the whole transfer from the send (wire[a] is part of xfer[a])
+            if v > u:
+                u = v
+            if u > t:
+                t = u
+            u = finish[own[a]]
+            if u > t:
+                t = u
+            finish[a] = t + dur[a]
 
     pp = candidate.pipeline_degree
     rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
@@ -472,6 +514,10 @@ class _StageCosts:
     """Into stage s: stage s-1's output, when s-1 is on another rank."""
     grad_transfer: list[float]
     """Into stage s: the gradient of its output from s+1."""
+    activation_wire: list[float]
+    """Of activation_transfer, the time on the wire between nodes (bytes / bandwidth; 0 inside a node)."""
+    grad_wire: list[float]
+    """Of grad_transfer, the time on the wire between nodes (0 inside a node)."""
     held_bytes: list[int]
     """What one in-flight micro-batch keeps between F and B: saved activations (the stage input only, with
     checkpointing) and the stage's output."""
@@ -551,8 +597,12 @@ def _stage_costs(
             groups = sum(parameter_groups[a:b]) if checkpointing else 0
             result["backward_input"].append(backward_input + recompute + overhead)
             result["backward_weight"].append(backward_weight + groups * recompute + overhead)
-        into = far if crossing is not None and s > 0 and crossing[s] else link
-        back = far if crossing is not None and s < n_stages - 1 and crossing[s + 1] else link
+        crosses_in = crossing is not None and s > 0 and crossing[s]
+        crosses_out = crossing is not None and s < n_stages - 1 and crossing[s + 1]
+        into = far if crosses_in else link
+        back = far if crosses_out else link
+        result["activation_wire"].append(stage_in * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_in else 0.0)
+        result["grad_wire"].append(stage_out * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_out else 0.0)
         result["activation_transfer"].append(into.transfer_ms(stage_in * wire) if s > 0 else 0.0)
         result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1

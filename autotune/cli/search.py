@@ -220,8 +220,9 @@ def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
         err_console.print("[yellow]the inter-node link probe failed: planning as if inside one node[/yellow]")
     else:
         latency, bandwidth = measured
-        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
-                          f"{bandwidth / 1e9:.2f} GB/s", highlight=False)
+        rate = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth >= 1e9 else f"{bandwidth / 1e6:.3g} MB/s"
+        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, {rate}",
+                          highlight=False)
     return measured
 
 

@@ -4,6 +4,7 @@ bandwidth of one send between nodes. Minima, not medians: a busy machine preempt
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import Any
 
@@ -14,11 +15,13 @@ PROBE_BYTES = 4 * 2**20
 """Size of each streamed message."""
 LATENCY_ROUND_TRIPS = 30
 STREAMED = 8
-"""Large messages per bandwidth sample."""
+"""Large messages per bandwidth sample, at most."""
+SAMPLE_S = 0.1
+"""What one bandwidth sample should last, at least (fewer messages per sample on a slow link)."""
 
 
 def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) -> dict[str, Any]:
-    """Join a 2-rank group and measure: latency = the fastest round trip of 4 bytes / 2; bandwidth = STREAMED
+    """Join a 2-rank group and measure: latency = the fastest round trip of 4 bytes / 2; bandwidth = up to STREAMED
     messages of PROBE_BYTES sent one way plus a 4-byte ack, best of 3, latency removed."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=2,
@@ -42,9 +45,9 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
         sync()
         return time.perf_counter() - t0
 
-    def stream() -> float:
+    def stream(n: int) -> float:
         t0 = time.perf_counter()
-        for _ in range(STREAMED):
+        for _ in range(n):
             if rank == 0:
                 dist.send(big, peer)
             else:
@@ -56,10 +59,18 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
         sync()
         return time.perf_counter() - t0
 
-    for _ in range(3):  # connection set-up, first touch of the buffers
-        round_trip(big)
+    round_trip(big)  # connection set-up, first touch of the buffers
     latency = min(round_trip(ack) for _ in range(LATENCY_ROUND_TRIPS)) / 2
-    seconds = min(stream() for _ in range(3)) - 2 * latency
+    # As many messages per sample as fill SAMPLE_S (rank 0's first guess decides, for both), at most STREAMED: a
+    # slow link gets 1 (at 20 Mbit/s each message takes 1.7 s; 3 x 8 of them would outlast the probe's timeout).
+    first = torch.tensor([float(STREAMED)])
+    if rank == 0:
+        first[0] = max(1, min(STREAMED, math.ceil(SAMPLE_S / max(stream(1) - 2 * latency, 1e-9))))
+        dist.send(first, peer)
+    else:
+        stream(1)
+        dist.recv(first, peer)
+    n = int(first[0])
+    seconds = min(stream(n) for _ in range(3)) - 2 * latency
     dist.destroy_process_group()
-    return {"rank": rank, "latency_s": latency,
-            "bandwidth_bytes_per_s": STREAMED * PROBE_BYTES / max(seconds, 1e-9)}
+    return {"rank": rank, "latency_s": latency, "bandwidth_bytes_per_s": n * PROBE_BYTES / max(seconds, 1e-9)}

@@ -11,7 +11,7 @@ from autotune.costs import LayerCost, Profile
 from autotune.errors import UsageError
 from autotune.placement import RANK_ORDERS, crossing_boundaries, dp_nodes, global_rank, grid_position, order_matters
 from autotune.plan import plan
-from autotune.schedules import Schedule, stage_ranks
+from autotune.schedules import Action, Schedule, stage_ranks
 from autotune.simulate import LinkModel, simulate
 
 FAST = LinkModel(bandwidth_bytes_per_s=50e9, latency_s=20e-6, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
@@ -92,8 +92,10 @@ def test_a_pipeline_crossing_nodes_is_predicted_slower_when_the_link_between_the
     every = simulate(prof, c, link=SLOW, gpus_per_node=1)
     assert one_node.step_time_ms == inside.step_time_ms
     assert inside.step_time_ms < crossing.step_time_ms < every.step_time_ms
-    # An inter-node link as fast as the one inside changes nothing.
-    assert simulate(prof, c, link=FAST, gpus_per_node=1).step_time_ms == pytest.approx(inside.step_time_ms)
+    # An inter-node link as fast as the one inside costs only the wire time a receiver no longer hides behind its
+    # previous action, and one tensor at a time between two ranks (a 64 MiB hand-off is 1.3 ms at 50 GB/s).
+    fast = simulate(prof, c, link=FAST, gpus_per_node=1).step_time_ms
+    assert inside.step_time_ms < fast < every.step_time_ms
 
 
 def test_dp_inner_wins_when_gradients_dominate_and_pp_inner_when_activations_do():
@@ -137,3 +139,65 @@ def test_rank_order_round_trips_and_keeps_old_keys():
     assert "rank_order" not in c.to_dict() and "dp-inner" not in c.key
     d = dataclasses.replace(c, rank_order="dp-inner")
     assert Candidate.from_dict(d.to_dict()) == d and d.key.endswith("+dp-inner")
+
+
+def test_across_nodes_a_transfer_starts_when_its_receiver_posts_the_receive():
+    # GPipe, 2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, each hand-off 10 ms on the wire (latency 0).
+    # rank 0: F0 0-1, F1 1-2                      B0: wire 25-35, 35-37   B1: wire 37-47, 47-49
+    # rank 1: F0: wire 1-11, 11-12  F1: wire 12-22, 22-23   B0 23-25  B1 25-27
+    # Inside one node the second forward's tensor is already there when rank 1 gets to it (arrives at 12): 29 ms.
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    prof = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
+                                               saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
+                                    input_bytes=0)
+    c = pipeline(2, schedule=Schedule.GPIPE, m=2, layers=2)
+    assert simulate(prof, c, link=link, gpus_per_node=2).step_time_ms == pytest.approx(29.0)
+    assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(49.0)
+    one = pipeline(2, schedule=Schedule.GPIPE, m=1, layers=2)  # nothing to overlap with: the same either way
+    assert simulate(prof, one, link=link, gpus_per_node=1).step_time_ms == pytest.approx(1 + 10 + 1 + 2 + 10 + 2)
+    # Only the wire time waits for the receiver; the latency (a per-message cost) overlaps as before. With 5 ms of
+    # latency on top, the micro-batch-0 hand-offs wait for the send (1 + 15 = 16, 30 + 15 = 45: 5 ms later each),
+    # the micro-batch-1 ones for the receiver's post (17 + 10 = 27, 47 + 10 = 57: no later).
+    slow = dataclasses.replace(link, latency_s=5e-3)
+    assert simulate(prof, c, link=slow, gpus_per_node=2).step_time_ms == pytest.approx(29.0 + 2 * 5)
+    assert simulate(prof, c, link=slow, gpus_per_node=1).step_time_ms == pytest.approx(49.0 + 2 * 5)
+
+
+def test_across_nodes_two_ranks_move_one_tensor_at_a_time_between_them():
+    # 1F1B, 2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, each hand-off 10 ms on the wire.
+    # rank 1: F0 (wire 1-11) 11-12, B0 12-14; at 14 both F1's activation and B0's gradient are ready to go. The
+    # replay reaches F1 first: its activation goes 14-24 (F1 24-25, B1 25-27), B0's gradient after it, 24-34
+    # (rank 0: B0 34-36), B1's gradient 36-46 (rank 0 posts its receive at 36), B1 on rank 0 46-48.
+    # Inside one node the two 14-24 transfers overlap: 29 ms.
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    prof = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
+                                               saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
+                                    input_bytes=0)
+    c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
+    assert simulate(prof, c, link=link, gpus_per_node=2).step_time_ms == pytest.approx(29.0)
+    assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(48.0)
+
+
+def test_on_torchs_runtime_a_transfer_does_not_wait_for_the_receiver_but_still_goes_one_at_a_time():
+    # GPipe's action lists (2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, 10 ms on the wire) run by a
+    # schedule on torch's runtime, which posts receives early: F1's activation goes as soon as F0's is through,
+    # 11-21 (F1 21-22, B0 22-24, B1 24-26), B0's gradient 24-34 (B0 34-36), B1's 34-44 (B1 44-46). GPipe itself
+    # waits for rank 1 to post each receive: 49 ms (above); inside one node 29 ms.
+    from autotune.simulate import simulate_costs
+
+    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
+                     parameter_bytes=0)
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    actions = [[Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)],
+               [Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0), Action(1, "B", 1)]]
+    runtime = Candidate(schedule=Schedule.LOOPED_BFS, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
+                        layers_per_stage=(1, 1))
+
+    def step(candidate: Candidate, per_node: int) -> float:
+        return simulate_costs([cost, cost], candidate, input_bytes=0, optimizer_ms_per_byte=0.0,
+                              optimizer_state_ratio=0.0, link=link, actions=actions,
+                              gpus_per_node=per_node).step_time_ms
+
+    assert step(runtime, 2) == pytest.approx(29.0)
+    assert step(runtime, 1) == pytest.approx(46.0)
+    assert step(dataclasses.replace(runtime, schedule=Schedule.GPIPE), 1) == pytest.approx(49.0)

@@ -1,0 +1,443 @@
+"""The inter-node model against a link whose numbers are known: two torchrun "nodes" in network namespaces over a veth
+pair shaped with tbf (bench/_netns.py), one CPU rank each.
+
+At each --rates (Mbit/s; `none`: unshaped) it measures the link with a plain TCP stream, then runs (a) a fixed set of
+trials across it from one node-0 process (the cluster's own probe first, then each trial through autotune.cluster),
+and (b) the two-node `autotune search`. Each trial is compared with the simulator's prediction over the probed link
+(LinkModel.for_device("cpu").with_probe(...), gpus_per_node 1: what the search itself predicts with), and the probe
+with the shaping. Needs root and `ip netns`; without them it says so and exits 0. The namespaces are removed at the
+end, on failure and on Ctrl-C / SIGTERM.
+
+    python bench/internode.py --rates none 200 20 --search-trials 2 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "bench" / "models" / "mlp13.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+BATCH = 256
+
+# (schedule, pp, dp, B/M per replica, layers per stage, checkpointing, wire dtype): pp 2 across the link at several
+# B/M and both wire dtypes, a V schedule (its two middle hand-offs cross), and dp 2 (the all-reduce crosses).
+FIXED: list[tuple[str, int, int, int, tuple[int, ...], bool, str]] = [
+    ("1F1B", 2, 1, 2, (6, 7), False, "float32"),
+    ("1F1B", 2, 1, 8, (6, 7), False, "float32"),
+    ("1F1B", 2, 1, 8, (6, 7), False, "bfloat16"),
+    ("GPipe", 2, 1, 4, (6, 7), True, "float32"),
+    ("VHalf", 2, 1, 4, (3, 3, 3, 4), False, "float32"),
+    ("1F1B", 1, 2, 1, (13,), False, "float32"),
+]
+
+
+def candidates() -> list[Any]:
+    from autotune.candidate import Candidate
+    from autotune.schedules import Schedule
+
+    return [Candidate(schedule=Schedule(s), pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=BATCH,
+                      n_microbatches=m, layers_per_stage=split, activation_checkpointing=ckpt, wire_dtype=wire)
+            for s, pp, dp, m, split, ckpt, wire in FIXED]
+
+
+# --- inside a namespace, under torchrun ---------------------------------------------------------------------------
+
+
+def _mbit(rate: str) -> float | None:
+    return None if rate == "none" else float(rate)
+
+
+def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int) -> None:
+    """One node of the fixed set: node 0 probes the link at every rate, then runs every trial across both nodes at
+    every rate in turn (the rates of one trial back to back, so that a machine whose load drifts compares them at one
+    load) and writes out; node 1 serves its ranks until node 0 is done."""
+    from _netns import NamespacePair
+
+    from autotune.cli.app import start_fork_server
+    from autotune.cluster.env import detect, die_with_launcher
+    from autotune.cluster.node import Cluster, serve, stop_on_sigterm
+    from autotune.model_file import load_model_file
+    from autotune.trial import TrialOptions
+
+    env = detect()
+    die_with_launcher()
+    stop_on_sigterm()
+    if env.node != 0:
+        start_fork_server()
+        code = serve(env, 1, say=lambda text: print(text, file=sys.stderr))
+        sys.stderr.flush()
+        os._exit(code)  # as autotune's CLI: no interpreter teardown (the store threads abort in it)
+    pair = NamespacePair(tag=tag, subnet=subnet)  # the driver's, shaped from here between trials
+    cluster = Cluster(env, 1)
+    cluster.join()
+    start_fork_server()
+    code, result = 1, {}
+    try:
+        probes = {}
+        for rate in rates:
+            pair.shape(_mbit(rate))
+            probed = cluster.probe("cpu", timeout_s=120)
+            probes[rate] = list(probed) if probed else None
+        spec = load_model_file(MODEL)
+        runs: dict[str, list[Any]] = {rate: [] for rate in rates}
+        for c in candidates():
+            for rate in rates:
+                pair.shape(_mbit(rate))
+                m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
+                print(f"{rate} {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
+                runs[rate].append(m.to_dict())
+        result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
+        code = 0
+    finally:
+        cluster.shutdown(code, "done" if code == 0 else "node 0 failed")
+    out.write_text(json.dumps(result))
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
+    """Two plain gloo ranks (one per namespace): the one-way time of a message (best ping-pong / 2), the time of
+    one message each way at once, and the time a receive takes when it is posted LATE_S after its send (0 if the
+    bytes moved before it was posted)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    peer, result = 1 - rank, {}
+    for size in P2P_BYTES:
+        buf = torch.zeros(size // 4)
+        times = []
+        for _ in range(4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            times.append((time.perf_counter() - t0) / 2)
+        other, both = torch.zeros(size // 4), []
+        for _ in range(4):  # both ranks send one and receive one at once (1F1B's fused send + receive)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for work in (dist.isend(buf, peer), dist.irecv(other, peer)):
+                work.wait()
+            both.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0:
+            dist.send(buf, peer)
+            late = None
+        else:
+            time.sleep(LATE_S)  # the sender has long posted its send
+            t0 = time.perf_counter()
+            dist.recv(buf, peer)
+            late = time.perf_counter() - t0
+        result[str(size)] = {"one_way_s": min(times[1:]), "late_receive_s": late, "exchange_s": min(both[1:])}
+    flat, reduce_times = torch.zeros(ALLREDUCE_BYTES // 4), []
+    for _ in range(3):  # the dp all-reduce's collective, one flat tensor as autotune.runtime does it
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        reduce_times.append(time.perf_counter() - t0)
+    result["allreduce"] = {"bytes": ALLREDUCE_BYTES, "seconds": min(reduce_times[1:])}
+    dist.barrier()
+    dist.destroy_process_group()
+    out.with_suffix(f".{rank}.json").write_text(json.dumps(result))
+
+
+P2P_BYTES = (16 * 2**10, 128 * 2**10, 512 * 2**10)
+ALLREDUCE_BYTES = 2 * 2**20
+LATE_S = 0.3
+
+
+def p2p(pair: Any, folder: Path) -> dict[str, Any]:
+    """p2p_main across the link as shaped now: per size, one-way and late-receive times (s)."""
+    out = folder / "p2p"
+    port = 29900 + os.getpid() % 90
+    procs = [pair.popen(n, [sys.executable, str(Path(__file__).resolve()), "p2p", str(n), pair.addresses[0],
+                            str(port), str(out)], stderr=subprocess.DEVNULL) for n in (0, 1)]
+    for p in procs:
+        if p.wait(timeout=300) != 0:
+            raise RuntimeError(f"the p2p measurement failed (exit {p.returncode})")
+    sent, received = (json.loads(out.with_suffix(f".{n}.json").read_text()) for n in (0, 1))
+    reduced = sent.pop("allreduce")
+    return {**{size: {"one_way_s": sent[size]["one_way_s"], "late_receive_s": received[size]["late_receive_s"],
+                      "exchange_s": sent[size]["exchange_s"]} for size in sent}, "allreduce": reduced}
+
+
+# --- the driver (root namespace) ------------------------------------------------------------------------------------
+
+
+def torchrun(pair: Any, node: int, port: int, argv: list[str], folder: Path) -> subprocess.Popen[str]:
+    command = [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+               "--master-addr", pair.addresses[0], "--master-port", str(port), "--monitor-interval", "0.5", *argv]
+    log = open(folder / f"node{node}.log", "w")
+    return pair.popen(node, command, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                      stderr=log, cwd=folder)
+
+
+def run_nodes(pair: Any, argv: list[str], folder: Path, timeout_s: float) -> str:
+    """Both nodes of one command; node 0's stdout. RuntimeError naming the log when either fails."""
+    port = 29400 + os.getpid() % 500
+    nodes = [torchrun(pair, n, port, argv, folder) for n in (0, 1)]
+    try:
+        out = nodes[0].communicate(timeout=timeout_s)[0]
+        nodes[1].wait(timeout=60)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for n, p in enumerate(nodes):
+        if p.returncode != 0:
+            tail = (folder / f"node{n}.log").read_text()[-2000:]
+            raise RuntimeError(f"node {n} exited {p.returncode}:\n{tail}")
+    return out
+
+
+def predictor(profile: Any, probed: tuple[float, float] | None) -> Any:
+    from autotune.simulate import LinkModel, Predictor
+
+    link = LinkModel.for_device("cpu")
+    if probed is not None:
+        link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1])
+    return Predictor(profile=profile, link=link, gpus_per_node=1)
+
+
+def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str]) -> dict[str, Any]:
+    """The fixed trials across the link, per rate: the probe's (latency s, bandwidth B/s) and every measurement."""
+    out = folder / "fixed.json"
+    run_nodes(pair, [str(Path(__file__).resolve()), "node", "--out", str(out), "--steps", str(steps),
+                     "--warmup", str(warmup), "--tag", pair.tag, "--subnet", str(pair.subnet), "--rates", *rates],
+              folder, timeout_s=1800)
+    return json.loads(out.read_text())
+
+
+def search(pair: Any, folder: Path, trials: int, steps: int, warmup: int) -> dict[str, Any]:
+    """The two-node search: its probe line, its choice, and every launched trial with the search's own prediction."""
+    import optuna
+
+    from autotune.candidate import Measurement
+    from autotune.shared_study import load_records
+
+    argv = ["-m", "autotune", "search", str(MODEL), "--gpus", "2", "--gpus-per-node", "1", "--device", "cpu",
+            "--batch-size", str(BATCH), "--trials", str(trials), "--steps", str(steps), "--warmup", str(warmup),
+            "--storage", f"sqlite:///{folder / 'study.db'}", "--study-name", "s", "--output",
+            str(folder / "autotune.yaml"), "--report-dir", str(folder / "report"), "--json"]
+    summary = json.loads(run_nodes(pair, argv, folder, timeout_s=900))
+    log = (folder / "node0.log").read_text()
+    probe_line = next((line for line in log.splitlines() if "inter-node link" in line), "")
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{folder / 'study.db'}")
+    records = load_records(study)[0]
+    rows = []
+    for r in records:
+        if not r.launched or r.candidate is None:
+            continue
+        predicted = BATCH / r.predicted_throughput_samples_per_s * 1e3 if r.predicted_throughput_samples_per_s else None
+        rows.append({"candidate": r.candidate.to_dict(), "status": r.outcome, "measured_ms": r.step_time_ms,
+                     "search_predicted_ms": predicted})
+    best = Measurement.from_dict(summary["best"]).candidate.key if summary.get("best") else None
+    return {"probe_line": probe_line.strip(), "best": best, "rows": rows,
+            "pruned": sum(1 for r in records if r.outcome == "pruned")}
+
+
+def analyse(results: list[dict[str, Any]], profile: Any) -> None:
+    """Predict every trial of results (in place) with the current simulator over the probe of its rate."""
+    from autotune.candidate import Candidate, Measurement
+
+    for e in results:
+        probe = e["fixed"]["probe"]
+        predict = predictor(profile, tuple(probe) if probe else None)
+        for raw in e["fixed"]["runs"]:
+            m = Measurement.from_dict(raw)
+            est = predict(m.candidate)
+            raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
+        for row in e.get("search", {}).get("rows", []):
+            row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", nargs="+", default=["none", "200", "20"], help="tbf rates in Mbit/s; none: unshaped")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--search-trials", type=int, default=3, help="0: no search")
+    parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results")
+    parser.add_argument("--from-json", type=Path, help="predict a saved run's measurements again (no namespaces)")
+    args = parser.parse_args()
+
+    from autotune.costs import Profile
+
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        results = saved["results"]
+        analyse(results, Profile.from_dict(saved["profile"]))
+        report(results, saved["profile"], saved["run"], no_write=args.no_write)
+        return
+
+    from _netns import NamespacePair, unavailable
+
+    why = unavailable()
+    if why:
+        print(f"bench/internode.py: {why}; nothing measured", file=sys.stderr)
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a background job inherits it ignored
+        signal.signal(sig, stop)
+
+    from autotune.tune import load_and_profile
+
+    run: dict[str, Any] = {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                           "started": time.strftime("%H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
+                           "steps": args.steps, "warmup": args.warmup, "search_trials": args.search_trials}
+    _, profile = load_and_profile(MODEL, BATCH, "cpu", gpus=2)
+    results = []
+    with NamespacePair() as pair, tempfile.TemporaryDirectory(prefix="internode-") as tmp:
+        for rate in args.rates:
+            mbit = _mbit(rate)
+            pair.shape(mbit)
+            tcp = pair.transfer_rate(8 * 2**20 if (mbit or 1e9) >= 100 else 2 * 2**20)
+            results.append({"rate_mbit": mbit, "tcp_bytes_per_s": tcp, "p2p": p2p(pair, Path(tmp))})
+            print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s", file=sys.stderr)
+        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates)
+        for rate, entry in zip(args.rates, results):
+            entry["fixed"] = fixed[rate]
+            print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
+            if args.search_trials:
+                pair.shape(_mbit(rate))
+                folder = Path(tmp) / f"search-{rate}"
+                folder.mkdir()
+                entry["search"] = search(pair, folder, args.search_trials, args.steps, args.warmup)
+                print(f"  search: {entry['search']['probe_line']} best {entry['search']['best']}", file=sys.stderr)
+    run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
+    run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    analyse(results, profile)
+    report(results, profile.to_dict(), run, no_write=args.no_write)
+
+
+HOW_TO_READ = """Two network namespaces joined by a veth pair, tbf on both ends (bench/_netns.py), one torchrun node
+in each (GLOO_SOCKET_IFNAME = its veth), one CPU rank per node. The probe is the cluster's own (autotune.cluster
+Cluster.probe); the TCP stream is a plain socket transfer, for what the shaped link carries (tbf counts headers, so
+payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_device("cpu").with_probe(probe) and
+gpus_per_node 1, as the search predicts; the search's own prediction (its own profile) is shown beside. The fixed
+trials run every rate of one configuration back to back (the machine's load drifts), so "what the link added"
+(rate minus unshaped, same configuration) is the comparison of the inter-node terms least disturbed by the load;
+the unshaped rows' errors are the compute side (profile vs trial on a loaded 2-core machine)."""
+
+
+def _as_mbit(bytes_per_s: float | None) -> str:
+    return f"{bytes_per_s * 8 / 1e6:.0f}" if bytes_per_s else "-"
+
+
+def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str, Any], *, no_write: bool) -> None:
+    import _results
+
+    from autotune.candidate import Candidate
+
+    probe_rows, trial_rows, added_rows, p2p_rows, reduce_rows = [], [], [], [], []
+    unshaped: dict[str, dict[str, Any]] = {}
+    for e in results:
+        rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
+        probe = e["fixed"]["probe"]
+        shaped = e["rate_mbit"] * 1e6 / 8 if e["rate_mbit"] else None
+        probe_rows.append([rate, _as_mbit(e["tcp_bytes_per_s"]), _as_mbit(probe[1]) if probe else "failed",
+                           f"{probe[0] * 1e6:.0f}" if probe else "-",
+                           f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
+                           e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
+        for size, t in e.get("p2p", {}).items():
+            if size == "allreduce":
+                model = predictor(None, tuple(probe) if probe else None).link.across_nodes()
+                reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2)])
+                continue
+            p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
+                             t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
+        rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
+                for r in e["fixed"]["runs"]]
+        for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
+            key = Candidate.from_dict(r).key
+            base = unshaped.get(key)
+            if e["rate_mbit"] is None:
+                unshaped[key] = r
+            elif base and r["step_time_ms"] and base["step_time_ms"]:
+                added_rows.append([rate, key, r["step_time_ms"] - base["step_time_ms"],
+                                   r["predicted_ms"] - base["predicted_ms"]])
+        rows += [("search", Candidate.from_dict(r["candidate"]).key, r["status"], r["measured_ms"],
+                  r["predicted_ms"], r["search_predicted_ms"]) for r in e.get("search", {}).get("rows", [])]
+        for where, key, status, measured, predicted, searched in rows:
+            error = f"{(predicted - measured) / measured:+.0%}" if measured and predicted else "-"
+            trial_rows.append([rate, where, key, status, measured or "-", predicted or "-", error,
+                               searched if searched else "-"])
+    tables = {
+        "probe vs shaping": _results.markdown_table(
+            ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe latency us", "probe vs tbf",
+             "the search's probe line"], probe_rows),
+        "one message across the link (plain gloo send/recv, best of 3)": _results.markdown_table(
+            ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "one each way at once ms",
+             "receive posted 300 ms after its send ms"], p2p_rows),
+        "the dp all-reduce's collective across the link (gloo all_reduce of one flat tensor, 2 ranks)":
+            _results.markdown_table(["tbf rate Mbit/s", "bytes", "measured ms", "LinkModel.allreduce_ms"],
+                                    reduce_rows),
+        "trials: predicted (probed link) vs measured step time": _results.markdown_table(
+            ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
+             "the search's own prediction ms"], trial_rows),
+        "what the link added: step time at the rate minus the same trial's unshaped": _results.markdown_table(
+            ["tbf rate Mbit/s", "candidate", "measured ms", "predicted ms"], added_rows),
+        "searches": _results.markdown_table(
+            ["tbf rate Mbit/s", "chosen", "launched", "pruned on a prediction"],
+            [["unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}", e["search"]["best"],
+              len(e["search"]["rows"]), e["search"]["pruned"]] for e in results if "search" in e]),
+    }
+    notes = (f"{HOW_TO_READ}\n\nMeasured by `{run.get('command', '?')}` from {run['started']} to "
+             f"{run.get('ended', '?')}; load average before "
+             f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, warmup "
+             f"{run['warmup']}, search trials {run['search_trials']}, batch {BATCH}, model bench/models/mlp13.py.")
+    if no_write:
+        print("\n\n".join(f"## {heading}\n\n{table}" for heading, table in tables.items()))
+        print(notes)
+        out = Path(tempfile.gettempdir()) / "internode-last.json"
+        out.write_text(json.dumps({"results": results, "profile": profile, "run": run}, default=str))
+        print(f"(raw data: {out})")
+        return
+    _results.write("internode", title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
+                   tables=tables, data={"results": results, "profile": profile, "run": run}, notes=notes)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "p2p":
+        p2p_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "node":
+        node_args = argparse.ArgumentParser()
+        node_args.add_argument("node")
+        node_args.add_argument("--out", type=Path, required=True)
+        node_args.add_argument("--steps", type=int, required=True)
+        node_args.add_argument("--warmup", type=int, required=True)
+        node_args.add_argument("--rates", nargs="+", required=True)
+        node_args.add_argument("--tag", required=True)
+        node_args.add_argument("--subnet", type=int, required=True)
+        a = node_args.parse_args()
+        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet)
+    else:
+        try:
+            main()
+        except KeyboardInterrupt as stopped:
+            print(f"bench/internode.py: interrupted ({stopped or 'Ctrl-C'}); the namespaces are removed",
+                  file=sys.stderr)
+            sys.exit(130)
