@@ -59,6 +59,18 @@ class SimulatedRunner:
                            peak_memory_bytes=peaks)
 
 
+TINY_MODEL = """
+import torch
+from torch import nn
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+"""A model file that keeps the contract: 3 layers, MSE loss (tests derive broken ones from it)."""
+
 BATCHNORM_MODEL = """
 import torch
 from torch import nn

@@ -11,19 +11,9 @@ from typer.testing import CliRunner
 
 from autotune.cli import app
 from tests.conftest import RECIPES
+from tests.fakes import TINY_MODEL as GOOD
 
 runner = CliRunner()
-
-GOOD = """
-import torch
-from torch import nn
-def build_model():
-    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-def make_batch(batch_size):
-    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
-def loss_fn(output, target):
-    return nn.functional.mse_loss(output, target)
-"""
 
 
 def invoke(*args):

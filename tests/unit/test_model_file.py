@@ -3,17 +3,9 @@ import pytest
 from autotune import model_file
 from autotune.errors import ModelFileError
 from tests.conftest import RECIPES
+from tests.fakes import TINY_MODEL
 
-NON_SCALAR = """
-import torch
-from torch import nn
-def build_model():
-    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-def make_batch(batch_size):
-    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
-def loss_fn(output, target):
-    return (output - target) ** 2
-"""
+NON_SCALAR = TINY_MODEL.replace("nn.functional.mse_loss(output, target)", "(output - target) ** 2")
 
 
 @pytest.mark.parametrize("threshold", [0, model_file.REAL_CHECK_MAX_BYTES], ids=["meta-device", "real"])
