@@ -107,15 +107,15 @@ def valid_dict() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- round trip
 
 
+def interleaved(**fields: Any) -> TunedConfig:
+    """Interleaved1F1B over pp 2 x dp 2 with checkpointing and a bfloat16 wire: every optional field set."""
+    return make_config(schedule=Schedule.INTERLEAVED_1F1B, pipeline_degree=2, data_parallel_degree=2,
+                       num_microbatches=4, layers_per_stage=(3, 3, 2, 2), activation_checkpointing=True,
+                       wire_dtype="bfloat16", **fields)
+
+
 def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
-    config = make_config(
-        schedule=Schedule.INTERLEAVED_1F1B,
-        pipeline_degree=2,
-        data_parallel_degree=2,
-        num_microbatches=4,
-        layers_per_stage=(3, 3, 2, 2),
-        activation_checkpointing=True,
-        wire_dtype="bfloat16",
+    config = interleaved(
         memory_limit_bytes=None,
         predicted=PredictedResult(),
         search=SearchSummary(),
@@ -183,15 +183,7 @@ def test_rank_order_and_nodes_are_optional_and_round_trip(tmp_path: Path) -> Non
 
 
 def test_candidate_property_matches_the_config() -> None:
-    config = make_config(
-        schedule=Schedule.INTERLEAVED_1F1B,
-        pipeline_degree=2,
-        data_parallel_degree=2,
-        num_microbatches=4,
-        layers_per_stage=(3, 3, 2, 2),
-        activation_checkpointing=True,
-        wire_dtype="bfloat16",
-    )
+    config = interleaved()
     c = config.candidate
     assert c == Candidate(
         schedule=Schedule.INTERLEAVED_1F1B,
