@@ -96,6 +96,14 @@ def _two_layers(**extra) -> Profile:
     return Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
 
 
+FOUR_SENDERS = Profile.from_layer_costs(
+    [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0, output_bytes=1000,
+               parameter_bytes=0)] * 4,
+    micro_batch_size=1, input_bytes=0,
+)
+"""Four layers that save nothing, each sending 1000 bytes on: what a rank holds is its receive buffers and sends."""
+
+
 def test_1f1b_lets_go_of_its_sends_and_the_runtime_keeps_them_to_the_end():
     """Rank 0 sends 1000-byte outputs. 1F1B (m=4, 2 ranks) holds 2 in flight plus the last one sent, which lingers
     until the next backward (traced: 0F0's output alive in 0B1); LoopedBFS (4 stages, rank 0 holds 0 and 2) keeps
@@ -104,12 +112,9 @@ def test_1f1b_lets_go_of_its_sends_and_the_runtime_keeps_them_to_the_end():
                             layers_per_stage=(1, 1))
     peak = simulate(_two_layers(), one_f_one_b, link=LINK, with_timeline=False).peak_memory_bytes[0]
     assert peak == 4 * 1000 + 3 * 1000  # receive buffers for 4 output gradients, 3 outputs
-    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0,
-                        output_bytes=1000, parameter_bytes=0)] * 4
     looped = Candidate(schedule=Schedule.LOOPED_BFS, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
                        layers_per_stage=(1, 1, 1, 1))
-    prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
-    peak = simulate(prof, looped, link=LINK, with_timeline=False).peak_memory_bytes[0]
+    peak = simulate(FOUR_SENDERS, looped, link=LINK, with_timeline=False).peak_memory_bytes[0]
     # Receive buffers: stage 0 grads (2), stage 2 activations and grads (4); then after the forwards of stages 0
     # and 2 (4 outputs) the backwards of stage 2 send 2 input gradients back, and every output stays.
     assert peak == 6 * 1000 + 4 * 1000 + 2 * 1000
@@ -120,12 +125,9 @@ def test_a_hand_off_inside_a_rank_is_no_send():
     output stage 2's receive buffer, and stage 2's input gradient stage 1's). Rank 1: receive buffers 4 x 1000;
     F1 (its output is stage 2's buffer: nothing more), F2 (+1000, sent to rank 0), I2 (+1000 at worst: the input
     gradient, handed to stage 1, nothing kept), I1 (+1000 at worst, its input gradient sent and kept): 2000."""
-    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0,
-                        output_bytes=1000, parameter_bytes=0)] * 4
     c = Candidate(schedule=Schedule.ZBV_ZERO_BUBBLE, pipeline_degree=2, global_batch_size=1, n_microbatches=1,
                   layers_per_stage=(1, 1, 1, 1))
-    prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
-    assert simulate(prof, c, link=LINK, with_timeline=False).peak_memory_bytes[1] == 4 * 1000 + 2000
+    assert simulate(FOUR_SENDERS, c, link=LINK, with_timeline=False).peak_memory_bytes[1] == 4 * 1000 + 2000
 
 
 def test_every_rank_keeps_its_sends_under_a_multi_stage_schedule():
@@ -133,10 +135,7 @@ def test_every_rank_keeps_its_sends_under_a_multi_stage_schedule():
     gradients to rank 0, and torch keeps all 16 until the pipeline ends (the runtime waits for its sends last; the
     I leaves the gradient on the receive buffer), on top of its 32 receive buffers; what else it may hold at the end
     is a backward's temporaries (an input gradient, one more being sent)."""
-    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=0,
-                        output_bytes=1000, parameter_bytes=0)] * 4
     c = Candidate(schedule=Schedule.ZBV_ZERO_BUBBLE, pipeline_degree=2, global_batch_size=8, n_microbatches=8,
                   layers_per_stage=(1, 1, 1, 1))
-    prof = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=0)
-    peak = simulate(prof, c, link=LINK, with_timeline=False).peak_memory_bytes[1]
+    peak = simulate(FOUR_SENDERS, c, link=LINK, with_timeline=False).peak_memory_bytes[1]
     assert 32 * 1000 + 16 * 1000 <= peak <= 32 * 1000 + 16 * 1000 + 2 * 1000
