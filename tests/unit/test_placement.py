@@ -141,15 +141,21 @@ def test_rank_order_round_trips_and_keeps_old_keys():
     assert Candidate.from_dict(d.to_dict()) == d and d.key.endswith("+dp-inner")
 
 
+SLOW_WIRE = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0,
+                      optimizer_bytes_per_s=1e30)
+"""10 ms on the wire for each 10 kB hand-off of TWO_SENDERS, no latency, no overheads."""
+TWO_SENDERS = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
+                                                  saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
+                                       input_bytes=0)
+"""Two layers: F 1 ms, B 2 ms, 10 kB sent on."""
+
+
 def test_across_nodes_a_transfer_starts_when_its_receiver_posts_the_receive():
     # GPipe, 2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, each hand-off 10 ms on the wire (latency 0).
     # rank 0: F0 0-1, F1 1-2                      B0: wire 25-35, 35-37   B1: wire 37-47, 47-49
     # rank 1: F0: wire 1-11, 11-12  F1: wire 12-22, 22-23   B0 23-25  B1 25-27
     # Inside one node the second forward's tensor is already there when rank 1 gets to it (arrives at 12): 29 ms.
-    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
-    prof = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
-                                               saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
-                                    input_bytes=0)
+    link, prof = SLOW_WIRE, TWO_SENDERS
     c = pipeline(2, schedule=Schedule.GPIPE, m=2, layers=2)
     assert simulate(prof, c, link=link, gpus_per_node=2).step_time_ms == pytest.approx(29.0)
     assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(49.0)
@@ -169,10 +175,7 @@ def test_across_nodes_two_ranks_move_one_tensor_at_a_time_between_them():
     # replay reaches F1 first: its activation goes 14-24 (F1 24-25, B1 25-27), B0's gradient after it, 24-34
     # (rank 0: B0 34-36), B1's gradient 36-46 (rank 0 posts its receive at 36), B1 on rank 0 46-48.
     # Inside one node the two 14-24 transfers overlap: 29 ms.
-    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
-    prof = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
-                                               saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
-                                    input_bytes=0)
+    link, prof = SLOW_WIRE, TWO_SENDERS
     c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
     assert simulate(prof, c, link=link, gpus_per_node=2).step_time_ms == pytest.approx(29.0)
     assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(48.0)
