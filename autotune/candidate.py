@@ -15,6 +15,15 @@ from autotune.schedules import Schedule, parse_schedule, validate_schedule
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
 ErrorKind = Literal["oom", "timeout", "error"]
 WireDtype = Literal["float32", "bfloat16"]
+Precision = Literal["fp32", "bf16"]
+"""fp32: everything in float32. bf16: bfloat16 compute with float32 master weights, optimizer state and gradient
+reduction (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) when sharded, torch.autocast
+otherwise), as torchtitan, Megatron (--bf16) and DeepSpeed (bf16.enabled) train."""
+DataParallelMode = Literal["replicate", "shard"]
+"""replicate: each replica holds its whole stages (DistributedDataParallel). shard: FSDP2 (fully_shard) over the
+replicas: parameters, gradients and optimizer state split dp ways, gathered per stage for its compute."""
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
+DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = ("replicate", "shard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +46,14 @@ class Candidate:
     """Recompute each stage's forward in its backward instead of keeping activations."""
     wire_dtype: WireDtype = "float32"
     """dtype of activations and gradients sent between stages."""
+    precision: Precision = "fp32"
+    """Compute precision (Precision): bf16 computes in bfloat16 over float32 master weights."""
+    data_parallel_mode: DataParallelMode = "replicate"
+    """How the dp replicas hold their stages (DataParallelMode): whole (replicate) or FSDP2-sharded (shard)."""
+    reshard_after_forward: bool = False
+    """shard only: FSDP2 frees the gathered parameters after each micro-batch's forward and gathers them again for
+    its backward (less memory, an all-gather per micro-batch); False keeps each stage gathered for the whole step
+    (torchtitan's default under a pipeline: one all-gather per stage and step)."""
     rank_order: RankOrder = "pp-inner"
     """How the pp x dp grid fills the global ranks (autotune.placement): pp-inner keeps each pipeline on consecutive
     ranks (inside a node), dp-inner each stage's replicas. Matters only across nodes."""
@@ -67,8 +84,18 @@ class Candidate:
         split = "-".join(map(str, self.layers_per_stage))
         extra = ("+ckpt" if self.activation_checkpointing else "") + ("+bf16" if self.wire_dtype == "bfloat16" else "")
         extra += "+dp-inner" if self.rank_order == "dp-inner" else ""
-        dp = f"dp{self.data_parallel_degree}/" if self.data_parallel_degree > 1 else ""
-        return f"{dp}{self.schedule.value}/m{self.n_microbatches}/[{split}]{extra}"
+        extra += "+reshard" if self.reshard_after_forward else ""
+        dp = ""
+        if self.data_parallel_degree > 1:
+            mode = "-shard" if self.data_parallel_mode == "shard" else ""
+            dp = f"dp{self.data_parallel_degree}{mode}/"
+        precision = "bf16:" if self.precision == "bf16" else ""
+        return f"{precision}{dp}{self.schedule.value}/m{self.n_microbatches}/[{split}]{extra}"
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the stages over dp replicas (data_parallel_mode shard with dp > 1)."""
+        return self.data_parallel_mode == "shard" and self.data_parallel_degree > 1
 
     def validate(self, n_layers: int) -> None:
         """Refuse a candidate that cannot run, before any process starts; the message says how to fix it."""
@@ -77,6 +104,16 @@ class Candidate:
             raise InvalidCandidateError("batch size, micro-batch count, pp and dp must all be at least 1")
         if self.rank_order not in RANK_ORDERS:
             raise InvalidCandidateError(f"rank order {self.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
+        if self.precision not in PRECISIONS:
+            raise InvalidCandidateError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
+            raise InvalidCandidateError(
+                f"data-parallel mode {self.data_parallel_mode!r} is not one of {', '.join(DATA_PARALLEL_MODES)}"
+            )
+        if self.data_parallel_mode == "shard" and dp == 1:
+            raise InvalidCandidateError("data-parallel mode shard needs dp > 1 (nothing to shard over); use replicate")
+        if self.reshard_after_forward and self.data_parallel_mode != "shard":
+            raise InvalidCandidateError("reshard_after_forward applies to sharded data parallelism only; leave it off")
         if b % (m * dp):
             raise InvalidCandidateError(
                 f"global batch {b} cannot be cut into {dp} replica(s) x {m} equal micro-batches; "
@@ -111,6 +148,9 @@ class Candidate:
             "layers_per_stage": list(self.layers_per_stage),
             "activation_checkpointing": self.activation_checkpointing,
             "wire_dtype": self.wire_dtype,
+            **({"precision": self.precision} if self.precision != "fp32" else {}),
+            **({"data_parallel_mode": self.data_parallel_mode} if self.data_parallel_mode != "replicate" else {}),
+            **({"fsdp_reshard_after_forward": True} if self.reshard_after_forward else {}),
             **({"rank_order": self.rank_order} if self.rank_order != "pp-inner" else {}),
         }
 
@@ -125,6 +165,9 @@ class Candidate:
             layers_per_stage=tuple(int(n) for n in data["layers_per_stage"]),
             activation_checkpointing=bool(data.get("activation_checkpointing", False)),
             wire_dtype=data.get("wire_dtype", "float32"),
+            precision=data.get("precision", "fp32"),
+            data_parallel_mode=data.get("data_parallel_mode", "replicate"),
+            reshard_after_forward=bool(data.get("fsdp_reshard_after_forward", False)),
             rank_order=data.get("rank_order", "pp-inner"),
         )
 

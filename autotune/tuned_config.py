@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import autotune
-from autotune.candidate import Candidate, Measurement, WireDtype
+from autotune.candidate import (
+    DATA_PARALLEL_MODES,
+    PRECISIONS,
+    Candidate,
+    DataParallelMode,
+    Measurement,
+    Precision,
+    WireDtype,
+)
 from autotune.errors import ConfigError, InvalidCandidateError
 from autotune.masking import mask_url as mask_password
 from autotune.placement import RANK_ORDERS, RankOrder
@@ -102,18 +110,23 @@ CANDIDATE_KEYS: dict[str, str] = {
     "layers_per_stage": "layers_per_stage",
     "activation_checkpointing": "activation_checkpointing",
     "wire_dtype": "wire_dtype",
+    "precision": "precision",
+    "data_parallel_mode": "data_parallel_mode",
+    "fsdp_reshard_after_forward": "reshard_after_forward",
     "rank_order": "rank_order",
 }
 """The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
 derived from the others and checked against them on reading)."""
 
 OPTIONAL_KEYS = frozenset(
-    {"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node"}
+    {"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node",
+     "precision", "data_parallel_mode", "fsdp_reshard_after_forward"}
 )
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
 OPTIONAL_SECTION_KEYS = frozenset({"measured.runs_throughput_samples_per_s"})
 """Keys of sections added after schema version 1 first shipped (section.key): a file without them still loads."""
-_WRITTEN_IF_NOT_DEFAULT = {"rank_order": "pp-inner"}
+_WRITTEN_IF_NOT_DEFAULT = {"rank_order": "pp-inner", "data_parallel_mode": "replicate",
+                           "fsdp_reshard_after_forward": False}
 """Candidate keys left out of the file at their default (a config from one node reads as before)."""
 
 
@@ -141,7 +154,8 @@ class TunedConfig:
     candidate: Candidate
     """The configuration itself; written flat as CANDIDATE_KEYS (gpus, global_batch_size, micro_batch_size,
     num_microbatches, pipeline_degree, data_parallel_degree, schedule, layers_per_stage, activation_checkpointing,
-    wire_dtype, and rank_order when it is dp-inner)."""
+    wire_dtype, precision; data_parallel_mode and fsdp_reshard_after_forward when not replicate / false; rank_order
+    when it is dp-inner)."""
     memory_limit_bytes: int | None
     """Per-rank memory cap the search respected; None when there was none (CPU)."""
     nodes: int | None = None
@@ -212,6 +226,21 @@ class TunedConfig:
     def wire_dtype(self) -> WireDtype:
         """dtype of activations and gradients sent between stages."""
         return self.candidate.wire_dtype
+
+    @property
+    def precision(self) -> Precision:
+        """Compute precision: fp32, or bf16 over float32 master weights."""
+        return self.candidate.precision
+
+    @property
+    def data_parallel_mode(self) -> DataParallelMode:
+        """How the replicas hold their stages: replicate (whole) or shard (FSDP2)."""
+        return self.candidate.data_parallel_mode
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool:
+        """shard: gathered parameters are freed after each micro-batch's forward (True) or kept for the step."""
+        return self.candidate.reshard_after_forward
 
     @property
     def rank_order(self) -> RankOrder:
@@ -340,6 +369,15 @@ def check_values(c: Mapping[str, Any]) -> None:
         )
     if c.get("rank_order", "pp-inner") not in RANK_ORDERS:
         raise ConfigError(f"rank_order {c['rank_order']!r} is not one of {', '.join(RANK_ORDERS)}; fix it")
+    if c.get("precision", "fp32") not in PRECISIONS:
+        raise ConfigError(f"precision {c['precision']!r} is not one of {', '.join(PRECISIONS)}; fix it")
+    mode = c.get("data_parallel_mode", "replicate")
+    if mode not in DATA_PARALLEL_MODES:
+        raise ConfigError(f"data_parallel_mode {mode!r} is not one of {', '.join(DATA_PARALLEL_MODES)}; fix it")
+    if mode == "shard" and c["data_parallel_degree"] == 1:
+        raise ConfigError("data_parallel_mode shard needs data_parallel_degree > 1; set it to replicate")
+    if c.get("fsdp_reshard_after_forward") and mode != "shard":
+        raise ConfigError("fsdp_reshard_after_forward applies to data_parallel_mode shard only; remove it")
     for name in ("nodes", "gpus_per_node"):
         if c.get(name) is not None and c[name] < 1:
             raise ConfigError(f"{name} is {c[name]}; it must be at least 1, or left out")
