@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from autotune.candidate import pipeline_layouts
+from autotune.candidate import DATA_PARALLEL_MODES, DataParallelMode, pipeline_layouts
 from autotune.errors import InvalidCandidateError, UsageError
 from autotune.schedules import Schedule, default_stages_per_rank, parse_schedule, schedules_for, validate_schedule
 
@@ -55,6 +55,27 @@ def layout_choices(
         if per_layout:
             space[(pp, dp)] = per_layout
     return space
+
+
+DataParallelChoice = tuple[DataParallelMode, bool]
+"""(data_parallel_mode, reshard_after_forward) of a candidate."""
+
+
+def data_parallel_choices(
+    dp: int, modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES
+) -> list[DataParallelChoice]:
+    """How dp replicas may hold their stages, of the modes asked: replicate; with dp > 1, shard (FSDP2) keeping each
+    stage gathered for the step, and shard resharding after every forward (reshard_after_forward). With dp = 1
+    only replicate (nothing to shard over; asked for shard alone, that is still the one choice)."""
+    wanted = list(modes)
+    if dp == 1:
+        return [("replicate", False)]
+    choices: list[DataParallelChoice] = []
+    if "replicate" in wanted:
+        choices.append(("replicate", False))
+    if "shard" in wanted:
+        choices += [("shard", False), ("shard", True)]
+    return choices
 
 
 def divisors(n: int) -> list[int]:
