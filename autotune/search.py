@@ -26,7 +26,15 @@ from typing import Protocol
 
 import optuna
 
-from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
+from autotune.candidate import (
+    DATA_PARALLEL_MODES,
+    Candidate,
+    DataParallelMode,
+    Measurement,
+    Precision,
+    WireDtype,
+    uniform_split,
+)
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
@@ -96,6 +104,10 @@ class SearchOptions:
     """Activation checkpointing choices to search."""
     wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
     """dtypes between stages to search."""
+    precision: Precision = "fp32"
+    """Compute precision of every trial (the profile's)."""
+    data_parallel_modes: tuple[DataParallelMode, ...] = DATA_PARALLEL_MODES
+    """How replicas may hold their stages, searched where dp > 1: replicate, shard (FSDP2)."""
     max_shift: int = 2
     """How far the search moves each stage boundary from the balanced (or uniform) split, in layers."""
     prune_margin: float = 0.2
@@ -193,6 +205,10 @@ def run_search(
         "device": options.trial.device,
         "n_trials": options.n_trials,
         "seed": options.seed,
+        # added with sharded data parallelism: written only when not what every earlier study meant
+        **({"precision": options.precision} if options.precision != "fp32" else {}),
+        **({"data_parallel_modes": list(options.data_parallel_modes)}
+           if options.data_parallel_modes != DATA_PARALLEL_MODES else {}),
         **options.setup,
         **predict.setup_entries(),
     }
@@ -210,6 +226,8 @@ def run_search(
     started = time.time()
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
+    if default is not None:
+        default = replace(default, precision=options.precision)
     try:
         with _remember_ctrl_c(engine.ctrl_c):
             # a new study: seed it with the planner's best and the rule-of-thumb default
