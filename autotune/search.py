@@ -350,7 +350,9 @@ class _Engine:
         """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates. Where a layout
         spans nodes with pipelines and replicas, the planner's best such candidate comes first, in both rank orders
         (phase "rank-order", not pruned by prediction): the planner chose its order by a link model, the search
-        measures both."""
+        measures both. The planner's best of each kind of parallelism (pipeline, pipeline + FSDP, FSDP, data
+        parallel) not among the seeds follows (phase "parallelism", not pruned by prediction unless it cannot fit):
+        the report answers "pipeline or FSDP?" from runs."""
         seeds: list[tuple[Candidate, str]] = []
         if default is not None:
             seeds.append((default, "default"))
@@ -365,6 +367,13 @@ class _Engine:
             seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]
         # the planner's best that this search can ask (its layouts, schedules, choices)
         seeds += [(c, "seed") for c in askable[:n_seeds]]
+        # pipeline or FSDP? the planner's best of each other kind of parallelism is measured too (not pruned by
+        # prediction), so the report answers it from runs
+        kinds = {c.parallelism for c in askable[:n_seeds]}
+        for c in askable:
+            if c.parallelism not in kinds:
+                kinds.add(c.parallelism)
+                seeds.append((c, "parallelism"))
         seen: set[str] = set()
         for candidate, phase in seeds:
             params = self.space.params_for(candidate)
@@ -438,7 +447,7 @@ class _Engine:
         if limit is not None and not estimate.feasible:
             peak = max(estimate.peak_memory_bytes)
             return f"predicted peak {format_bytes(peak)} > limit {format_bytes(limit)}"
-        if phase in ("default", "incumbent", "remeasure", "rank-order"):
+        if phase in ("default", "incumbent", "remeasure", "rank-order", "parallelism"):
             return None
         best = self.best_record()
         if best is None or best.candidate is None:

@@ -285,7 +285,8 @@ def _trials(facts: ReportFacts) -> list[Block]:
         f"{len(result.records)} trials: {launched} launched as real runs, the rest pruned by the simulator or "
         f"repeats of a configuration already measured. *phase*: default (the rule of thumb), seed (the planner's "
         f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config), "
-        f"rank-order (the planner's best over nodes, in both rank orders)."
+        f"rank-order (the planner's best over nodes, in both rank orders), parallelism (the planner's best of a kind "
+        f"of parallelism the other seeds lack)."
         + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
+from autotune.candidate import PARALLELISMS, Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
 from autotune.errors import AutotuneError
 from autotune.partition import balanced_split, part_costs
@@ -215,21 +215,6 @@ def _simulated(
 
 # --- pipeline or FSDP? -------------------------------------------------------------------------------------------
 
-PARALLELISMS = ("pipeline", "pipeline + FSDP", "FSDP", "data parallel", "one rank")
-"""How a candidate spreads the model over the ranks, the question a user asks first: a pipeline (pp > 1) with
-replicated or FSDP-sharded replicas, or no pipeline at all (pp = 1) with sharded (FSDP) or replicated (DDP)
-replicas."""
-
-
-def parallelism_of(c: Candidate) -> str:
-    """Which of PARALLELISMS the candidate is."""
-    if c.pipeline_degree > 1:
-        return "pipeline + FSDP" if c.sharded else "pipeline"
-    if c.data_parallel_degree == 1:
-        return "one rank"
-    return "FSDP" if c.sharded else "data parallel"
-
-
 @dataclass(frozen=True, kw_only=True)
 class ParallelismBest:
     """The best measured run of one kind of parallelism in the search (or why it has none)."""
@@ -253,10 +238,10 @@ def parallelism_comparison(result: SearchResult) -> tuple[ParallelismBest, ...]:
     asked: dict[str, list[TrialRecord]] = {}
     for r in result.records:
         if r.candidate is not None:
-            asked.setdefault(parallelism_of(r.candidate), []).append(r)
+            asked.setdefault(r.candidate.parallelism, []).append(r)
     if len(asked) < 2:
         return ()
-    leaders = {parallelism_of(leader.candidate): leader for leader in reversed(result.leaders)}  # fastest wins
+    leaders = {leader.candidate.parallelism: leader for leader in reversed(result.leaders)}  # fastest wins
     rows = []
     for kind in PARALLELISMS:
         records = asked.get(kind)

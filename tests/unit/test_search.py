@@ -429,3 +429,14 @@ def test_each_trial_gets_a_bound_from_its_prediction_unless_one_is_given(spec, t
 
     fixed = run("fixed", trial_timeout_s=42.0)
     assert fixed.options and all(o.timeout_s == 42.0 for o in fixed.options)
+
+
+def test_each_kind_of_parallelism_the_planner_offers_is_measured(spec, tmp_path):
+    """Pipeline or FSDP: the planner's best of each kind of parallelism (pipeline, data parallel, FSDP...) is run,
+    even when the simulator predicts it slower than the prune margin allows, so the report compares them by runs."""
+    runner = SimulatedRunner()
+    result = search(spec, tmp_path, runner, prune_margin=0.0)
+    kinds = {c.parallelism for c in runner.calls}
+    assert {"pipeline", "data parallel"} <= kinds
+    seeded = [r for r in result.records if r.phase == "parallelism"]
+    assert seeded and all(r.launched for r in seeded)
