@@ -107,7 +107,11 @@ def _summary(facts: ReportFacts) -> list[Block]:
     c = chosen.candidate
     layout = f"{c.pipeline_degree} pipeline rank(s) x {c.data_parallel_degree} data-parallel replica(s)"
     extras = [x for x in ("activation checkpointing" if c.activation_checkpointing else "",
-                          "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "") if x]
+                          "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "",
+                          ("replicas sharded with FSDP2" + (", resharded after each forward"
+                                                            if c.reshard_after_forward else ""))
+                          if c.sharded else "",
+                          "bf16 compute over fp32 master weights" if c.precision == "bf16" else "") if x]
     text = (
         f"**Chosen configuration: `{c.key}`** — schedule **{c.schedule.value}**, {layout}, **B/M = "
         f"{c.n_microbatches}** micro-batches of {c.micro_batch_size} samples, layers per stage "
