@@ -365,15 +365,16 @@ class _Engine:
         if spanning is not None:
             other: RankOrder = "dp-inner" if spanning.rank_order == "pp-inner" else "pp-inner"
             seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]
-        # the planner's best that this search can ask (its layouts, schedules, choices)
-        seeds += [(c, "seed") for c in askable[:n_seeds]]
-        # pipeline or FSDP? the planner's best of each other kind of parallelism is measured too (not pruned by
-        # prediction), so the report answers it from runs
-        kinds = {c.parallelism for c in askable[:n_seeds]}
+        # the planner's best that this search can ask (its layouts, schedules, choices), and right after the very
+        # best, the planner's best of each other kind of parallelism (not pruned by prediction): the report answers
+        # "pipeline or FSDP?" from runs, whatever the budget
+        seeds += [(c, "seed") for c in askable[:1]]
+        kinds = {c.parallelism for c, _ in seeds}
         for c in askable:
             if c.parallelism not in kinds:
                 kinds.add(c.parallelism)
                 seeds.append((c, "parallelism"))
+        seeds += [(c, "seed") for c in askable[1:n_seeds]]
         seen: set[str] = set()
         for candidate, phase in seeds:
             params = self.space.params_for(candidate)
