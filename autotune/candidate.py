@@ -23,6 +23,10 @@ DataParallelMode = Literal["replicate", "shard"]
 """replicate: each replica holds its whole stages (DistributedDataParallel). shard: FSDP2 (fully_shard) over the
 replicas: parameters, gradients and optimizer state split dp ways, gathered per stage for its compute."""
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
+PARALLELISMS = ("pipeline", "pipeline + FSDP", "FSDP", "data parallel", "one rank")
+"""How a candidate spreads the model over the ranks, the question a user asks first (Candidate.parallelism): a
+pipeline (pp > 1) with replicated or FSDP-sharded replicas, or no pipeline at all (pp = 1) with sharded (FSDP) or
+replicated (DDP) replicas."""
 DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = ("replicate", "shard")
 
 
@@ -54,13 +58,16 @@ class Candidate:
     """shard only: FSDP2 frees the gathered parameters after each micro-batch's forward and gathers them again for
     its backward (less memory, an all-gather per micro-batch); False keeps each stage gathered for the whole step
     (torchtitan's default under a pipeline: one all-gather per stage and step)."""
+    tensor_parallel_degree: int = 1
+    """Ranks one stage's layers are split over with tensor parallelism (tp), consecutive ranks of one node; gpus =
+    pp x dp x tp."""
     rank_order: RankOrder = "pp-inner"
     """How the pp x dp grid fills the global ranks (autotune.placement): pp-inner keeps each pipeline on consecutive
     ranks (inside a node), dp-inner each stage's replicas. Matters only across nodes."""
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_degree * self.data_parallel_degree
+        return self.pipeline_degree * self.data_parallel_degree * self.tensor_parallel_degree
 
     @property
     def n_stages(self) -> int:
@@ -89,8 +96,19 @@ class Candidate:
         if self.data_parallel_degree > 1:
             mode = "-shard" if self.data_parallel_mode == "shard" else ""
             dp = f"dp{self.data_parallel_degree}{mode}/"
+        if self.tensor_parallel_degree > 1:
+            dp += f"tp{self.tensor_parallel_degree}/"
         precision = "bf16:" if self.precision == "bf16" else ""
         return f"{precision}{dp}{self.schedule.value}/m{self.n_microbatches}/[{split}]{extra}"
+
+    @property
+    def parallelism(self) -> str:
+        """Which of PARALLELISMS this candidate is: how it spreads the model over the ranks."""
+        if self.pipeline_degree > 1:
+            return "pipeline + FSDP" if self.sharded else "pipeline"
+        if self.data_parallel_degree == 1:
+            return "one rank"
+        return "FSDP" if self.sharded else "data parallel"
 
     @property
     def sharded(self) -> bool:
@@ -104,6 +122,8 @@ class Candidate:
             raise InvalidCandidateError("batch size, micro-batch count, pp and dp must all be at least 1")
         if self.rank_order not in RANK_ORDERS:
             raise InvalidCandidateError(f"rank order {self.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
+        if self.tensor_parallel_degree < 1:
+            raise InvalidCandidateError("tensor-parallel degree must be at least 1")
         if self.precision not in PRECISIONS:
             raise InvalidCandidateError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.data_parallel_mode not in DATA_PARALLEL_MODES:
@@ -151,6 +171,7 @@ class Candidate:
             **({"precision": self.precision} if self.precision != "fp32" else {}),
             **({"data_parallel_mode": self.data_parallel_mode} if self.data_parallel_mode != "replicate" else {}),
             **({"fsdp_reshard_after_forward": True} if self.reshard_after_forward else {}),
+            **({"tensor_parallel_degree": self.tensor_parallel_degree} if self.tensor_parallel_degree != 1 else {}),
             **({"rank_order": self.rank_order} if self.rank_order != "pp-inner" else {}),
         }
 
@@ -168,6 +189,7 @@ class Candidate:
             precision=data.get("precision", "fp32"),
             data_parallel_mode=data.get("data_parallel_mode", "replicate"),
             reshard_after_forward=bool(data.get("fsdp_reshard_after_forward", False)),
+            tensor_parallel_degree=int(data.get("tensor_parallel_degree", 1)),
             rank_order=data.get("rank_order", "pp-inner"),
         )
 

@@ -28,6 +28,14 @@ def resolve_device(choice: str) -> Device:
     )
 
 
+def default_precision(device: str, model_default: str | None = None) -> str:
+    """The precision of a run when --precision is not given: the model file's PRECISION, else bf16 on CUDA (how
+    people train there) and fp32 on the CPU stand-in."""
+    if model_default is not None:
+        return model_default
+    return "bf16" if device == "cuda" else "fp32"
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity on Linux, else all)."""
     try:

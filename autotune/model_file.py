@@ -64,6 +64,8 @@ class ModelSpec:
     load_state: Callable[[list[str]], Mapping[str, torch.Tensor]] | None = None
     """The file's load_state(names) -> {name: tensor}: real weights for the parameters and buffers a rank holds
     (names as in model.state_dict()); setup_pipeline calls it, trials do not. None: initialised weights."""
+    precision: str | None = None
+    """The file's PRECISION ("fp32" | "bf16"): the default when --precision is not given; None: the device's."""
 
     @property
     def n_layers(self) -> int:
@@ -111,6 +113,9 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         split_at = tuple(found) if found else None
     split_at = tuple(split_at) if split_at else None
     blocks = _cut(path, model, split_at, functions["make_batch"])
+    precision = getattr(module, "PRECISION", None)
+    if precision is not None and precision not in ("fp32", "bf16"):
+        raise ModelFileError(f"{path}: PRECISION = {precision!r}; set it to 'fp32' or 'bf16', or remove it")
     shared_bytes = [0] * blocks.n_blocks
     for p in blocks.shared_parameters():
         for block in p.blocks[1:]:
@@ -133,6 +138,7 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         block_names=blocks.names,
         layer_roles=blocks.roles,
         shared=blocks.shared_parameters(),
+        precision=precision,
     )
 
 

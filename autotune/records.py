@@ -49,7 +49,7 @@ class TrialRecord:
     """The simulator's peak memory per pipeline rank."""
     phase: str = "explore"
     """seed (from the planner), explore (from the sampler), remeasure, incumbent, default, rank-order (a seed in the
-    other rank order)."""
+    other rank order), parallelism (the planner's best of a kind of parallelism the seeds lack)."""
     launched: bool = False
     """A real run was started for it."""
     wall_time_s: float = 0.0

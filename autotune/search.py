@@ -26,7 +26,15 @@ from typing import Protocol
 
 import optuna
 
-from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
+from autotune.candidate import (
+    DATA_PARALLEL_MODES,
+    Candidate,
+    DataParallelMode,
+    Measurement,
+    Precision,
+    WireDtype,
+    uniform_split,
+)
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
 from autotune.model_file import ModelSpec
@@ -96,6 +104,10 @@ class SearchOptions:
     """Activation checkpointing choices to search."""
     wire_dtypes: tuple[WireDtype, ...] = ("float32", "bfloat16")
     """dtypes between stages to search."""
+    precision: Precision = "fp32"
+    """Compute precision of every trial (the profile's)."""
+    data_parallel_modes: tuple[DataParallelMode, ...] = DATA_PARALLEL_MODES
+    """How replicas may hold their stages, searched where dp > 1: replicate, shard (FSDP2)."""
     max_shift: int = 2
     """How far the search moves each stage boundary from the balanced (or uniform) split, in layers."""
     prune_margin: float = 0.2
@@ -193,6 +205,10 @@ def run_search(
         "device": options.trial.device,
         "n_trials": options.n_trials,
         "seed": options.seed,
+        # added with sharded data parallelism: written only when not what every earlier study meant
+        **({"precision": options.precision} if options.precision != "fp32" else {}),
+        **({"data_parallel_modes": list(options.data_parallel_modes)}
+           if options.data_parallel_modes != DATA_PARALLEL_MODES else {}),
         **options.setup,
         **predict.setup_entries(),
     }
@@ -210,6 +226,8 @@ def run_search(
     started = time.time()
     interrupted = False
     default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
+    if default is not None:
+        default = replace(default, precision=options.precision)
     try:
         with _remember_ctrl_c(engine.ctrl_c):
             # a new study: seed it with the planner's best and the rule-of-thumb default
@@ -332,7 +350,9 @@ class _Engine:
         """Enqueue the rule-of-thumb default and the planner's best distinct feasible candidates. Where a layout
         spans nodes with pipelines and replicas, the planner's best such candidate comes first, in both rank orders
         (phase "rank-order", not pruned by prediction): the planner chose its order by a link model, the search
-        measures both."""
+        measures both. The planner's best of each kind of parallelism (pipeline, pipeline + FSDP, FSDP, data
+        parallel) not among the seeds follows (phase "parallelism", not pruned by prediction unless it cannot fit):
+        the report answers "pipeline or FSDP?" from runs."""
         seeds: list[tuple[Candidate, str]] = []
         if default is not None:
             seeds.append((default, "default"))
@@ -345,8 +365,16 @@ class _Engine:
         if spanning is not None:
             other: RankOrder = "dp-inner" if spanning.rank_order == "pp-inner" else "pp-inner"
             seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]
-        # the planner's best that this search can ask (its layouts, schedules, choices)
-        seeds += [(c, "seed") for c in askable[:n_seeds]]
+        # the planner's best that this search can ask (its layouts, schedules, choices), and right after the very
+        # best, the planner's best of each other kind of parallelism (not pruned by prediction): the report answers
+        # "pipeline or FSDP?" from runs, whatever the budget
+        seeds += [(c, "seed") for c in askable[:1]]
+        kinds = {c.parallelism for c, _ in seeds}
+        for c in askable:
+            if c.parallelism not in kinds:
+                kinds.add(c.parallelism)
+                seeds.append((c, "parallelism"))
+        seeds += [(c, "seed") for c in askable[1:n_seeds]]
         seen: set[str] = set()
         for candidate, phase in seeds:
             params = self.space.params_for(candidate)
@@ -420,7 +448,7 @@ class _Engine:
         if limit is not None and not estimate.feasible:
             peak = max(estimate.peak_memory_bytes)
             return f"predicted peak {format_bytes(peak)} > limit {format_bytes(limit)}"
-        if phase in ("default", "incumbent", "remeasure", "rank-order"):
+        if phase in ("default", "incumbent", "remeasure", "rank-order", "parallelism"):
             return None
         best = self.best_record()
         if best is None or best.candidate is None:

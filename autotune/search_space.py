@@ -15,10 +15,10 @@ from typing import Any, Protocol, cast
 
 import optuna
 
-from autotune.candidate import Candidate, WireDtype, stage_bounds, uniform_split
+from autotune.candidate import Candidate, DataParallelMode, Precision, WireDtype, stage_bounds, uniform_split
 from autotune.costs import Profile
 from autotune.errors import InvalidCandidateError
-from autotune.layouts import layout_choices
+from autotune.layouts import DataParallelChoice, data_parallel_choices, layout_choices
 from autotune.partition import balanced_split
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import Schedule, default_stages_per_rank
@@ -42,6 +42,10 @@ class SpaceOptions(Protocol):
     @property
     def wire_dtypes(self) -> tuple[WireDtype, ...]: ...
     @property
+    def precision(self) -> Precision: ...
+    @property
+    def data_parallel_modes(self) -> tuple[DataParallelMode, ...]: ...
+    @property
     def max_shift(self) -> int: ...
     @property
     def gpus_per_node(self) -> int | None: ...
@@ -53,7 +57,9 @@ class SearchSpace:
     Parameters: layout ("pp2xdp1"); schedule_<layout> (the schedules that run there); n_microbatches_<layout>_<schedule>
     (the counts that schedule accepts there); with more than one stage, split base (balanced | uniform) and one shift
     per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1, wire dtype; where the
-    layout spans nodes with pp > 1 and dp > 1, rank_order."""
+    layout spans nodes with pp > 1 and dp > 1, rank_order; with dp > 1 and more than one way to hold the replicas,
+    data_parallel (replicate | shard | shard-reshard: layouts.data_parallel_choices). The precision is the search's,
+    not a parameter (the profile was measured at it)."""
 
     def __init__(self, profile: Profile, options: SpaceOptions) -> None:
         self.profile = profile
@@ -106,6 +112,7 @@ class SearchSpace:
         order: RankOrder = "pp-inner"
         if self.orders_matter(pp, dp):
             order = cast(RankOrder, trial.suggest_categorical("rank_order", list(RANK_ORDERS)))
+        mode, reshard = self._data_parallel(trial, dp)
         wire: WireDtype = "float32"
         if pp > 1:
             wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
@@ -121,10 +128,28 @@ class SearchSpace:
             activation_checkpointing=checkpointing,
             wire_dtype=wire,
             rank_order=order,
+            precision=self.options.precision,
+            data_parallel_mode=mode,
+            reshard_after_forward=reshard,
         )
         candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
         candidate.validate(self.n_layers)
         return candidate
+
+    def data_parallel_choices(self, dp: int) -> list[DataParallelChoice]:
+        """How dp replicas may hold their stages in this search (layouts.data_parallel_choices)."""
+        return data_parallel_choices(dp, self.options.data_parallel_modes)
+
+    def _data_parallel(self, trial: optuna.Trial, dp: int) -> DataParallelChoice:
+        choices = self.data_parallel_choices(dp)
+        if not choices:
+            raise InvalidCandidateError(
+                f"dp {dp} allows none of the data-parallel modes {', '.join(self.options.data_parallel_modes)}"
+            )
+        if len(choices) == 1:
+            return choices[0]
+        names = [_choice_name(c) for c in choices]
+        return choices[names.index(trial.suggest_categorical("data_parallel", names))]
 
     def orders_matter(self, pp: int, dp: int) -> bool:
         """The rank order is a parameter at this layout: its pipelines and replicas span nodes."""
@@ -148,6 +173,8 @@ class SearchSpace:
             or (pp > 1 and candidate.wire_dtype not in self.options.wire_dtypes)
             or (pp == 1 and candidate.wire_dtype != "float32")
             or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp))
+            or candidate.precision != self.options.precision
+            or (candidate.data_parallel_mode, candidate.reshard_after_forward) not in self.data_parallel_choices(dp)
         ):
             return None
         layout = self._layout_name(pp, dp)
@@ -161,6 +188,8 @@ class SearchSpace:
             params["wire_dtype"] = candidate.wire_dtype
         if self.orders_matter(pp, dp):
             params["rank_order"] = candidate.rank_order
+        if len(self.data_parallel_choices(dp)) > 1:
+            params["data_parallel"] = _choice_name((candidate.data_parallel_mode, candidate.reshard_after_forward))
         n_stages = candidate.n_stages
         if n_stages == 1:
             return params
@@ -180,6 +209,12 @@ class SearchSpace:
                 params.update({f"shift{j}_of_{n_stages}": s for j, s in enumerate(shifts, start=1)})
                 return params
         return None
+
+
+def _choice_name(choice: DataParallelChoice) -> str:
+    """The data_parallel parameter's value for a choice: replicate, shard or shard-reshard."""
+    mode, reshard = choice
+    return f"{mode}-reshard" if reshard else mode
 
 
 def _shifted(split: tuple[int, ...], shifts: Sequence[int]) -> tuple[int, ...]:

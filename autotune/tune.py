@@ -17,9 +17,9 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from autotune.candidate import Measurement, WireDtype
+from autotune.candidate import DATA_PARALLEL_MODES, DataParallelMode, Measurement, Precision, WireDtype
 from autotune.config_file import load_config, save_config
 from autotune.costs import Profile
 from autotune.errors import AutotuneError, ConfigError, UsageError
@@ -95,6 +95,11 @@ class TuneRequest:
     """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
     profile_every_block: bool = False
     """Profile every block, not one of each set of blocks that are the same."""
+    precision: Precision | None = None
+    """Compute precision of the profile and every trial; None: devices.default_precision (the model file's
+    PRECISION, else bf16 on cuda, fp32 on cpu)."""
+    data_parallel_modes: tuple[DataParallelMode, ...] = DATA_PARALLEL_MODES
+    """How replicas may hold their stages, searched where dp > 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +237,7 @@ def tune(
 ) -> TuneOutcome:
     """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
     runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
-    from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
+    from autotune.devices import cpu_oversubscription, default_precision, device_memory_bytes, resolve_device
     from autotune.graph_cache import planning
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
@@ -260,6 +265,7 @@ def tune(
         every_block=request.profile_every_block, memory_limit_bytes=limit,
     )
     incumbent = _incumbent(request, spec, reporter)
+    precision = cast(Precision, request.precision or default_precision(device, spec.precision))
     link = None
     if request.inter_node_link is not None:
         from autotune.simulate import LinkModel
@@ -282,6 +288,8 @@ def tune(
         layouts=request.layouts,
         checkpointing=request.checkpointing,
         wire_dtypes=request.wire_dtypes,
+        precision=precision,
+        data_parallel_modes=request.data_parallel_modes,
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
         gpus_per_node=request.gpus_per_node,

@@ -113,6 +113,7 @@ CANDIDATE_KEYS: dict[str, str] = {
     "precision": "precision",
     "data_parallel_mode": "data_parallel_mode",
     "fsdp_reshard_after_forward": "reshard_after_forward",
+    "tensor_parallel_degree": "tensor_parallel_degree",
     "rank_order": "rank_order",
 }
 """The Candidate as the file writes it, in file order: key -> Candidate attribute (gpus and micro_batch_size are
@@ -120,13 +121,13 @@ derived from the others and checked against them on reading)."""
 
 OPTIONAL_KEYS = frozenset(
     {"wire_dtype", "layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node",
-     "precision", "data_parallel_mode", "fsdp_reshard_after_forward"}
+     "precision", "data_parallel_mode", "fsdp_reshard_after_forward", "tensor_parallel_degree"}
 )
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
 OPTIONAL_SECTION_KEYS = frozenset({"measured.runs_throughput_samples_per_s"})
 """Keys of sections added after schema version 1 first shipped (section.key): a file without them still loads."""
 _WRITTEN_IF_NOT_DEFAULT = {"rank_order": "pp-inner", "data_parallel_mode": "replicate",
-                           "fsdp_reshard_after_forward": False}
+                           "fsdp_reshard_after_forward": False, "tensor_parallel_degree": 1}
 """Candidate keys left out of the file at their default (a config from one node reads as before)."""
 
 
@@ -241,6 +242,11 @@ class TunedConfig:
     def fsdp_reshard_after_forward(self) -> bool:
         """shard: gathered parameters are freed after each micro-batch's forward (True) or kept for the step."""
         return self.candidate.reshard_after_forward
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """tp: ranks each stage's layers are split over (consecutive ranks of one node)."""
+        return self.candidate.tensor_parallel_degree
 
     @property
     def rank_order(self) -> RankOrder:
@@ -381,9 +387,13 @@ def check_values(c: Mapping[str, Any]) -> None:
     for name in ("nodes", "gpus_per_node"):
         if c.get(name) is not None and c[name] < 1:
             raise ConfigError(f"{name} is {c[name]}; it must be at least 1, or left out")
-    if pp * dp != c["gpus"]:
+    tp = c.get("tensor_parallel_degree", 1)
+    if tp < 1:
+        raise ConfigError(f"tensor_parallel_degree is {tp}; it must be at least 1, or left out")
+    if pp * dp * tp != c["gpus"]:
         raise ConfigError(
-            f"pipeline_degree {pp} x data_parallel_degree {dp} = {pp * dp}, but gpus is {c['gpus']}; "
+            f"pipeline_degree {pp} x data_parallel_degree {dp}"
+            f"{f' x tensor_parallel_degree {tp}' if tp != 1 else ''} = {pp * dp * tp}, but gpus is {c['gpus']}; "
             f"make gpus equal pipeline_degree x data_parallel_degree"
         )
     split, layers = list(c["layers_per_stage"]), c["model_layers"]

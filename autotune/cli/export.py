@@ -52,9 +52,9 @@ def export(
     DeepSpeed: the JSON config, whose `_autotune_pipeline_module` lines are the PipelineModule subclass that cuts
     the model at the tuned boundaries. Megatron-LM: a bash array AUTOTUNE_MEGATRON_ARGS.
 
-    Comments name whatever the target cannot express (a schedule it lacks, bf16 activations between stages) and
-    what to check. Megatron and torchtitan count transformer blocks: the config's layer_roles (or LAYER_ROLES in
-    the model file) says which layers are embedding, blocks and head.
+    Comments name whatever the target cannot express (a schedule it lacks, FSDP2 sharding its pipeline cannot do,
+    bf16 activations between fp32 stages) and what to check. Megatron and torchtitan count transformer blocks: the
+    config's layer_roles (or LAYER_ROLES in the model file) says which layers are embedding, blocks and head.
 
     Example: `autotune export autotune.yaml --format torchtitan --validate > torchtitan_args.sh`
     """

@@ -26,6 +26,47 @@ class WireDtypeChoice(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class PrecisionChoice(str, Enum):
+    """--precision choices: the candidate's Precision values."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+PrecisionOpt = Annotated[
+    PrecisionChoice | None,
+    typer.Option(
+        "--precision",
+        help="fp32, or bf16: bfloat16 compute over float32 master weights, optimizer state and gradient reduction "
+        "(FSDP2's mixed precision when sharded, torch.autocast otherwise). Default: the model file's PRECISION, "
+        "else bf16 on cuda and fp32 on cpu.",
+    ),
+]
+DataParallelOpt = Annotated[
+    str,
+    typer.Option(
+        "--data-parallel",
+        help="How data-parallel replicas may hold their stages, comma-separated: replicate (each holds its whole "
+        "stages: DDP), shard (FSDP2: parameters, gradients and optimizer state split over the replicas; searched "
+        "with and without resharding after each forward).",
+    ),
+]
+
+
+def parse_data_parallel(text: str) -> tuple[str, ...]:
+    """--data-parallel 'replicate,shard' -> ('replicate', 'shard'); one line naming the choices otherwise."""
+    from autotune.candidate import DATA_PARALLEL_MODES
+
+    modes = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+    wrong = [m for m in modes if m not in DATA_PARALLEL_MODES]
+    if wrong or not modes:
+        raise UsageError(
+            f"--data-parallel {text!r}: {'unknown ' + ', '.join(wrong) if wrong else 'nothing given'}; "
+            f"pass a comma-separated list of {', '.join(DATA_PARALLEL_MODES)}"
+        )
+    return modes
+
+
 ExportTarget = ExportFormat
 """--format choices of `autotune export`: the exporter's own formats."""
 

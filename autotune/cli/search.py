@@ -19,6 +19,7 @@ from autotune.cli.app import (
 )
 from autotune.cli.options import (
     BatchOpt,
+    DataParallelOpt,
     DeviceChoice,
     DeviceOpt,
     EveryBlockOpt,
@@ -26,9 +27,11 @@ from autotune.cli.options import (
     JsonOpt,
     MemoryOpt,
     ModelArg,
+    PrecisionOpt,
     SplitAtOpt,
     StepsOpt,
     WarmupOpt,
+    parse_data_parallel,
     parse_seconds,
     parse_split_at,
 )
@@ -87,6 +90,8 @@ def search(
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
     every_block: EveryBlockOpt = False,
+    precision: PrecisionOpt = None,
+    data_parallel: DataParallelOpt = "replicate,shard",
     json_output: JsonOpt = False,
     gpus_per_node: Annotated[
         int | None,
@@ -95,7 +100,8 @@ def search(
     ] = None,
 ) -> None:
     """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
-    checkpointing and the dtype between stages, under the memory limit. Writes the tuned config and a report.
+    checkpointing, the dtype between stages and, with replicas, whether they replicate or shard (FSDP2) their
+    stages, under the memory limit. Writes the tuned config and a report.
 
     How: profile the layers, simulate every schedule x B/M x balanced split, try the planner's best first (and the
     rule-of-thumb default, for comparison), then let Optuna's TPE sampler propose more. A candidate the simulator
@@ -145,6 +151,8 @@ def search(
             report_dir=report_dir,
             split_at=parse_split_at(split_at),
             profile_every_block=every_block,
+            precision=precision.value if precision is not None else None,
+            data_parallel_modes=parse_data_parallel(data_parallel),
             command=command_line(),
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,

@@ -30,6 +30,16 @@ def v_memory_lacking(c: TunedConfig, who: str) -> str:
     )
 
 
+def data_parallel_words(c: TunedConfig) -> str:
+    """How the dp replicas held their stages, for the header: FSDP2-sharded (and the reshard knob) or replicated."""
+    if c.data_parallel_degree == 1:
+        return ""
+    if c.candidate.sharded:
+        kept = "resharded after each forward" if c.fsdp_reshard_after_forward else "kept gathered for the step"
+        return f" (FSDP2-sharded, {kept})"
+    return " (replicated)"
+
+
 def header(
     c: TunedConfig,
     target: TargetVersion,
@@ -47,7 +57,8 @@ def header(
         f"Target: {target.stamp}.",
         (
             f"Model {c.model} (sha256 {c.model_sha256}, {c.model_layers} layers), {c.gpus} ranks = pp "
-            f"{c.pipeline_degree} x dp {c.data_parallel_degree}, schedule {c.schedule.value}, B={c.global_batch_size}, "
+            f"{c.pipeline_degree} x dp {c.data_parallel_degree}{data_parallel_words(c)}, {c.precision}, schedule "
+            f"{c.schedule.value}, B={c.global_batch_size}, "
             f"M={c.micro_batch_size}, {c.num_microbatches} micro-batches, layers_per_stage "
             f"{list(c.layers_per_stage)}; measured {c.measured.step_time_ms:.1f} ms/step on {c.environment.device}."
         ),

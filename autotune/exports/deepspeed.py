@@ -73,6 +73,62 @@ def deepspeed_split(c: TunedConfig) -> list[int]:
     return list(c.layers_per_stage)
 
 
+def precision_settings(c: TunedConfig, cannot: list[str], notes: list[str]) -> dict[str, object]:
+    """bf16, zero_optimization and data_types for the tuned precision and data-parallel mode, and what they differ in
+    (DeepSpeed 0.19.8: PipelineEngine.__init__ refuses ZeRO-2/3; DeepSpeedEngine._do_optimizer_sanity_check picks
+    BF16_Optimizer for bf16 under a pipeline, which partitions fp32 master weights and optimizer state over dp)."""
+    settings: dict[str, object] = {}
+    dp = c.data_parallel_degree
+    bf16 = c.precision == "bf16"
+    if bf16:
+        settings["bf16"] = {"enabled": True}
+    if c.candidate.sharded:
+        settings["zero_optimization"] = {"stage": 1}
+        if bf16:
+            settings["data_types"] = {"grad_accum_dtype": "fp32"}
+        cannot.append(
+            f"FSDP2's sharding of parameters and gradients over the {dp} data-parallel ranks: DeepSpeed's "
+            f'PipelineEngine refuses ZeRO-2 and ZeRO-3 ("ZeRO-2 and ZeRO-3 are incompatible with pipeline '
+            f'parallelism"), so this exports ZeRO stage 1, which shards only the optimizer state'
+            f"{' and the float32 master weights' if bf16 else ''}; every rank holds its stage's whole parameters "
+            f"and gradients, more memory than autotune measured, so check the memory limit"
+        )
+        if bf16:
+            notes.append(
+                'bf16 with ZeRO-1 and data_types.grad_accum_dtype fp32: DeepSpeed runs its BF16_Optimizer, bfloat16 '
+                "parameters and compute, gradients accumulated and all-reduced in float32, float32 master weights "
+                f"and optimizer state partitioned over the {dp} data-parallel ranks"
+            )
+    elif bf16:
+        cannot.append(
+            "float32 gradient accumulation without ZeRO: DeepSpeed refuses data_types.grad_accum_dtype fp32 over "
+            'bfloat16 parameters at stage 0 ("unsupported mix"), so its pipeline accumulates the micro-batches\' '
+            "gradients in bfloat16 (BF16_Optimizer warns that this is not safe numerically)"
+        )
+        if dp > 1:
+            notes.append(
+                f"bf16 under DeepSpeed's pipeline runs BF16_Optimizer even at ZeRO stage 0: it partitions the float32 "
+                f"master weights and optimizer state over the {dp} data-parallel ranks (like ZeRO-1), less memory "
+                f"per rank than the replicas autotune measured"
+            )
+    if bf16:
+        measured = (
+            "gathered bfloat16 copies of float32 shards (FSDP2's MixedPrecisionPolicy)"
+            if c.candidate.sharded
+            else "ran torch.autocast over float32 parameters"
+        )
+        sends = ""
+        if c.pipeline_degree > 1:
+            sends = "; its stages send bfloat16 activations" + (
+                ", half the bytes of the float32 sends autotune measured" if c.wire_dtype == "float32" else ""
+            )
+        notes.append(
+            "bf16.enabled makes the module's parameters bfloat16 (float32 master weights in the optimizer), where "
+            f"autotune {measured}{sends}"
+        )
+    return settings
+
+
 def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why: str) -> str:
     cannot: list[str] = []
     notes: list[str] = [f"target {target.version}: {why}"]
@@ -108,11 +164,12 @@ def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why
             f"{c.num_microbatches} micro-batches under DualPipeV: DeepSpeed's DualPipeVEngine needs "
             f"gradient_accumulation_steps >= 2 x pp = {2 * pp}; raise the batch or choose 1F1B"
         )
-    if c.wire_dtype == "bfloat16":
+    if c.wire_dtype == "bfloat16" and c.precision == "fp32":
         cannot.append(
             'wire_dtype bfloat16: DeepSpeed sends activations in the model\'s dtype; "bf16": {"enabled": true} '
             "would make the whole model bf16, which is not what was measured"
         )
+    precision = precision_settings(c, cannot, notes)
     cannot += [f"layer roles: {problem}" for problem in plan.problems]
     parts = stage_bounds(split)
     interval = max(split) if c.activation_checkpointing else 0
@@ -143,6 +200,7 @@ def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why
         "train_micro_batch_size_per_gpu": c.micro_batch_size,
         "gradient_accumulation_steps": c.num_microbatches,
     }
+    config.update(precision)
     if pipeline:
         config["pipeline"] = pipeline
     config["_comment"] = [line for line in comment if line]

@@ -106,6 +106,42 @@ def megatron_plan(c: TunedConfig, plan: LayerPlan) -> LayerPlan:
     return dataclasses.replace(plan, stages=stages)
 
 
+def precision_flags(c: TunedConfig, cannot: list[str], notes: list[str]) -> Flags:
+    """--bf16 and --use-distributed-optimizer for the tuned precision and data-parallel mode, and what they differ in
+    (core_v0.19.0 megatron/training/arguments.py validate_args; megatron/core/optimizer/distrib_optimizer.py)."""
+    flags: Flags = []
+    dp = c.data_parallel_degree
+    if c.precision == "bf16":
+        measured = (
+            "gathered bfloat16 copies of float32 shards (FSDP2's MixedPrecisionPolicy)"
+            if c.candidate.sharded
+            else "ran torch.autocast over float32 parameters"
+        )
+        flags.append(("--bf16", None))
+        notes.append(
+            "--bf16: bfloat16 parameters and compute with float32 main parameters in the optimizer; validate_args "
+            "then accumulates and all-reduces gradients in float32 (accumulate_allreduce_grads_in_fp32), as tuned. "
+            f"Megatron holds the bfloat16 parameters beside the float32 main copy, where autotune {measured}"
+            + (
+                "; its stages send bfloat16 activations, half the bytes of the float32 sends autotune measured"
+                if c.pipeline_degree > 1 and c.wire_dtype == "float32"
+                else ""
+            )
+        )
+    if c.candidate.sharded:
+        flags.append(("--use-distributed-optimizer", None))
+        cannot.append(
+            f"FSDP2's sharding of parameters and gradients over the {dp} data-parallel ranks: "
+            f"--use-distributed-optimizer (ZeRO-1-like) shards the float32 main parameters and optimizer state over "
+            f"them, reduce-scatters the gradients from a full-size gradient buffer and all-gathers the updated "
+            f"parameters after the step; every rank holds its stage's whole parameters and gradient buffer, more "
+            f"memory than autotune measured, so check the memory limit. Megatron's own FSDP options "
+            f"(--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads_params, or --use-torch-fsdp2, "
+            f"which refuses pipeline parallelism) shard all three; autotune did not check them"
+        )
+    return flags
+
+
 def export_megatron(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why: str) -> str:
     cannot: list[str] = []
     notes: list[str] = [f"target {target.version}: {why}"]
@@ -173,11 +209,12 @@ def export_megatron(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why:
             f"--recompute-num-layers {most} (the most transformer layers on one stage) makes each stage's blocks one "
             f"recomputed chunk, as autotune measured (Megatron does not recompute its embedding and output layer)"
         )
-    if c.wire_dtype == "bfloat16":
+    if c.wire_dtype == "bfloat16" and c.precision == "fp32":
         cannot.append(
             "wire_dtype bfloat16: Megatron sends activations between stages in the model's dtype (--bf16 makes the "
             "whole model bf16)"
         )
+    flags += precision_flags(c, cannot, notes)
     notes.append(
         f"launch {c.gpus} ranks: Megatron derives the data-parallel size {c.data_parallel_degree} as world size / "
         f"(tensor x pipeline x context parallel size)"

@@ -81,6 +81,9 @@ _TORCHTITAN_SPLIT = {
     "module_fqns": "parallelism.module_fqns_per_model_part",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
+    "fsdp_reshard": "parallelism.fsdp_reshard_after_forward",
+    "mixed_precision_param": "training.mixed_precision_param",
+    "mixed_precision_reduce": "training.mixed_precision_reduce",
 }
 
 _MEGATRON_FLAGS = {
@@ -95,6 +98,8 @@ _MEGATRON_FLAGS = {
     "loss_in_split": "--account-for-loss-in-pipeline-split",
     "layout": "--pipeline-model-parallel-layout",
     "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers",
+    "bf16": "--bf16",
+    "distributed_optimizer": "--use-distributed-optimizer",
 }
 
 TARGETS: tuple[TargetVersion, ...] = (
@@ -130,7 +135,7 @@ TARGETS: tuple[TargetVersion, ...] = (
             "head_fqns": "norm,lm_head",
         },
         checked_against="torchtitan 0.3.0 (PyPI wheel) torchtitan/config/configs.py, trainer.py, "
-        "distributed/pipeline_parallel.py and distributed/activation_checkpoint.py",
+        "distributed/pipeline_parallel.py, distributed/fsdp.py and distributed/activation_checkpoint.py",
         newest_release=True,
     ),
     TargetVersion(
@@ -163,9 +168,12 @@ TARGETS: tuple[TargetVersion, ...] = (
             "use_reentrant": "pipeline.use_reentrant",
             "split": "PipelineModule.parts (set by a subclass's _partition_layers)",
             "dual_pipe_v": "deepspeed.runtime.pipe.dualpipev.DualPipeVModule",
+            "bf16": "bf16.enabled",
+            "zero_stage": "zero_optimization.stage",
+            "grad_accum_dtype": "data_types.grad_accum_dtype",
         },
-        checked_against="DeepSpeed 0.19.8 (PyPI sdist) deepspeed/runtime/config.py, runtime/pipe/module.py, "
-        "engine.py and dualpipev.py",
+        checked_against="DeepSpeed 0.19.8 (PyPI sdist) deepspeed/runtime/config.py, runtime/engine.py, "
+        "runtime/pipe/module.py, runtime/pipe/engine.py and dualpipev.py",
         newest_release=True,
     ),
     TargetVersion(
@@ -174,8 +182,8 @@ TARGETS: tuple[TargetVersion, ...] = (
         releases="Megatron-LM at core_v0.19.0: pretrain_*.py flags",
         form="flags",
         keys=_MEGATRON_FLAGS,
-        checked_against="NVIDIA/Megatron-LM tag core_v0.19.0 megatron/training/arguments.py and "
-        "megatron/core/transformer/transformer_config.py",
+        checked_against="NVIDIA/Megatron-LM tag core_v0.19.0 megatron/training/arguments.py, "
+        "megatron/core/model_parallel_config.py and megatron/core/transformer/transformer_config.py",
         newest_release=True,
     ),
     TargetVersion(
@@ -184,8 +192,8 @@ TARGETS: tuple[TargetVersion, ...] = (
         releases="Megatron-LM main (core 0.20 dev): pretrain_*.py flags",
         form="flags",
         keys=_MEGATRON_FLAGS,  # the same flags as core 0.19, checked flag by flag in both sources
-        checked_against="NVIDIA/Megatron-LM main d98e8a6 (2026-08-22) megatron/training/arguments.py and "
-        "megatron/core/transformer/transformer_config.py",
+        checked_against="NVIDIA/Megatron-LM main d98e8a6 (2026-08-22) megatron/training/arguments.py, "
+        "megatron/core/model_parallel_config.py and megatron/core/transformer/transformer_config.py",
     ),
 )
 

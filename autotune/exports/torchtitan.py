@@ -102,10 +102,11 @@ def export_torchtitan(c: TunedConfig, target: TargetVersion, plan: LayerPlan, se
             f"split, which holds about 1F1B's activations ({c.pipeline_degree} micro-batches on the first rank), so "
             f"it may not fit the memory limit autotune tuned for, and autotune did not measure it"
         )
-    if c.wire_dtype == "bfloat16":
+    bf16_stages = c.precision == "bf16" and not _fp32_under_0_2(c, target)
+    if c.wire_dtype == "bfloat16" and not bf16_stages:
         cannot.append(
-            "wire_dtype bfloat16 (torchtitan sends activations between stages in the model's own dtype; "
-            "training.mixed_precision_param only applies under FSDP)"
+            "wire_dtype bfloat16 (torchtitan sends activations between stages in the dtype its stages compute in: "
+            "float32 here)"
         )
     cannot += [f"layer roles: {problem}" for problem in plan.problems]
 
@@ -142,13 +143,23 @@ def export_torchtitan(c: TunedConfig, target: TargetVersion, plan: LayerPlan, se
             f"pp 1 is plain data parallelism: torchtitan accumulates gradients over {c.num_microbatches} "
             f"micro-batches per step, as measured; the pipeline settings are then unused"
         )
-    # ---- layout
+    # ---- layout, data parallelism and precision
+    dp = c.data_parallel_degree
     settings += [
         (keys["pipeline_degree"], c.pipeline_degree),
         (keys["schedule"], schedule.value),
-        (keys["dp_replicate"], c.data_parallel_degree),
-        (keys["dp_shard"], 1),
+        (keys["dp_replicate"], 1 if c.candidate.sharded else dp),
+        (keys["dp_shard"], dp if c.candidate.sharded else 1),
     ]
+    if c.candidate.sharded:
+        policy = reshard_policy(c)
+        settings.append((keys["fsdp_reshard"], policy))
+    # torchtitan's default param dtype is bfloat16: fp32 is written out too
+    settings += [
+        (keys["mixed_precision_param"], "bfloat16" if c.precision == "bf16" else "float32"),
+        (keys["mixed_precision_reduce"], "float32"),
+    ]
+    data_parallel_notes(c, target, cannot, notes)
     if c.pipeline_degree > 1 and "cuda_graphs" in keys:
         settings.append((keys["cuda_graphs"], None))
         notes.append("--training.disable_cuda_graphs: torchtitan 0.3 and later refuse pipeline parallelism otherwise")
@@ -194,6 +205,82 @@ def export_torchtitan(c: TunedConfig, target: TargetVersion, plan: LayerPlan, se
     args: list[tuple[str, str | list[str] | None]] = [(f"--{key}", _flag_value(value)) for key, value in settings]
     args.append((f"activation-checkpoint:{mode}", None))
     return "\n".join(lines + shell_array(ARRAY, args)) + "\n"
+
+
+def reshard_policy(c: TunedConfig) -> str:
+    """parallelism.fsdp_reshard_after_forward for a sharded config: the tuned knob, spelled out. torchtitan's
+    "default" is `reshard_after_forward = not pp_enabled` (distributed/fsdp.py): it keeps the stage gathered under a
+    pipeline but reshards at pp 1, so it reproduces the tuned knob only sometimes and is never written."""
+    return "always" if c.fsdp_reshard_after_forward else "never"
+
+
+def _fp32_under_0_2(c: TunedConfig, target: TargetVersion) -> bool:
+    """torchtitan 0.2 turns mixed precision off under a pipeline without FSDP (utils.maybe_enable_amp warns
+    "Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled")."""
+    return target.version == "0.2" and c.pipeline_degree > 1 and not c.candidate.sharded
+
+
+def data_parallel_notes(c: TunedConfig, target: TargetVersion, cannot: list[str], notes: list[str]) -> None:
+    """What torchtitan does with the dp degrees and the precision written, where that differs from what autotune
+    measured (torchtitan 0.3.0 parallelize_llama, distributed/fsdp.py; 0.2.2 parallelize.py, distributed/utils.py)."""
+    dp, pp = c.data_parallel_degree, c.pipeline_degree
+    bf16 = c.precision == "bf16"
+    if c.candidate.sharded:
+        policy = reshard_policy(c)
+        kept = (
+            "gathers each block's parameters again for every micro-batch's backward"
+            if c.fsdp_reshard_after_forward
+            else "keeps each stage's parameters gathered from its first forward to its last backward of the step"
+        )
+        default = "would keep them gathered" if pp > 1 else "would reshard all but norm + head"
+        notes.append(
+            f"data_parallel_shard_degree {dp}: FSDP2 (fully_shard) over each stage's {dp} data-parallel ranks, as "
+            f"tuned; torchtitan wraps each transformer block, the embedding, and norm + head as FSDP units of their "
+            f"own. fsdp_reshard_after_forward {policy} {kept}, as tuned (torchtitan's default, "
+            f"reshard_after_forward = not pp_enabled, {default} at pp {pp})"
+        )
+        if bf16:
+            notes.append(
+                "training.mixed_precision_param bfloat16, mixed_precision_reduce float32: FSDP2's "
+                "MixedPrecisionPolicy computes in bfloat16 over float32 sharded parameters and reduce-scatters "
+                "gradients in float32, as tuned"
+            )
+    elif target.version == "0.2":
+        if dp > 1 and pp > 1:
+            cannot.append(
+                f"pp {pp} x dp {dp} replicated: torchtitan 0.2 applies DDP only without other parallelism and refuses "
+                f'this layout at start ("DDP has not supported > 1D parallelism"); export with --target 0.3, where '
+                f"replicas are fully_shard with a shard degree of 1"
+            )
+        if bf16 and pp > 1:
+            cannot.append(
+                "precision bf16 without FSDP under a pipeline: torchtitan 0.2 turns mixed precision off there "
+                '("Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled") and '
+                "trains in float32"
+            )
+        elif bf16:
+            notes.append("training.mixed_precision_param bfloat16 without FSDP: torch.autocast, as tuned")
+    elif dp > 1 or bf16:
+        what = (
+            f"data_parallel_replicate_degree {dp} with data_parallel_shard_degree 1: torchtitan {target.version} "
+            f"has no DDP; it runs fully_shard over a (replicate {dp}, shard 1) mesh, HSDP with shards of one rank, so "
+            f"parameters stay whole on every rank and gradients are all-reduced in float32, as tuned"
+            if dp > 1
+            else "data parallelism off (both degrees 1)"
+        )
+        if bf16:
+            held = "kept for the step under the pipeline" if pp > 1 else "freed after each forward"
+            what += (
+                f"; bfloat16 comes from FSDP2's MixedPrecisionPolicy (torchtitan applies it even at shard degree 1): "
+                f"a bfloat16 copy of each block's parameters, {held} (fsdp_reshard_after_forward default), where "
+                f"autotune measured torch.autocast, which casts per operation; expect up to 2 bytes per parameter more"
+            )
+        notes.append(what)
+    if bf16 and not _fp32_under_0_2(c, target) and c.wire_dtype == "float32" and pp > 1:
+        notes.append(
+            "with bfloat16 parameters torchtitan's stages send bfloat16 activations, half the bytes of the float32 "
+            "sends (wire_dtype float32) autotune measured"
+        )
 
 
 def _flag_value(value: object) -> str | list[str] | None:

@@ -1,10 +1,12 @@
 """Feed an export to its trainer's own parser and config checks, where that trainer is importable, and read back
-what it understood: pipeline degree, schedule, micro-batches, checkpointing and transformer layers per stage.
+what it understood: pipeline degree, schedule, micro-batches, checkpointing, transformer layers per stage, data
+parallelism (replicated or sharded) and precision.
 
 Each check runs the trainer's code in this process with its output captured (torchtitan: ConfigManager.parse_args,
-then its own split functions; DeepSpeed: DeepSpeedConfig with the layout's data-parallel size, then the exported
-PipelineModule subclass's _partition_layers; Megatron-LM: parse_args, validate_args and
-core_transformer_config_from_args). The result is data; the CLI prints it.
+ParallelDims on the config's world size and its own split and reshard-policy functions; DeepSpeed: DeepSpeedConfig
+with the layout's data-parallel size, the optimizer checks of its engine, then the exported PipelineModule
+subclass's _partition_layers; Megatron-LM: parse_args, validate_args and core_transformer_config_from_args). The
+result is data; the CLI prints it.
 """
 
 from __future__ import annotations
@@ -141,8 +143,8 @@ def _quiet() -> Iterator[io.StringIO]:
 
 def _refusal(output: str, exc: BaseException | None = None) -> str:
     """One line from a trainer's refusal: tyro's boxed message, else the exception's text."""
-    text = " ".join(re.sub(r"[│╭╮╰╯─]+", " ", output).split())
-    for marker in ("Unrecognized options:", "Error parsing", "error:", "Value error"):
+    text = " ".join(re.sub(r"[│╭╮╰╯─]+|-{3,}", " ", output).split())
+    for marker in ("Unrecognized options:", "Error parsing", "error:", "Value error", "Invalid choice"):
         if marker in text:
             start = text.index(marker)
             return text[start : start + 300].split(" For full helptext")[0]
@@ -185,7 +187,7 @@ def _torchtitan(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPla
     read: dict[str, Any] = {
         "pp": par.pipeline_parallel_degree,
         "schedule": par.pipeline_parallel_schedule,
-        "dp": par.data_parallel_replicate_degree,
+        **_torchtitan_data_parallel(par, training, c),
     }
     if target.version == "main":
         # micro-batches per pipeline x gradient-accumulation steps, from the token counts
@@ -207,16 +209,68 @@ def _torchtitan(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPla
     if c.pipeline_degree > 1:
         read["blocks per stage"] = _torchtitan_split(par, c, plan)
     v_fallback = c.schedule.value in ("VHalf", "VMin")
+    sharded = c.candidate.sharded
     want: dict[str, Any] = {
         "pp": c.pipeline_degree,
         "schedule": "ZBVZeroBubble" if v_fallback else c.schedule.value,
-        "dp": c.data_parallel_degree,
+        "dp replicate": 1 if sharded else c.data_parallel_degree,
+        "dp shard": c.data_parallel_degree if sharded else 1,
+        "mixed_precision_param": "bfloat16" if c.precision == "bf16" else "float32",
+        "mixed_precision_reduce": "float32",
+        "fsdp_reshard_after_forward": ("always" if c.fsdp_reshard_after_forward else "never") if sharded else "default",
         "micro-batches": c.num_microbatches,
         "checkpointing": "full" if c.activation_checkpointing else "none",
     }
+    if sharded:
+        want["reshard after forward"] = c.fsdp_reshard_after_forward
     if c.pipeline_degree > 1:
         want["blocks per stage"] = plan.block_split
     return _compare(read, want, f"{how} accepted the export and read back")
+
+
+def _torchtitan_data_parallel(par: Any, training: Any, c: TunedConfig) -> dict[str, Any]:
+    """The data-parallel degrees as torchtitan's ParallelDims resolves them on the config's world size (it refuses
+    degrees whose product is not the world size), the precision, and the reshard policy with the boolean torchtitan's
+    own get_fsdp_reshard_after_forward_policy makes of it at this pp."""
+    from torchtitan.distributed import ParallelDims  # type: ignore[import-not-found]
+
+    with _quiet() as output:
+        try:
+            if hasattr(ParallelDims, "from_config"):  # 0.3 and main
+                dims = ParallelDims.from_config(par, c.gpus)
+            else:  # 0.2: the trainer builds it from the same fields (train.py init_distributed)
+                dims = ParallelDims(
+                    dp_shard=par.data_parallel_shard_degree,
+                    dp_replicate=par.data_parallel_replicate_degree,
+                    cp=par.context_parallel_degree,
+                    tp=par.tensor_parallel_degree,
+                    pp=par.pipeline_parallel_degree,
+                    ep=par.expert_parallel_degree,
+                    etp=par.expert_tensor_parallel_degree,
+                    world_size=c.gpus,
+                )
+        except Exception as exc:  # noqa: BLE001 - ParallelDims asserts
+            refusal = _refusal(output.getvalue(), exc)
+            raise _Rejected(f"ParallelDims on world size {c.gpus}: {refusal}") from None
+    read: dict[str, Any] = {
+        "dp replicate": dims.dp_replicate,
+        "dp shard": dims.dp_shard,
+        "mixed_precision_param": training.mixed_precision_param,
+        "mixed_precision_reduce": training.mixed_precision_reduce,
+        "fsdp_reshard_after_forward": par.fsdp_reshard_after_forward,
+    }
+    if dims.dp_shard > 1:
+        try:
+            from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy  # type: ignore[import-not-found]
+        except ImportError:  # 0.2 resolves the policy inline in apply_fsdp: the same rule
+            read["reshard after forward"] = {"always": True, "never": False}.get(
+                par.fsdp_reshard_after_forward, not dims.pp_enabled
+            )
+        else:
+            read["reshard after forward"] = get_fsdp_reshard_after_forward_policy(
+                par.fsdp_reshard_after_forward, dims.pp_enabled
+            )
+    return read
 
 
 def _torchtitan_split(par: Any, c: TunedConfig, plan: LayerPlan) -> list[int]:
@@ -288,6 +342,10 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
             ds = DeepSpeedConfig(doc, mpu=_LayoutMpu(c.pipeline_degree, c.data_parallel_degree))
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - the trainer's checks raise assert, ValueError, ...
             raise _Rejected(f"DeepSpeedConfig: {_refusal(output.getvalue(), exc)}") from None
+        try:
+            optimizer = _deepspeed_optimizer(ds)
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - NotImplementedError for a dtype mix it refuses
+            raise _Rejected(f"PipelineEngine's optimizer checks: {_refusal(output.getvalue(), exc)}") from None
         finally:
             if started and dist.is_initialized():
                 dist.destroy_process_group()
@@ -297,6 +355,10 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
         "micro-batch size": ds.train_micro_batch_size_per_gpu,
         "activation_checkpoint_interval": ds.pipeline["activation_checkpoint_interval"],
         "use_reentrant": ds.pipeline.get("use_reentrant", True),
+        "bf16": ds.bfloat16_config.enabled,
+        "zero stage": int(ds.zero_optimization_stage),
+        "grad_accum_dtype": ds.grad_accum_dtype,
+        "optimizer": optimizer,
     }
     dual = SCHEDULES[c.schedule].placement == "v"
     parts, phases = _deepspeed_parts(doc, c.pipeline_degree, c.model_layers, dual)
@@ -309,6 +371,9 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
         "activation_checkpoint_interval": max(c.layers_per_stage) if c.activation_checkpointing else 0,
         "use_reentrant": not c.activation_checkpointing,
         "parts": want_parts,
+        "bf16": c.precision == "bf16",
+        "zero stage": 1 if c.candidate.sharded else 0,
+        "grad_accum_dtype": "fp32" if c.candidate.sharded and c.precision == "bf16" else None,
     }
     problems, detail = _compare(
         read,
@@ -324,6 +389,34 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
         if bounds != expected:
             problems.append(f"rank {rank} builds layers {bounds}, not {expected}")
     return problems, detail
+
+
+def _deepspeed_optimizer(ds: Any) -> str:
+    """The optimizer wrapper DeepSpeed's PipelineEngine would build for this config, by its own rules: the ZeRO stage
+    check of PipelineEngine.__init__ (mirrored: it is inline there) and DeepSpeedEngine._do_optimizer_sanity_check,
+    run on a bare engine that holds only the parsed config."""
+    import torch
+    from deepspeed.runtime import engine as ds_engine  # type: ignore[import-not-found]
+    from deepspeed.runtime.pipe.engine import PipelineEngine  # type: ignore[import-not-found]
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # type: ignore[import-not-found]
+
+    if ds.zero_optimization_stage >= ZeroStageEnum.gradients:
+        raise _Rejected(
+            f"PipelineEngine: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage "
+            f"{int(ds.zero_optimization_stage)})"
+        )
+    bare = PipelineEngine.__new__(PipelineEngine)
+    torch.nn.Module.__init__(bare)
+    bare._config, bare.pipeline_parallelism, bare.global_rank = ds, True, 0
+    wrapper = bare._do_optimizer_sanity_check(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]))
+    names = {
+        ds_engine.ZERO_OPTIMIZATION: f"ZeRO stage {int(ds.zero_optimization_stage)}",
+        ds_engine.BFLOAT16: "BF16_Optimizer",
+        ds_engine.FP16: "FP16_Optimizer",
+        ds_engine.DDP_BFLOAT16: "FP16_Optimizer over bfloat16",
+        None: "the torch optimizer itself",
+    }
+    return names.get(wrapper, str(wrapper))
 
 
 def _deepspeed_parts(doc: dict[str, Any], pp: int, layers: int, dual: bool) -> tuple[list[int], list[list[Any]]]:
@@ -388,6 +481,9 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         "data-parallel size": args.data_parallel_size,
         "blocks per stage": blocks,
         "recompute": config.recompute_granularity or "none",
+        "bf16": bool(args.bf16),
+        "distributed optimizer": bool(args.use_distributed_optimizer),
+        "fp32 gradient accumulation and all-reduce": bool(args.accumulate_allreduce_grads_in_fp32),
     }
     expected_blocks = megatron_plan(c, plan).block_split
     want = {
@@ -396,7 +492,11 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         "data-parallel size": c.data_parallel_degree,
         "blocks per stage": expected_blocks,
         "recompute": "full" if c.activation_checkpointing else "none",
+        "bf16": c.precision == "bf16",
+        "distributed optimizer": c.candidate.sharded,
     }
+    if c.precision == "bf16":  # validate_args turns it on for bf16; fp32 gradients are float32 anyway
+        want["fp32 gradient accumulation and all-reduce"] = True
     return _compare(
         read,
         want,

@@ -75,6 +75,8 @@ def build_document(facts: ReportFacts, figures: Sequence[FigureImage]) -> list[B
         blocks += [Callout(w.title, w.text) for w in facts.warnings]
     if facts.why:
         blocks += [Heading(2, "Why this configuration"), Bullets(facts.why)]
+    if facts.parallelisms:
+        blocks += [Heading(2, "Pipeline or FSDP?"), *_parallelisms(facts)]
     if facts.result.workers:
         blocks += [Heading(2, "Workers"), *_workers(facts)]
     if figures:
@@ -105,7 +107,11 @@ def _summary(facts: ReportFacts) -> list[Block]:
     c = chosen.candidate
     layout = f"{c.pipeline_degree} pipeline rank(s) x {c.data_parallel_degree} data-parallel replica(s)"
     extras = [x for x in ("activation checkpointing" if c.activation_checkpointing else "",
-                          "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "") if x]
+                          "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "",
+                          ("replicas sharded with FSDP2" + (", resharded after each forward"
+                                                            if c.reshard_after_forward else ""))
+                          if c.sharded else "",
+                          "bf16 compute over fp32 master weights" if c.precision == "bf16" else "") if x]
     text = (
         f"**Chosen configuration: `{c.key}`** — schedule **{c.schedule.value}**, {layout}, **B/M = "
         f"{c.n_microbatches}** micro-batches of {c.micro_batch_size} samples, layers per stage "
@@ -166,6 +172,46 @@ def _glance(facts: ReportFacts, chosen: Measurement, estimate: Estimate) -> Tabl
 
 _STATUS = {"ok": "ok", "oom": "**oom**", "error": "**error**", "timeout": "**timeout**", "pruned": "pruned",
            "interrupted": "**interrupted**", "duplicate": "repeat"}
+
+
+def _parallelisms(facts: ReportFacts) -> list[Block]:
+    """The best measured run of each kind of parallelism the search tried, side by side, and the answer."""
+    rows: list[tuple[str, ...]] = []
+    highlight: list[int] = []
+    measured = [p for p in facts.parallelisms if p.best is not None]
+    fastest = max(measured, key=lambda p: p.best.throughput_samples_per_s or 0.0) if measured else None
+    for p in facts.parallelisms:
+        failed = ", ".join(f"{n} {outcome}" for outcome, n in sorted(p.failed.items())) or "-"
+        if p.best is None:
+            rows.append((p.parallelism, "- (none ran)", "-", "-", "-", str(p.ok), failed, str(p.pruned)))
+            continue
+        b = p.best
+        if facts.chosen is not None and b.candidate == facts.chosen.candidate:
+            highlight.append(len(rows))
+        relative = ("fastest" if p is fastest else
+                    f"{b.throughput_samples_per_s / fastest.best.throughput_samples_per_s:.2f}x"
+                    if fastest and fastest.best.throughput_samples_per_s else "-")
+        rows.append((
+            p.parallelism, f"`{b.candidate.key}`", f"{b.throughput_samples_per_s or 0:.0f}", relative,
+            format_bytes(max(b.peak_memory_bytes)) if b.peak_memory_bytes else "-", str(p.ok), failed, str(p.pruned),
+        ))
+    blocks: list[Block] = [Table(
+        ("parallelism", "best measured", "samples/s", "vs fastest", "peak memory", "ran ok", "failed", "pruned"),
+        tuple(rows), ("left", "left", "right", "right", "right", "right", "left", "right"), tuple(highlight),
+    )]
+    if fastest is not None:
+        others = [p for p in measured if p is not fastest]
+        text = f"Measured here, **{fastest.parallelism}** was fastest"
+        if others:
+            runner = max(others, key=lambda p: p.best.throughput_samples_per_s or 0.0)
+            ratio = (fastest.best.throughput_samples_per_s or 0) / (runner.best.throughput_samples_per_s or 1)
+            text += f", {ratio:.2f}x the best {runner.parallelism} run"
+        unmeasured = [p.parallelism for p in facts.parallelisms if p.best is None]
+        if unmeasured:
+            text += f"; {', '.join(unmeasured)} did not run (failed or pruned, counts above)"
+        blocks.append(Paragraph(text + ". Each row is that kind's fastest configuration by its median over runs; "
+                                "peak memory is the highest rank's."))
+    return blocks
 
 
 def _workers(facts: ReportFacts) -> list[Block]:
@@ -243,7 +289,8 @@ def _trials(facts: ReportFacts) -> list[Block]:
         f"{len(result.records)} trials: {launched} launched as real runs, the rest pruned by the simulator or "
         f"repeats of a configuration already measured. *phase*: default (the rule of thumb), seed (the planner's "
         f"best), explore (Optuna's sampler), remeasure (leaders re-run side by side), incumbent (the existing config), "
-        f"rank-order (the planner's best over nodes, in both rank orders)."
+        f"rank-order (the planner's best over nodes, in both rank orders), parallelism (the planner's best of a kind "
+        f"of parallelism the other seeds lack)."
         + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")

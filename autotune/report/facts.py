@@ -13,6 +13,7 @@ from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
     Gain,
+    ParallelismBest,
     RunMemory,
     StageBalance,
     balance_of,
@@ -20,6 +21,7 @@ from autotune.report.measures import (
     compare_with_default,
     leader_memory,
     ms_per_sample,
+    parallelism_comparison,
 )
 from autotune.report.reasons import ReportWarning, memory_choice_reason, reproduce_commands, warnings_for, why_chosen
 from autotune.simulate import Estimate, Predictor
@@ -71,6 +73,9 @@ class ReportFacts:
     """(format, code language, text) for each export of the config file."""
     batchnorm_layers: tuple[str, ...]
     """Layers that are or contain a BatchNorm ('1 (BatchNorm1d)')."""
+    parallelisms: tuple[ParallelismBest, ...] = ()
+    """Pipeline or FSDP: the best measured run of each kind of parallelism the search asked about (measures.
+    parallelism_comparison); empty when it asked about one kind."""
 
 
 def gather_facts(
@@ -148,6 +153,7 @@ def gather_facts(
         commands=commands,
         exports=tuple(exports),
         batchnorm_layers=tuple(batchnorm_layers),
+        parallelisms=parallelism_comparison(result),
     )
 
 

@@ -7,12 +7,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from autotune.candidate import Candidate, Measurement, WireDtype, uniform_split
+from autotune.candidate import PARALLELISMS, Candidate, Measurement, WireDtype, uniform_split
 from autotune.costs import Profile
 from autotune.errors import AutotuneError
 from autotune.partition import balanced_split, part_costs
 from autotune.plan import PlannedCandidate, recommended_microbatch_range
-from autotune.records import SearchResult
+from autotune.records import SearchResult, TrialRecord
 from autotune.schedules import Schedule, default_stages_per_rank, stage_ranks, validate_schedule
 from autotune.simulate import Estimate, Predictor
 
@@ -211,6 +211,59 @@ def _simulated(
             continue
         points.append(PlannedCandidate(candidate=candidate, estimate=estimate))
     return points
+
+
+# --- pipeline or FSDP? -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismBest:
+    """The best measured run of one kind of parallelism in the search (or why it has none)."""
+
+    parallelism: str
+    """One of PARALLELISMS."""
+    best: Measurement | None
+    """Its fastest candidate by median over its ok runs; None when none ran ok."""
+    ok: int
+    """Configurations of this kind that ran ok."""
+    failed: dict[str, int]
+    """Real runs that ended otherwise, by outcome (oom, error, timeout)."""
+    pruned: int
+    """Candidates of this kind the simulator ruled out before launching (cannot fit, or cannot win)."""
+
+
+def parallelism_comparison(result: SearchResult) -> tuple[ParallelismBest, ...]:
+    """Per kind of parallelism the search asked about, in PARALLELISMS order: its best measured run (medians over
+    runs, as the leaders are ranked), what failed and what was pruned. Empty when the search asked about one kind
+    only (nothing to compare)."""
+    asked: dict[str, list[TrialRecord]] = {}
+    for r in result.records:
+        if r.candidate is not None:
+            asked.setdefault(r.candidate.parallelism, []).append(r)
+    if len(asked) < 2:
+        return ()
+    leaders = {leader.candidate.parallelism: leader for leader in reversed(result.leaders)}  # fastest wins
+    rows = []
+    for kind in PARALLELISMS:
+        records = asked.get(kind)
+        if not records:
+            continue
+        failed: dict[str, int] = {}
+        for r in records:
+            if r.launched and r.outcome in ("oom", "error", "timeout"):
+                failed[r.outcome] = failed.get(r.outcome, 0) + 1
+        leader = leaders.get(kind)
+        best = None
+        if leader is not None:
+            runs = [r for r in records if r.candidate == leader.candidate and r.outcome == "ok"]
+            best = Measurement(candidate=leader.candidate, status="ok", step_time_ms=leader.step_time_ms,
+                               throughput_samples_per_s=leader.candidate.global_batch_size * 1000 / leader.step_time_ms,
+                               peak_memory_bytes=_max_peaks(r.peak_memory_bytes for r in runs if r.peak_memory_bytes))
+        rows.append(ParallelismBest(
+            parallelism=kind, best=best, failed=failed,
+            ok=len({r.candidate for r in records if r.outcome == "ok"}),
+            pruned=sum(1 for r in records if r.outcome == "pruned"),
+        ))
+    return tuple(rows)
 
 
 # --- memory of the leaders ---------------------------------------------------------------------------------------

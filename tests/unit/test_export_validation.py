@@ -34,6 +34,20 @@ CASES = {
     "zbv": with_roles(make_config(Schedule.ZBV_ZERO_BUBBLE, (3, 2, 2, 3), pp=2, microbatches=4, batch=32)),
     "checkpointed": with_roles(make_config(Schedule.ONE_F_ONE_B, (3, 3, 2, 2), ckpt=True)),
     "roles-unknown": make_config(Schedule.ONE_F_ONE_B, (3, 2, 2, 3)),
+    # issue 23: data-parallel mode and precision
+    "shard-bf16": with_roles(
+        make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, precision="bf16", mode="shard")
+    ),
+    "replicate-fp32": with_roles(make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4)),
+    "replicate-bf16": with_roles(
+        make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, precision="bf16")
+    ),
+    "shard-reshard": with_roles(
+        make_config(Schedule.INTERLEAVED_1F1B, (3, 3, 2, 2), pp=2, dp=2, microbatches=4, mode="shard", reshard=True)
+    ),
+    "fsdp-pp1": with_roles(
+        make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, dp=4, microbatches=4, precision="bf16", mode="shard")
+    ),
 }
 
 
@@ -60,6 +74,58 @@ def test_torchtitan_accepts_and_reads_back(name: str) -> None:
     assert f"pp {config.pipeline_degree}, schedule {config.schedule.value}," in said
     assert f"micro-batches {config.num_microbatches}," in said
     assert f"checkpointing {'full' if config.activation_checkpointing else 'none'}" in said
+    dp, sharded = config.data_parallel_degree, config.candidate.sharded
+    replicate, shard = (1, dp) if sharded else (dp, 1)
+    dtype = "bfloat16" if config.precision == "bf16" else "float32"
+    assert f"dp replicate {replicate}, dp shard {shard}, mixed_precision_param {dtype}, mixed_precision_reduce " in said
+    if sharded:  # torchtitan's own get_fsdp_reshard_after_forward_policy on the parsed policy and pp
+        assert f"reshard after forward {config.fsdp_reshard_after_forward}," in said
+
+
+@needs_torchtitan
+@pytest.mark.parametrize(
+    ("name", "read"),
+    [
+        (
+            "shard-bf16",
+            "dp replicate 1, dp shard 2, mixed_precision_param bfloat16, mixed_precision_reduce float32, "
+            "fsdp_reshard_after_forward never, reshard after forward False,",
+        ),
+        (
+            "replicate-fp32",
+            "dp replicate 2, dp shard 1, mixed_precision_param float32, mixed_precision_reduce float32, "
+            "fsdp_reshard_after_forward default,",
+        ),
+        (
+            "fsdp-pp1",  # pp 1: torchtitan's default would reshard; the export keeps the stage gathered, as tuned
+            "dp replicate 1, dp shard 4, mixed_precision_param bfloat16, mixed_precision_reduce float32, "
+            "fsdp_reshard_after_forward never, reshard after forward False,",
+        ),
+        ("shard-reshard", "fsdp_reshard_after_forward always, reshard after forward True,"),
+    ],
+)
+def test_torchtitan_reads_back_data_parallelism_and_precision(name: str, read: str) -> None:
+    result = _check(CASES[name], "torchtitan", "0.3")
+    assert result.status == "validated", result.line()
+    assert read in result.detail
+
+
+@needs_torchtitan
+def test_torchtitan_refuses_wrong_data_parallelism_or_precision() -> None:
+    fp32 = CASES["replicate-fp32"]
+    text = export_config(fp32, "torchtitan", "0.3")
+    # torchtitan's default param dtype is bfloat16: an fp32 export that leaves it out trains in bf16
+    dropped = _check(fp32, "torchtitan", "0.3", text.replace("    --training.mixed_precision_param float32\n", ""))
+    assert dropped.status == "rejected" and "mixed_precision_param is bfloat16, not the tuned float32" in dropped.detail
+    text = export_config(CASES["shard-bf16"], "torchtitan", "0.3")
+    product = _check(CASES["shard-bf16"], "torchtitan", "0.3", text.replace("shard_degree 2", "shard_degree 3"))
+    assert product.status == "rejected" and product.detail.startswith("ParallelDims on world size 4:")
+    policy = _check(CASES["shard-bf16"], "torchtitan", "0.3", text.replace("forward never", "forward sometimes"))
+    assert policy.status == "rejected" and "invalid choice 'sometimes'" in policy.detail
+    pp1 = CASES["fsdp-pp1"]
+    default = export_config(pp1, "torchtitan", "0.3").replace("forward never", "forward default")
+    wrong = _check(pp1, "torchtitan", "0.3", default)
+    assert wrong.status == "rejected" and "reshard after forward is True, not the tuned False" in wrong.detail
 
 
 @needs_torchtitan
@@ -70,7 +136,9 @@ def test_torchtitan_refuses_a_broken_export() -> None:
     graphs = _check(CASES["1f1b-uneven"], "torchtitan", "0.3", text.replace("    --training.disable_cuda_graphs\n", ""))
     assert graphs.status == "rejected" and "CUDA graphs do not support pipeline parallelism" in graphs.detail
     wrong = _check(CASES["1f1b-uneven"], "torchtitan", "0.3", text.replace("degree 4\n", "degree 2\n"))
-    assert wrong.status == "rejected" and "pp is 2, not the tuned 4" in wrong.detail
+    # torchtitan's ParallelDims refuses degrees that do not multiply to the world size the config was tuned on
+    assert wrong.status == "rejected" and "ParallelDims on world size 4:" in wrong.detail
+    assert "pp(2) != WORLD_SIZE(4)" in wrong.detail
 
 
 @needs_torchtitan
@@ -93,6 +161,38 @@ def test_deepspeed_accepts_and_keeps_the_boundaries(name: str) -> None:
     result = _check(config, "deepspeed", "0.19")
     assert result.status == "validated", result.line()
     assert f"train_batch_size {config.global_batch_size}, micro-batches {config.num_microbatches}" in result.detail
+    assert f"bf16 {config.precision == 'bf16'}, zero stage {1 if config.candidate.sharded else 0}," in result.detail
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("name", "read"),
+    [  # the optimizer DeepSpeed's engine would build, by its own _do_optimizer_sanity_check
+        ("shard-bf16", "bf16 True, zero stage 1, grad_accum_dtype fp32, optimizer BF16_Optimizer,"),
+        ("replicate-fp32", "bf16 False, zero stage 0, grad_accum_dtype None, optimizer the torch optimizer itself,"),
+        ("replicate-bf16", "bf16 True, zero stage 0, grad_accum_dtype None, optimizer BF16_Optimizer,"),
+        ("shard-reshard", "bf16 False, zero stage 1, grad_accum_dtype None, optimizer ZeRO stage 1,"),
+    ],
+)
+def test_deepspeed_reads_back_precision_and_zero(name: str, read: str) -> None:
+    result = _check(CASES[name], "deepspeed", "0.19")
+    assert result.status == "validated", result.line()
+    assert read in result.detail
+
+
+@needs_deepspeed
+def test_deepspeed_refuses_zero_2_and_a_dtype_mix_under_its_pipeline() -> None:
+    shard = CASES["shard-bf16"]
+    text = export_config(shard, "deepspeed", "0.19")
+    zero2 = _check(shard, "deepspeed", "0.19", text.replace('"stage": 1', '"stage": 2'))
+    assert zero2.status == "rejected" and "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in zero2.detail
+    fp32 = _check(shard, "deepspeed", "0.19", text.replace('"enabled": true', '"enabled": false'))
+    assert fp32.status == "rejected" and "bf16 is False, not the tuned True" in fp32.detail
+    replicate = CASES["replicate-bf16"]
+    text = export_config(replicate, "deepspeed", "0.19")
+    mix = text.replace('"bf16": {', '"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {')
+    refused = _check(replicate, "deepspeed", "0.19", mix)
+    assert refused.status == "rejected" and "unsupported mix" in refused.detail
 
 
 @needs_deepspeed
@@ -128,6 +228,10 @@ def test_megatron_validate_args_counts_transformer_layers(name: str) -> None:
     assert result.status == "validated", result.line()
     blocks = config.model_layers - (2 if config.layer_roles else 0)
     assert f"transformer layers {blocks}," in result.detail
+    bf16 = config.precision == "bf16"
+    assert f"bf16 {bf16}, distributed optimizer {config.candidate.sharded}," in result.detail
+    if bf16:
+        assert "fp32 gradient accumulation and all-reduce True" in result.detail
 
 
 @needs_megatron

@@ -40,6 +40,9 @@ def make_config(
     ckpt: bool = False,
     wire: str = "float32",
     roles: bool = False,
+    precision: str = "fp32",
+    mode: str = "replicate",
+    reshard: bool = False,
 ) -> TunedConfig:
     return TunedConfig(
         model="model.py",  # no such file: roles come from the config or are unknown
@@ -54,6 +57,9 @@ def make_config(
             layers_per_stage=split,
             activation_checkpointing=ckpt,
             wire_dtype=wire,  # type: ignore[arg-type]
+            precision=precision,  # type: ignore[arg-type]
+            data_parallel_mode=mode,  # type: ignore[arg-type]
+            reshard_after_forward=reshard,
         ),
         layer_roles=("embedding", *["block"] * (sum(split) - 2), "head") if roles else None,
         memory_limit_bytes=None,
@@ -80,7 +86,18 @@ def with_roles(config: TunedConfig) -> TunedConfig:
 
 
 DUALPIPEV = make_config(Schedule.DUAL_PIPE_V, (3, 2, 2, 3), pp=2, microbatches=4, batch=32, ckpt=True)
+# Data-parallel modes and precision (issue 23): FSDP2-sharded and replicated, bf16 and fp32.
+SHARD_BF16 = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, precision="bf16", mode="shard")
+SHARD_RESHARD = make_config(Schedule.INTERLEAVED_1F1B, (3, 3, 2, 2), pp=2, dp=2, microbatches=4, mode="shard",
+                            reshard=True)
+REPLICATE_FP32 = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4)
+REPLICATE_BF16 = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, precision="bf16")
+BF16_WIRE = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, precision="bf16", wire="bfloat16",
+                        mode="shard")
+FSDP = make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, dp=4, microbatches=4, precision="bf16", mode="shard")  # pp 1
+MODES = [SHARD_BF16, SHARD_RESHARD, REPLICATE_FP32, REPLICATE_BF16, BF16_WIRE, FSDP]
 ALL = [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, ZBV, GPIPE, CKPT_BF16, VHALF, VMIN_CKPT_BF16, DATA_PARALLEL]
+ALL += MODES
 ALL += [with_roles(c) for c in ALL] + [DUALPIPEV]
 
 
@@ -106,7 +123,11 @@ def test_every_export_says_what_it_cannot_express(config: TunedConfig, fmt: Expo
     text = export_config(config, fmt)
     said = " ".join(json.loads(text)["_comment"]) if fmt is ExportFormat.deepspeed else comments(text)
     cannot = said.split("Not expressible in ")[1].split("Notes:")[0]
-    assert ("wire_dtype bfloat16" in cannot) == (config.wire_dtype == "bfloat16")
+    # a bf16 model sends bf16 activations in every target; an fp32 one cannot send them in bf16
+    assert ("wire_dtype bfloat16" in cannot) == (config.wire_dtype == "bfloat16" and config.precision == "fp32")
+    # FSDP2 shards parameters and gradients; DeepSpeed's pipeline and Megatron's distributed optimizer do not
+    sharding = "FSDP2's sharding of parameters and gradients"
+    assert (sharding in cannot) == (config.candidate.sharded and fmt is not ExportFormat.torchtitan)
     lacks = {  # schedules each target does not have
         ExportFormat.torchtitan: {Schedule.V_HALF, Schedule.V_MIN},
         ExportFormat.deepspeed: set(Schedule) - {Schedule.ONE_F_ONE_B, Schedule.DUAL_PIPE_V},
@@ -221,6 +242,23 @@ def _torchtitan_split(config: TunedConfig, fqns: list[list[str]] | None, par: di
     return split
 
 
+def _titan_degrees(config: TunedConfig) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree): replicas are replicate, FSDP2 is shard."""
+    dp = config.data_parallel_degree
+    return (1, dp) if config.data_parallel_mode == "shard" else (dp, 1)
+
+
+def _titan_param_dtype(config: TunedConfig) -> str:
+    return {"fp32": "float32", "bf16": "bfloat16"}[config.precision]  # torchtitan's own default is bfloat16
+
+
+def _titan_reshard(config: TunedConfig) -> str | None:
+    """Written only when sharded, and never as "default" (not pp_enabled: right for one pp, wrong for the other)."""
+    if config.data_parallel_mode != "shard":
+        return None
+    return "always" if config.fsdp_reshard_after_forward else "never"
+
+
 def _expected_blocks(config: TunedConfig) -> list[int]:
     split = list(config.layers_per_stage)
     if config.layer_roles is None:
@@ -235,8 +273,12 @@ def test_torchtitan_toml_values(config: TunedConfig) -> None:
     assert par["pipeline_parallel_degree"] == config.pipeline_degree
     v_memory = config.schedule in (Schedule.V_HALF, Schedule.V_MIN)  # torchtitan has neither: same V placement
     assert par["pipeline_parallel_schedule"] == ("ZBVZeroBubble" if v_memory else config.schedule.value)
-    assert par["data_parallel_replicate_degree"] == config.data_parallel_degree
-    assert par["data_parallel_shard_degree"] == 1
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == _titan_degrees(config)
+    assert (training["mixed_precision_param"], training["mixed_precision_reduce"]) == (
+        _titan_param_dtype(config),
+        "float32",
+    )
+    assert par.get("fsdp_reshard_after_forward") == _titan_reshard(config)
     assert training["global_batch_size"] == config.global_batch_size
     if config.pipeline_degree == 1:
         # no pipeline: torchtitan accumulates global // (local x dp) micro-batches
@@ -259,7 +301,11 @@ def test_torchtitan_flags_values(config: TunedConfig, target: str) -> None:
     flags, bare = _flags(config, target)
     assert bare == [f"activation-checkpoint:{'full' if config.activation_checkpointing else 'none'}"]
     assert flags["parallelism.pipeline_parallel_degree"] == str(config.pipeline_degree)
-    assert flags["parallelism.data_parallel_replicate_degree"] == str(config.data_parallel_degree)
+    degrees = (flags["parallelism.data_parallel_replicate_degree"], flags["parallelism.data_parallel_shard_degree"])
+    assert tuple(map(int, degrees)) == _titan_degrees(config)
+    assert flags["training.mixed_precision_param"] == _titan_param_dtype(config)
+    assert flags["training.mixed_precision_reduce"] == "float32"
+    assert flags.get("parallelism.fsdp_reshard_after_forward") == _titan_reshard(config)
     assert ("training.disable_cuda_graphs" in flags) == (config.pipeline_degree > 1)
     if target == "main":
         per_sample = int(flags["training.num_tokens_per_microbatch_per_dp_rank"]) // config.micro_batch_size
@@ -343,6 +389,11 @@ def test_deepspeed_values(config: TunedConfig) -> None:
     assert doc["train_batch_size"] == (
         doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * config.data_parallel_degree
     )
+    bf16, sharded = config.precision == "bf16", config.data_parallel_mode == "shard"
+    assert doc.get("bf16") == ({"enabled": True} if bf16 else None)
+    assert doc.get("zero_optimization") == ({"stage": 1} if sharded else None)  # its pipeline refuses stages 2, 3
+    # fp32 gradient accumulation, as tuned, where DeepSpeed accepts it: over bf16 parameters with ZeRO only
+    assert doc.get("data_types") == ({"grad_accum_dtype": "fp32"} if bf16 and sharded else None)
     pipeline = doc.get("pipeline", {})
     assert "stages" not in pipeline and "partition" not in pipeline  # stored and never read by DeepSpeed
     if config.activation_checkpointing:
@@ -412,6 +463,8 @@ def _megatron_args(config: TunedConfig, target: str | None = None) -> argparse.N
     parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"])
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
     return parser.parse_args(words)  # unknown flags raise
 
 
@@ -468,6 +521,8 @@ def test_megatron_values_and_split(config: TunedConfig) -> None:
     assert args.global_batch_size // (args.micro_batch_size * dp) == config.num_microbatches
     assert _megatron_split(args) == _expected_blocks(config)
     assert ("assumes every one of the model's" in comments(export_config(config, "megatron"))) != roles
+    assert args.bf16 == (config.precision == "bf16")
+    assert args.use_distributed_optimizer == (config.data_parallel_mode == "shard")
 
 
 def test_megatron_picks_the_plainest_flags() -> None:
@@ -554,3 +609,56 @@ def test_flag_exports_are_bash_to_source(tmp_path: Path, fmt: str, name: str) ->
         script = f'source {shlex.quote(str(path))} && printf "%s\\n" "${{{name}[@]}}"'
         words = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
         assert words == bash_array(text, name)
+
+
+# ---------------------------------------------------------------------------------------------- dp modes, precision
+
+
+def _said(config: TunedConfig, fmt: str, target: str | None = None) -> tuple[str, str]:
+    """(what the export says it cannot express, its notes), wrapping undone."""
+    said = " ".join(comments(export_config(config, fmt, target)).split())
+    cannot, notes = said.split("Not expressible in ")[1].split("Notes:")
+    return cannot, notes
+
+
+def test_torchtitan_reshard_is_spelled_out_where_its_default_differs() -> None:
+    # pp 1: torchtitan's "default" reshards (not pp_enabled), so keeping the stage gathered must be written "never"
+    flags, _ = _flags(FSDP)
+    assert (flags["parallelism.data_parallel_shard_degree"], flags["parallelism.fsdp_reshard_after_forward"]) == (
+        "4",
+        "never",
+    )
+    assert "would reshard all but norm + head at pp 1" in _said(FSDP, "torchtitan")[1]
+    # pp 2: "default" keeps it gathered, so resharding after every forward must be written "always"
+    assert _flags(SHARD_RESHARD)[0]["parallelism.fsdp_reshard_after_forward"] == "always"
+    assert "would keep them gathered at pp 2" in _said(SHARD_RESHARD, "torchtitan")[1]
+
+
+def test_torchtitan_replicas_are_fully_shard_with_one_rank_shards() -> None:
+    cannot, notes = _said(REPLICATE_BF16, "torchtitan", "0.3")
+    assert cannot.startswith("torchtitan: nothing")
+    assert "torchtitan 0.3 has no DDP; it runs fully_shard over a (replicate 2, shard 1) mesh" in notes
+    assert "where autotune measured torch.autocast" in notes
+    # 0.2 refuses DDP beside a pipeline, and turns mixed precision off there
+    cannot, _ = _said(REPLICATE_BF16, "torchtitan", "0.2")
+    assert '"DDP has not supported > 1D parallelism"' in cannot and "trains in float32" in cannot
+    assert "wire_dtype" not in _said(BF16_WIRE, "torchtitan", "0.2")[0]  # FSDP keeps bf16 under 0.2's pipeline
+    assert "DDP" not in _said(SHARD_BF16, "torchtitan", "0.2")[0]
+
+
+def test_deepspeed_says_zero_1_is_the_most_its_pipeline_shards() -> None:
+    cannot, notes = _said(SHARD_BF16, "deepspeed")
+    assert '"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"' in cannot
+    assert "shards only the optimizer state and the float32 master weights" in cannot
+    assert "BF16_Optimizer" in notes and "gradients accumulated and all-reduced in float32" in notes
+    cannot, notes = _said(REPLICATE_BF16, "deepspeed")
+    assert "accumulates the micro-batches' gradients in bfloat16" in cannot
+    assert "BF16_Optimizer even at ZeRO stage 0" in notes
+
+
+def test_megatron_says_what_the_distributed_optimizer_does_not_shard() -> None:
+    cannot, notes = _said(SHARD_BF16, "megatron")
+    assert "--use-distributed-optimizer (ZeRO-1-like) shards the float32 main parameters and optimizer state" in cannot
+    assert "every rank holds its stage's whole parameters and gradient buffer" in cannot
+    assert "accumulate_allreduce_grads_in_fp32" in notes
+    assert "--use-distributed-optimizer" not in _said(REPLICATE_BF16, "megatron")[0]

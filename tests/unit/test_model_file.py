@@ -33,3 +33,28 @@ def test_batchnorm_is_found_inside_blocks(tmp_path):
         "nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()), nn.Linear(4, 2))"))
     spec = model_file.load_model_file(path)
     assert spec.has_batchnorm and spec.batchnorm_layers == (1,)
+
+
+def test_a_model_file_may_set_its_precision_and_a_wrong_one_is_one_line(tmp_path):
+    from autotune.devices import default_precision
+
+    path = tmp_path / "model.py"
+    path.write_text(TINY_MODEL)
+    plain = model_file.load_model_file(path)
+    assert plain.precision is None
+    assert (default_precision("cuda", plain.precision), default_precision("cpu", plain.precision)) == ("bf16", "fp32")
+    path.write_text(TINY_MODEL + '\nPRECISION = "bf16"\n')
+    assert default_precision("cpu", model_file.load_model_file(path).precision) == "bf16"
+    path.write_text(TINY_MODEL + '\nPRECISION = "fp16"\n')
+    with pytest.raises(ModelFileError, match=r"PRECISION = 'fp16'; set it to 'fp32' or 'bf16'"):
+        model_file.load_model_file(path)
+
+
+def test_data_parallel_modes_parse_from_one_flag():
+    from autotune.cli.options import parse_data_parallel
+    from autotune.errors import UsageError
+
+    assert parse_data_parallel("replicate, Shard,shard") == ("replicate", "shard")
+    for wrong in ("zero3", ","):
+        with pytest.raises(UsageError, match="comma-separated list of replicate, shard"):
+            parse_data_parallel(wrong)

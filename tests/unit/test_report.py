@@ -366,3 +366,37 @@ def test_figures_of_a_thousand_ranks_stay_legible():
     timeline = pipeline_timeline(events, pipeline_degree=64, candidate=candidate, bubble_fraction=0.5,
                                  pipeline_time_ms=200.0)
     assert timeline.png.startswith(b"\x89PNG") and "32 of the 64 pipeline ranks are drawn" in timeline.caption
+
+
+def test_pipeline_or_fsdp_compares_the_best_measured_run_of_each_kind(study):
+    """A search that tried a pipeline, pure FSDP and pure data parallelism says which kind ran fastest, from its
+    measurements, and what the other kinds did."""
+    from autotune.records import Leader
+
+    best = study.best.candidate
+    fsdp = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=1, data_parallel_degree=2,
+                     global_batch_size=best.global_batch_size, n_microbatches=2,
+                     layers_per_stage=(sum(best.layers_per_stage),), data_parallel_mode="shard")
+    ddp = dataclasses.replace(fsdp, data_parallel_mode="replicate")
+    fsdp_ms = study.best.step_time_ms * 2  # half the pipeline's throughput
+    n = len(study.records)
+    records = (*study.records,
+               record(n, fsdp, "ok", step_time_ms=fsdp_ms, peak_memory_bytes=(3 * 2**20, 5 * 2**20),
+                      throughput_samples_per_s=fsdp.global_batch_size / fsdp_ms * 1000),
+               record(n + 1, ddp, "oom", reason="rank 1: out of memory"),
+               record(n + 2, dataclasses.replace(ddp, n_microbatches=4), "pruned", reason="cannot fit"))
+    leaders = (*study.leaders, Leader(candidate=fsdp, step_times_ms=(fsdp_ms,)))
+    markdown, html = text(dataclasses.replace(study, records=records, leaders=leaders))
+    section = markdown.split("## Pipeline or FSDP?")[1].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(" ★"): line for line in section.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"pipeline", "FSDP", "data parallel"}
+    assert f"`{fsdp.key}`" in rows["FSDP"] and "0.50x" in rows["FSDP"] and "5.0 MiB" in rows["FSDP"]
+    assert "fastest" in rows["pipeline"] and best.key in rows["pipeline"]
+    assert "none ran" in rows["data parallel"] and "1 oom" in rows["data parallel"]
+    assert "**pipeline** was fastest, 2.00x the best FSDP run" in section
+    assert "Pipeline or FSDP?" in html
+
+
+def test_a_search_of_one_kind_of_parallelism_has_no_comparison(study):
+    markdown, _ = text(study)
+    assert "Pipeline or FSDP?" not in markdown

@@ -205,11 +205,35 @@ def test_one_stage_pipelines_only_take_single_stage_schedules_and_float32():
     space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
     assert list(space.choices[(1, 2)]) == [Schedule.ONE_F_ONE_B]
     params = {"layout": "pp1xdp2", "schedule_pp1xdp2": "1F1B", "n_microbatches_pp1xdp2_1F1B": 4,
-              "activation_checkpointing": False}
+              "activation_checkpointing": False, "data_parallel": "replicate"}
     candidate = space.suggest(optuna.trial.FixedTrial(params))
     assert (candidate.n_stages, candidate.wire_dtype) == (1, "float32")
     assert space.params_for(candidate) == params
     assert space.params_for(replace(candidate, schedule=Schedule.GPIPE)) is None
+
+
+def test_replicas_are_searched_replicated_and_sharded_with_and_without_resharding():
+    """With dp > 1 the space asks how the replicas hold their stages (pure FSDP at pp = 1 included); with dp = 1 it
+    does not ask; --data-parallel narrows it; the precision is the search's on every candidate."""
+    space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32, precision="bf16"))
+    base = {"layout": "pp1xdp2", "schedule_pp1xdp2": "1F1B", "n_microbatches_pp1xdp2_1F1B": 4,
+            "activation_checkpointing": False}
+    seen = set()
+    for value in ("replicate", "shard", "shard-reshard"):
+        c = space.suggest(optuna.trial.FixedTrial({**base, "data_parallel": value}))
+        seen.add((c.data_parallel_mode, c.reshard_after_forward, c.precision))
+        assert space.params_for(c) == {**base, "data_parallel": value}
+    assert seen == {("replicate", False, "bf16"), ("shard", False, "bf16"), ("shard", True, "bf16")}
+    pipeline = space.suggest(optuna.trial.FixedTrial(
+        {"layout": "pp2xdp1", "schedule_pp2xdp1": "1F1B", "n_microbatches_pp2xdp1_1F1B": 4, "split": "uniform",
+         "shift1_of_2": 0, "activation_checkpointing": False, "wire_dtype": "float32"}))
+    assert (pipeline.data_parallel_mode, pipeline.precision) == ("replicate", "bf16")
+    assert "data_parallel" not in space.params_for(pipeline)
+    assert space.params_for(replace(pipeline, precision="fp32")) is None  # another precision: outside this search
+    only_shard = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32, data_parallel_modes=("shard",)))
+    sharded = only_shard.suggest(optuna.trial.FixedTrial({**base, "data_parallel": "shard"}))
+    assert sharded.sharded
+    assert only_shard.params_for(replace(sharded, data_parallel_mode="replicate")) is None
 
 
 def test_only_runnable_combinations_are_asked():
@@ -405,3 +429,13 @@ def test_each_trial_gets_a_bound_from_its_prediction_unless_one_is_given(spec, t
 
     fixed = run("fixed", trial_timeout_s=42.0)
     assert fixed.options and all(o.timeout_s == 42.0 for o in fixed.options)
+
+
+def test_each_kind_of_parallelism_the_planner_offers_is_measured(spec, tmp_path):
+    """Pipeline or FSDP: the planner's best of each kind of parallelism (pipeline, data parallel, FSDP...) is run,
+    even when the simulator predicts it slower than the prune margin allows, so the report compares them by runs."""
+    runner = SimulatedRunner()
+    search(spec, tmp_path, runner, prune_margin=0.0)
+    planned = {p.candidate.parallelism for p in plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None)}
+    assert len(planned) >= 2
+    assert planned <= {c.parallelism for c in runner.calls}

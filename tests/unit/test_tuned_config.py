@@ -512,7 +512,7 @@ def test_the_schema_follows_the_dataclass_fields() -> None:
 
     # written only when they say something
     optional_here = ("layer_roles", "split_at", "layer_parameter_bytes", "rank_order", "nodes", "gpus_per_node",
-                    "data_parallel_mode", "fsdp_reshard_after_forward")
+                    "data_parallel_mode", "fsdp_reshard_after_forward", "tensor_parallel_degree")
     assert [k for k in _TOP if k not in optional_here] == SCHEMA_ORDER
     assert sorted(k for k in _TOP if k in optional_here) == sorted(optional_here)
     assert _TOP["memory_limit_bytes"].optional and _TOP["layers_per_stage"].kind == "ints"
