@@ -93,7 +93,7 @@ def plan(
     prune_within: float | None = 0.25,
     layouts: Iterable[tuple[int, int]] | None = None,
     gpus_per_node: int | None = None,
-    data_parallel_modes: Iterable[DataParallelMode] = ("replicate",),
+    data_parallel_modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES,
 ) -> list[PlannedCandidate]:
     """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
     fastest first, candidates over the memory limit last.
@@ -116,9 +116,8 @@ def plan(
 
     data_parallel_modes: how the replicas of a layout with dp > 1 may hold their stages, each a point of its own
     (layouts.data_parallel_choices): replicate, and shard (FSDP2) keeping the stages gathered for the step or
-    resharding after every forward; pp = 1 x shard is pure FSDP. `autotune plan` asks for both (DATA_PARALLEL_MODES);
-    the default stays replicate for the search's seeding (tune.py) until its space takes sharded candidates.
-    Candidates train in the profile's precision (its times and bytes are that precision's)."""
+    resharding after every forward; pp = 1 x shard is pure FSDP. Candidates train in the profile's precision (its
+    times and bytes are that precision's)."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
