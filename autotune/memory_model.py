@@ -21,8 +21,9 @@ count the same bytes.
     sharded (FSDP2 fully_shard over dp)             the unsharded working copy, in the param dtype   gathered ->
                                                     (bf16: 2 B per parameter, fp32: 4 B)             resharded
                                                     the unsharded float32 gradients                  1st backward
-                                                    (+ their reduce-scatter input at the last)       -> reduce
-                                                    the all-gather input (the shard, param dtype)    a gather
+                                                                                                     -> reduce
+                                                    a unit's reduce-scatter input (float32)          the reduce
+                                                    a unit's all-gather input (its shard)            a gather
 
 Sharded, torch's pipeline stage runs every backward without gradient sync and without resharding after it
 (stage.backward_maybe_with_nosync) and reduce-scatters once after the stage's last backward (perform_reduce_grad,
@@ -30,8 +31,10 @@ which also reshards). So the stage's gradients accumulate unsharded, in float32 
 dtype) from its first backward to the reduce-scatter, and its parameters, once gathered by a backward, stay
 gathered until the next forward (reshard_after_forward: each FSDP unit lets go of its parameters after its own
 forward) or, without resharding after forward, until the step's reduce-scatter. A forward that gathers under
-reshard_after_forward holds two units at a time (the one computing and the next, prefetched), the stage's largest
-layer standing for a unit.
+reshard_after_forward holds two units at a time (the one computing and the next, prefetched). The reduce works unit
+by unit (FSDPParamGroup.post_backward: reshard the unit, copy its gradients into the reduce-scatter's flat input,
+let them go), so it holds one unit's input on top at most, less that unit's working copy. Each block is an FSDP
+unit (as the runtime shards a stage), the stage's largest standing for any.
 
 Sent tensors: torch's send works hold their tensor until they are waited, and ScheduleGPipe and the runtime of the
 multi-stage schedules (_PipelineScheduleRuntime) wait for every send only when the pipeline ends; Schedule1F1B
@@ -84,17 +87,22 @@ def working_copy_bytes(parameter_bytes: float, *, candidate: Candidate) -> float
     return parameter_bytes * param_dtype_factor(candidate) if candidate.sharded else 0.0
 
 
-def gather_buffer_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
-    """Sharded: the all-gather's input while it runs, the rank's shard copied in the param dtype."""
+def gather_buffer_bytes(unit_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: an all-gather's input while it runs, the rank's shard of one FSDP unit (unit_bytes of float32
+    parameters) copied in the param dtype."""
     if not candidate.sharded:
         return 0.0
-    return parameter_bytes * param_dtype_factor(candidate) / candidate.data_parallel_degree
+    return unit_bytes * param_dtype_factor(candidate) / candidate.data_parallel_degree
+
+
+def reduce_buffer_bytes(unit_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: a reduce-scatter's flat input, one FSDP unit's gradients in float32 (the reduce dtype)."""
+    return float(unit_bytes) if candidate.sharded else 0.0
 
 
 def unsharded_gradient_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
     """Sharded: the stage's gradients as torch's pipeline stage accumulates them, unsharded and float32 (the reduce
-    dtype), from its first backward to its reduce-scatter; the reduce-scatter's input is a flat copy of the same
-    size, at the last backward. 0 replicated (counted with the parameters)."""
+    dtype), from its first backward to its reduce-scatter. 0 replicated (counted with the parameters)."""
     return float(parameter_bytes) if candidate.sharded else 0.0
 
 

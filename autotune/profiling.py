@@ -90,6 +90,8 @@ def profile_model(
     block's weights (saved for the backward) are counted apart (LayerProfile.autocast_copy_bytes)."""
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision fp32|bf16")
     sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
     if not micro_batch_sizes and spec.has_batchnorm and len(sizes) > 1:
         sizes = [m for m in sizes if m > 1]  # BatchNorm cannot train on one sample
@@ -99,8 +101,6 @@ def profile_model(
         raise UsageError(f"cannot profile on device {device!r}; use cpu or cuda")
     if memory_limit_bytes is not None and memory_limit_bytes <= 0:
         raise UsageError(f"memory limit must be positive, got {memory_limit_bytes} bytes")
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision fp32|bf16")
     threads = torch.get_num_threads()
     cuda = device.startswith("cuda")
     if device == "cpu":

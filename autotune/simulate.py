@@ -25,6 +25,7 @@ from autotune.memory_model import (
     parameter_memory_bytes,
     receive_buffer_bytes,
     recompute_bytes,
+    reduce_buffer_bytes,
     sends_kept_to_the_end,
     sent_bytes,
     split_kept_bytes,
@@ -603,7 +604,10 @@ class _StageCosts:
     """Sharded with reshard_after_forward: what a forward that gathers holds at once (two units, the one computing
     and the next, prefetched); 0 otherwise."""
     gather_buffer_bytes: list[int]
-    """Sharded: the all-gather's input while the stage gathers (memory_model.gather_buffer_bytes)."""
+    """Sharded: an all-gather's input while the stage gathers (memory_model.gather_buffer_bytes)."""
+    reduce_buffer_bytes: list[int]
+    """Sharded: what a unit's reduce adds at most: its reduce-scatter input (memory_model.reduce_buffer_bytes) less
+    its working copy, which FSDP2 lets go of first (FSDPParamGroup.post_backward reshards, then reduces)."""
     unsharded_grad_bytes: list[int]
     """Sharded: the stage's unsharded float32 gradients (memory_model.unsharded_gradient_bytes)."""
 
@@ -708,7 +712,9 @@ def _stage_costs(
         result["gather_unit_bytes"].append(int(min(largest, stage_parameters) * param_factor) if sharded else 0)
         two_units = int(min(2 * largest, stage_parameters) * param_factor)
         result["forward_copy_bytes"].append(two_units if sharded and candidate.reshard_after_forward else 0)
-        result["gather_buffer_bytes"].append(int(gather_buffer_bytes(stage_parameters, candidate=candidate)))
+        result["gather_buffer_bytes"].append(int(gather_buffer_bytes(largest, candidate=candidate)))
+        unit_copy = working_copy_bytes(largest, candidate=candidate)
+        result["reduce_buffer_bytes"].append(int(reduce_buffer_bytes(largest, candidate=candidate) - unit_copy))
         result["unsharded_grad_bytes"].append(int(unsharded_gradient_bytes(stage_parameters, candidate=candidate)))
     return _StageCosts(**result)
 
@@ -838,11 +844,12 @@ def _peak_memory(
     buffers, on top of the static memory (parameters, gradients, optimizer state, receive buffers, the batch).
 
     Sharded (shard: when FSDP2 gathers, reshards and reduces, _ShardWalk), with c = the stage's working copy, u = its
-    unsharded gradients, a = the all-gather's input, f = a resharding forward's two units:
+    unsharded gradients, a = a unit's all-gather input, e = a unit's reduce-scatter input less its working copy (let
+    go of first), f = a resharding forward's two units:
 
         a gather: (+a, transient) +c, but for an F under reshard_after_forward: (+f + a, transient)
         the first backward making weight gradients: +u     an F that reshards what a backward gathered: -c after
-        the last backward: (+u, transient: the reduce-scatter's input) -u -c
+        the last backward: (+e, transient) -u -c
 
     and the static memory holds the float32 shards (/ dp), as do the optimizer step's temporaries."""
     peaks = []
@@ -914,7 +921,7 @@ def _peak_memory(
                 live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
             peak = max(peak, live)
             if shard is not None and shard.reduces[a]:
-                peak = max(peak, live + stages.unsharded_grad_bytes[s])  # the reduce-scatter's flat input
+                peak = max(peak, live + stages.reduce_buffer_bytes[s])  # a unit's reduce-scatter input
                 live -= stages.unsharded_grad_bytes[s]
                 if s in holding:
                     live -= stages.working_copy_bytes[s]
