@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
@@ -441,8 +442,8 @@ def simulate_costs(
     else:
         dp = candidate.data_parallel_degree
         allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) for p in rank_params]
-        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end,
-                                        lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+        bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
     step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
@@ -760,6 +761,7 @@ class _ShardWalk:
     first_grad: list[bool]
 
 
+@functools.lru_cache(maxsize=64)  # the planner simulates many candidates per graph (hashing one is ~1 ms)
 def _shard_walk(plan: ActionGraph, reshard_after_forward: bool) -> _ShardWalk:
     n = len(plan.kind)
     gathers, reshards, reduces, first_grad = [False] * n, [False] * n, [False] * n, [False] * n
@@ -892,7 +894,8 @@ def _peak_memory(
                     live += stages.unsharded_grad_bytes[s]
             if kind == "F":
                 live += held[s]
-                peak = max(peak, live + during)
+                if live + during > peak:  # (not max(): this loop runs once per action of every simulated candidate)
+                    peak = live + during
                 if shard is not None and shard.reshards[a] and s in holding:
                     live -= stages.working_copy_bytes[s]
                     holding.discard(s)
@@ -919,7 +922,8 @@ def _peak_memory(
                 peak = max(peak, live + temp)
                 started.add(s)
                 live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
-            peak = max(peak, live)
+            if live > peak:
+                peak = live
             if shard is not None and shard.reduces[a]:
                 peak = max(peak, live + stages.reduce_buffer_bytes[s])  # a unit's reduce-scatter input
                 live -= stages.unsharded_grad_bytes[s]
