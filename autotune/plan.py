@@ -116,8 +116,9 @@ def plan(
 
     data_parallel_modes: how the replicas of a layout with dp > 1 may hold their stages, each a point of its own
     (layouts.data_parallel_choices): replicate, and shard (FSDP2) keeping the stages gathered for the step or
-    resharding after every forward; pp = 1 x shard is pure FSDP. Candidates train in the profile's precision (its
-    times and bytes are that precision's)."""
+    resharding after every forward; pp = 1 x shard is pure FSDP. Resharding does the same work plus all-gathers,
+    so it is planned only where keeping the stages gathered does not fit as it is (it can only save memory).
+    Candidates train in the profile's precision (its times and bytes are that precision's)."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
@@ -167,9 +168,13 @@ def _points(
                 costs = costs_at.get(micro) or costs_at.setdefault(
                     micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
                 )
+                keep: _Point | None = None
                 for mode, reshard in data_parallel_choices(dp, modes):
                     point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
-                                   batch_size=batch_size, mode=mode, reshard=reshard)
+                                   batch_size=batch_size, mode=mode, reshard=reshard,
+                                   keep_twin=keep if reshard else None)
+                    if mode == "shard" and not reshard:
+                        keep = point
                     if point.first:
                         points.append(point)
     if points:
@@ -211,13 +216,14 @@ def _simulated(
     with ahead:
         for i, point in enumerate(ordered):
             limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-            if point.bound > limit:
+            if point.bound > limit or point.dominated():
                 pruned += 1
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their
             # simulations and splits are memoized (_Costs.simulate, _Point), so the ranking is the one without it.
             if not ready(point):
-                spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
+                spare = (p for p in ordered[i + 1:]
+                         if not order_from_torch(p.schedule) and p.bound <= limit and p.keep_twin is None)
                 while not ready(point):
                     later = next(spare, None)
                     if later is None:
@@ -441,11 +447,15 @@ class _Point:
 
     def __init__(
         self, *, costs: _Costs, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, batch_size: int,
-        mode: DataParallelMode = "replicate", reshard: bool = False,
+        mode: DataParallelMode = "replicate", reshard: bool = False, keep_twin: _Point | None = None,
     ) -> None:
         self.costs, self.schedule, self.pp, self.dp, self.m = costs, schedule, pp, dp, m
         self.n_stages, self.batch_size = n_stages, batch_size
         self.mode, self.reshard = mode, reshard
+        self.keep_twin = keep_twin
+        """Resharding after forward: the same point keeping its stages gathered (evaluated first: same bound)."""
+        self.fits_as_is: bool | None = None
+        """After evaluate(): whether a first candidate (no memory-aware split, no checkpointing) fits."""
         n_layers = len(costs.layers)
         balanced = costs.balanced(schedule, pp, n_stages)
         # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
@@ -456,6 +466,11 @@ class _Point:
                       for order in self.orders]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
         self._memory_splits: dict[tuple[bool, int], tuple[int, ...] | None] = {}  # evaluate()'s, memoized
+
+    def dominated(self) -> bool:
+        """Resharding after forward does the same work as keeping the stages gathered, plus all-gathers: never
+        faster, it can only save memory. Not worth simulating where the kept twin fits as it is."""
+        return self.keep_twin is not None and bool(self.keep_twin.fits_as_is)
 
     def make(self, split: tuple[int, ...], checkpointing: bool = False, order: RankOrder = "pp-inner") -> Candidate:
         return Candidate(
@@ -470,7 +485,8 @@ class _Point:
         activation checkpointing (skipping any whose lower bound is over limit_ms)."""
         costs = self.costs
         results = [PlannedCandidate(candidate=c, estimate=costs.simulate(c, memory_limit_bytes)) for c in self.first]
-        if memory_limit_bytes is None or any(r.estimate.feasible for r in results):
+        self.fits_as_is = memory_limit_bytes is None or any(r.estimate.feasible for r in results)
+        if self.fits_as_is:
             return results
         n_layers = len(costs.layers)
         for checkpointing in (False, True):

@@ -128,8 +128,9 @@ def plan_command(
     Layouts: every pp x dp = N that the model and batch allow, pp = 1 (plain data parallelism) included; B/M and M
     are per replica. Activation checkpointing is ranked beside the rest: the fastest candidates also appear with it.
     Replicas (dp > 1) either replicate their stages or shard them with FSDP2, keeping each stage gathered for the
-    step (`shard`) or resharding after every forward (`shard/rs`): pp 1 x shard is pure FSDP, so the ranking answers
-    "pipeline or FSDP?" (`--data-parallel replicate` leaves shard out). Candidates train in the profile's precision
+    step (`shard`) or resharding after every forward (`shard/rs`, planned where keeping them does not fit: it only
+    saves memory): pp 1 x shard is pure FSDP, so the ranking answers "pipeline or FSDP?" (`--data-parallel
+    replicate` leaves shard out). Candidates train in the profile's precision
     (`--precision`; with `--profile`, the profile's, and another is refused).
 
     `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus

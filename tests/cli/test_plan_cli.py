@@ -179,9 +179,10 @@ def test_profile_output_then_plan_from_it_over_nodes_without_the_model(model, tm
     assert table.exit_code == 0, table.output
     assert "2 nodes of 2; inter-node link assumed 0.5 GB/s" in " ".join(table.stdout.split())
     # replicate and shard side by side, in the profile's precision (fp32 on cpu); another precision is refused
+    # (no memory limit on cpu: keeping the stages gathered fits, so resharding after forward is not planned)
     every = json.loads(invoke("plan", "--profile", saved, "--gpus", 4, "--json", "--top", 1000).stdout)
     assert {(e["data_parallel_mode"], e["fsdp_reshard_after_forward"]) for e in every
-            if e["data_parallel_degree"] > 1} == {("replicate", False), ("shard", False), ("shard", True)}
+            if e["data_parallel_degree"] > 1} == {("replicate", False), ("shard", False)}
     assert {e["precision"] for e in every} == {"fp32"}
     only = json.loads(invoke("plan", "--profile", saved, "--gpus", 4, "--json", "--top", 1000,
                              "--data-parallel", "replicate").stdout)

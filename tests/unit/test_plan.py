@@ -23,10 +23,11 @@ def test_plan_lists_shard_layouts_beside_replicate_ones_pure_fsdp_included():
     planned = plan(heavy(4), gpus=4, batch_size=8, memory_limit_bytes=None, link=LINK, prune_within=None)
     kinds = {(p.candidate.pipeline_degree, p.candidate.data_parallel_degree, p.candidate.data_parallel_mode,
               p.candidate.reshard_after_forward) for p in planned}
-    assert {(1, 4, "replicate", False), (1, 4, "shard", False), (1, 4, "shard", True)} <= kinds  # pure FSDP
-    assert {(2, 2, "replicate", False), (2, 2, "shard", False), (2, 2, "shard", True), (4, 1, "replicate", False)} \
-        <= kinds
+    assert {(1, 4, "replicate", False), (1, 4, "shard", False)} <= kinds  # pure FSDP
+    assert {(2, 2, "replicate", False), (2, 2, "shard", False), (4, 1, "replicate", False)} <= kinds
     assert not any(p.candidate.sharded and p.candidate.data_parallel_degree == 1 for p in planned)
+    # with no limit, keeping the stages gathered always fits: resharding after forward could only be slower
+    assert not any(p.candidate.reshard_after_forward for p in planned)
     assert {p.candidate.precision for p in planned} == {"bf16"}  # the profile's
     entry = next(p for p in planned if p.candidate.sharded).to_dict()
     assert entry["precision"] == "bf16" and entry["data_parallel_mode"] == "shard"
@@ -52,3 +53,22 @@ def test_under_a_limit_only_sharding_fits_the_planner_ranks_it_first():
     replicas = [p for p in planned if not p.candidate.sharded]
     assert replicas and not any(p.estimate.feasible for p in replicas)
     assert all(max(p.estimate.peak_memory_bytes) > 32_000_000 for p in replicas)
+
+
+def test_resharding_after_forward_is_planned_where_keeping_the_stages_gathered_does_not_fit():
+    """LoopedBFS, pp 2 x dp 2, 8 layers of 4 MB (bf16): a rank holds two stages of 2 layers (a 4 MB bf16 copy
+    each). Kept gathered, both copies stay for the step (50.1 MB at the peak); resharded after forward, the stage
+    not computing lets go of its copy (46.1 MB), for more all-gathers."""
+    profile = heavy(8)
+    kwargs = dict(gpus=4, batch_size=4, link=LINK, layouts=[(2, 2)], schedules=["LoopedBFS"],
+                  data_parallel_modes=("shard",), prune_within=None)
+    loose = plan(profile, memory_limit_bytes=60_000_000, **kwargs)
+    assert loose and not any(p.candidate.reshard_after_forward for p in loose)
+    tight = plan(profile, memory_limit_bytes=48_000_000, **kwargs)
+    resharded = [p for p in tight if p.candidate.reshard_after_forward and p.estimate.feasible]
+    assert resharded
+    kept = {p.candidate.key: p for p in tight if not p.candidate.reshard_after_forward}
+    same = next(p for p in resharded if p.candidate.key.replace("+reshard", "") in kept)
+    twin = kept[same.candidate.key.replace("+reshard", "")]
+    assert not twin.estimate.feasible and max(same.estimate.peak_memory_bytes) < max(twin.estimate.peak_memory_bytes)
+    assert same.estimate.step_time_ms > twin.estimate.step_time_ms
