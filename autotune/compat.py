@@ -8,7 +8,8 @@
     running its own orders (VHalf, VMin)     _PipelineScheduleRuntime, _Action, _ComputationType,
                                              _prepare_schedule_with_comms (pipelining.schedules)
     V placement on torch 2.11 with gloo      PipelineStage._get_init_p2p_neighbors_ops (self-sends dropped)
-    live tensor bytes on CPU                 TorchDispatchMode (utils._python_dispatch), tree_flatten (utils._pytree)
+    live tensor bytes on CPU                 TorchDispatchMode, is_traceable_wrapper_subclass
+                                             (utils._python_dispatch), tree_flatten (utils._pytree)
     saved activations that are parameters    Tensor._base
     BatchNorm anywhere in a layer            _BatchNorm (nn.modules.batchnorm)
     reading torch's failures                 its error texts (broken connections, out of memory) and source paths
@@ -254,6 +255,18 @@ except ImportError:  # pragma: no cover - a torch without them is outside any te
 
     def tree_flatten(tree: Any) -> Any:  # type: ignore[misc]
         return symbol("torch.utils._pytree", "tree_flatten")(tree)
+
+
+def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding a tensor's storage: a wrapper subclass's inner tensors (a DTensor's local shard: FSDP2's
+    parameters and gradients), else the tensor itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()  # a DTensor's: its local tensor and (torch 2.14) its device mesh
+    inner = [getattr(tensor, name) for name in names]
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in stored_tensors(value)]
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
