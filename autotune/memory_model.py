@@ -3,7 +3,9 @@
 count the same bytes.
 
     parameters, their gradients, optimizer state   parameter_bytes x (2 + optimizer_state_ratio)   always
-                                                    (sharded: / dp, FSDP2's float32 shards)
+                                                    (sharded: the parameter and optimizer-state      always
+                                                    shards, x (1 + ratio) / dp; the gradient shards, reduce ->
+                                                    / dp, from the reduce-scatter)                   optimizer
     receive buffers                                 n_microbatches x (stage input + output grad)     always
     the global batch's inputs                       n_microbatches x the model input                 always
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
@@ -76,9 +78,20 @@ def dp_shards(candidate: Candidate) -> int:
 
 
 def parameter_memory_bytes(parameter_bytes: float, optimizer_state_ratio: float, shards: int = 1) -> float:
-    """Parameters, their gradients and the optimizer state (optimizer_state_ratio x the parameters; AdamW: 2),
-    float32; sharded over `shards` ranks (dp_shards)."""
-    return parameter_bytes * (2 + optimizer_state_ratio) / shards
+    """What a stage holds for the whole step: its parameters, their gradients and the optimizer state
+    (optimizer_state_ratio x the parameters; AdamW: 2), float32. Sharded over `shards` ranks (dp_shards > 1): the
+    parameter and optimizer-state shards only; the gradients are unsharded until the stage's reduce-scatter
+    (unsharded_gradient_bytes) and sharded after it, until the optimizer step (gradient_shard_bytes: the runtime
+    sets them to None before each step)."""
+    if shards == 1:
+        return parameter_bytes * (2 + optimizer_state_ratio)
+    return parameter_bytes * (1 + optimizer_state_ratio) / shards
+
+
+def gradient_shard_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: the stage's float32 gradient shards, from its reduce-scatter to the optimizer step; 0 replicated
+    (counted with the parameters)."""
+    return parameter_bytes / candidate.data_parallel_degree if candidate.sharded else 0.0
 
 
 def working_copy_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
@@ -157,8 +170,8 @@ def stage_memory_bytes(
     """One stage alone at its worst: its parameter memory, receive buffers, `in_flight` micro-batches held, what its
     sends keep, and one checkpointed backward's rebuilt activations (the planner's per-stage cap; the simulator's
     per-rank peak walks the actions instead, and adds the batch and each backward's temporaries). Sharded: its
-    float32 shards, the gathered working copy and the unsharded gradients. `saved` includes the autocast weight
-    copies where they count (autocast_copy_bytes)."""
+    float32 parameter and optimizer-state shards, the gathered working copy and the unsharded gradients. `saved`
+    includes the autocast weight copies where they count (autocast_copy_bytes)."""
     held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
     sent = 0.0
     if sends_kept_to_the_end(candidate.schedule):  # outputs of finished micro-batches, gradients sent back

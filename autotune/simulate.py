@@ -18,6 +18,7 @@ from autotune.memory_model import (
     dp_shards,
     first_layer_batch_view_bytes,
     gather_buffer_bytes,
+    gradient_shard_bytes,
     held_per_microbatch,
     layer_backward_bytes,
     loss_backward_bytes,
@@ -747,8 +748,9 @@ class _ShardWalk:
     """Per action of a sharded candidate, what FSDP2 does around it under torch's pipeline stage (memory_model's
     docstring says why):
 
-        gathers      its stage's parameters are all-gathered before it: the stage's first F or B/I of the step,
-                     and with reshard_after_forward every F, and every B/I after an F, of the stage
+        gathers      its stage's parameters are all-gathered before it: the stage's first F of the step, and
+                     with reshard_after_forward every F, and every B, I or W after an F, of the stage (the runtime
+                     gathers before a W too: compat.unshard_before_split_backward)
         reshards     the working copy is let go of after it: an F with reshard_after_forward, or the stage's last
                      backward (its gradients' reduce-scatter reshards)
         reduces      the stage's last backward (B, I or W): the gradients' reduce-scatter follows it
@@ -773,7 +775,7 @@ def _shard_walk(plan: ActionGraph, reshard_after_forward: bool) -> _ShardWalk:
     graded: set[int] = set()
     for a in range(n):
         s, kind = plan.stage[a], plan.kind[a]
-        if kind != "W" and s not in gathered:  # a W needs no parameters, only the gradients its I kept
+        if s not in gathered:
             gathers[a] = True
             gathered.add(s)
         if kind in ("B", "W") and s not in graded:
@@ -851,9 +853,10 @@ def _peak_memory(
 
         a gather: (+a, transient) +c, but for an F under reshard_after_forward: (+f + a, transient)
         the first backward making weight gradients: +u     an F that reshards what a backward gathered: -c after
-        the last backward: (+e, transient) -u -c
+        the last backward: (+e, transient) -u -c +u/dp (the gradient shards, kept to the optimizer step)
 
-    and the static memory holds the float32 shards (/ dp), as do the optimizer step's temporaries."""
+    and the static memory holds the parameter and optimizer-state shards (memory_model.parameter_memory_bytes);
+    the optimizer step's temporaries are the shards' too (/ dp)."""
     peaks = []
     shards = dp_shards(candidate)
     resharding = candidate.reshard_after_forward
@@ -879,6 +882,7 @@ def _peak_memory(
         live = peak = linger = on_buffers = 0
         started: set[int] = set()  # stages whose weight gradients exist (a backward touching weights ran)
         holding: set[int] = set()  # sharded: stages whose working copy is gathered
+        grad_shards = 0  # sharded: the gradient shards of the stages reduced so far
         for a in ids:
             s, kind = stage_of[a], kind_of[a]
             stays = out[s] if s != last else 0  # the output a send keeps after the backward
@@ -926,13 +930,15 @@ def _peak_memory(
                 peak = live
             if shard is not None and shard.reduces[a]:
                 peak = max(peak, live + stages.reduce_buffer_bytes[s])  # a unit's reduce-scatter input
-                live -= stages.unsharded_grad_bytes[s]
+                shard_of = int(gradient_shard_bytes(stages.parameter_bytes[s], candidate=candidate))
+                live += shard_of - stages.unsharded_grad_bytes[s]
+                grad_shards += shard_of
                 if s in holding:
                     live -= stages.working_copy_bytes[s]
                     holding.discard(s)
         step = optimizer_step_bytes(
             step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,
             [stages.largest_layer_bytes[s] for s in rank_stages], stages.largest_layer_bytes, per_tensor=per_tensor,
-        ) / shards + on_buffers
+        ) / shards + on_buffers + grad_shards
         peaks.append(int(static + max(peak, step)))
     return peaks

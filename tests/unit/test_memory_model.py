@@ -13,6 +13,7 @@ from autotune.memory_model import (
     batch_bytes,
     dp_shards,
     gather_buffer_bytes,
+    gradient_shard_bytes,
     held_per_microbatch,
     layer_backward_bytes,
     loss_backward_bytes,
@@ -156,14 +157,16 @@ def test_every_rank_keeps_its_sends_under_a_multi_stage_schedule():
 
 
 def test_rules_of_sharding_and_bf16():
-    """Bytes per float32 parameter byte: FSDP2 keeps the float32 state (parameters, gradients, AdamW's 2x) over dp,
-    gathers a working copy in the param dtype (bf16: half) and accumulates float32 gradients unsharded; autocast
-    (replicated bf16) casts weight copies instead, and a bf16 profile's tensors travel as they are."""
+    """Bytes per float32 parameter byte: FSDP2 keeps the float32 parameter and AdamW shards (1 + 2) over dp for the
+    step, gathers a working copy in the param dtype (bf16: half), accumulates float32 gradients unsharded and keeps
+    their shards from the reduce-scatter to the optimizer step; autocast (replicated bf16) casts weight copies
+    instead, and a bf16 profile's tensors travel as they are."""
     shard = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=4, global_batch_size=8,
                       n_microbatches=2, layers_per_stage=(2,), precision="bf16", data_parallel_mode="shard",
                       wire_dtype="bfloat16")
     assert dp_shards(shard) == 4
-    assert parameter_memory_bytes(8000, 2.0, dp_shards(shard)) == 8000  # 16 B per parameter over 4 ranks: 4 B
+    assert parameter_memory_bytes(8000, 2.0, dp_shards(shard)) == 6000  # 12 B per parameter over 4 ranks: 3 B
+    assert gradient_shard_bytes(8000, candidate=shard) == 2000
     assert working_copy_bytes(8000, candidate=shard) == 4000  # bf16: 2 of 4 B
     assert unsharded_gradient_bytes(8000, candidate=shard) == 8000  # float32, the reduce dtype
     assert gather_buffer_bytes(4000, candidate=shard) == 500  # one unit's shard, in bf16
@@ -176,6 +179,7 @@ def test_rules_of_sharding_and_bf16():
     assert wire_factor(fp32_shard) == 0.5
     replicated = dataclasses.replace(shard, data_parallel_mode="replicate")
     assert dp_shards(replicated) == 1 and parameter_memory_bytes(8000, 2.0, dp_shards(replicated)) == 32000
+    assert gradient_shard_bytes(8000, candidate=replicated) == 0
     assert working_copy_bytes(8000, candidate=replicated) == unsharded_gradient_bytes(8000, candidate=replicated) == 0
     assert gather_buffer_bytes(4000, candidate=replicated) == reduce_buffer_bytes(4000, candidate=replicated) == 0
     assert autocast_copy_bytes(300, candidate=replicated) == 300 and weight_gradient_factor(replicated) == 1.0
@@ -197,7 +201,8 @@ def _one_stage(schedule: Schedule, precision: str = "fp32", **extra) -> tuple[Pr
 @pytest.mark.parametrize("reshard", [False, True])
 def test_one_sharded_stage_peaks_as_walked_by_hand(schedule, reshard):
     """pp 1 x dp 4, two layers of 4000 parameter bytes (P = 8000), 2 micro-batches of 1000 + 1000 saved, output 100,
-    input 50 (a view of the batch: 2050 held per micro-batch). Static: the batch 100 + P x 4 / 4 = 8100.
+    input 50 (a view of the batch: 2050 held per micro-batch). Static: the batch 100 + the parameter and AdamW
+    shards P x 3 / 4 = 6100 (the gradient shards, P / 4, only from the reduce-scatter to the optimizer step).
 
         GPipe       F0        F1        B0 (1st)             B1 (last)                 reduce (unit by unit)
         live        c+2050    c+4100    c+u+4100 -> c+u+2050  c+u+2050 -> c+u          -> 0
@@ -209,7 +214,7 @@ def test_one_sharded_stage_peaks_as_walked_by_hand(schedule, reshard):
     units (8000) and a unit's all-gather input (1000) while they run, and B0 gathers the stage again: the peak is the
     second backward's either way, and 1F1B's (F0 B0 F1 B1) too. Replicated: 100 + 4P + 2050 + 4200."""
     profile, c = _one_stage(schedule, data_parallel_mode="shard", reshard_after_forward=reshard)
-    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (8100 + 22250,)
+    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (6100 + 22250,)
     replicated = dataclasses.replace(c, data_parallel_mode="replicate", reshard_after_forward=False)
     assert simulate(profile, replicated, link=LINK, with_timeline=False).peak_memory_bytes == (100 + 32000 + 6250,)
 
@@ -222,7 +227,7 @@ def test_bf16_shards_gather_half_copies_and_autocast_keeps_a_copy_per_micro_batc
     profile, c = _one_stage(Schedule.GPIPE, "bf16", data_parallel_mode="shard")
     first, second = 4100 + 200, 2050 + 2200
     assert first > second
-    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (8100 + 4000 + 8000 + first,)
+    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (6100 + 4000 + 8000 + first,)
     replicated = dataclasses.replace(c, data_parallel_mode="replicate")
     held = 2050 + 3000
     # B0: both held + the loss's 200; B1: one held + 4200
@@ -233,7 +238,7 @@ def test_bf16_shards_gather_half_copies_and_autocast_keeps_a_copy_per_micro_batc
 def test_the_planner_caps_sharded_stages_with_the_same_terms():
     profile, c = _one_stage(Schedule.GPIPE, "bf16", data_parallel_mode="shard")
     stage_memory = _Costs(profile, 1, LINK).stage_memory(c)
-    assert stage_memory(0, 0, 2) == pytest.approx(8000 + 4000 + 8000 + 2 * (2000 + 100))  # shards, copy, grads, held
+    assert stage_memory(0, 0, 2) == pytest.approx(6000 + 4000 + 8000 + 2 * (2000 + 100))  # shards, copy, grads, held
     replicated = dataclasses.replace(c, data_parallel_mode="replicate")
     stage_memory = _Costs(profile, 1, LINK).stage_memory(replicated)
     assert stage_memory(0, 0, 2) == pytest.approx(32000 + 2 * (2000 + 3000 + 100))  # autocast copies per in flight

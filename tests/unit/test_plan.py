@@ -41,8 +41,8 @@ def test_plan_lists_shard_layouts_beside_replicate_ones_pure_fsdp_included():
 
 def test_under_a_limit_only_sharding_fits_the_planner_ranks_it_first():
     """One layer (no pipeline possible) of 8 MB over 4 ranks in bf16: a replica holds 4 x 8 MB = 32 MB of float32
-    state; sharded, 8 MB of shards + a 4 MB bf16 working copy + 8 MB of unsharded float32 gradients, and at worst
-    a backward's fresh 4 MB of bf16 weight gradients on top."""
+    state; sharded, 6 MB of parameter and AdamW shards + a 4 MB bf16 working copy + 8 MB of unsharded float32
+    gradients, and at worst a backward's fresh 4 MB of bf16 weight gradients on top."""
     profile = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0,
                                                   saved_bytes=10_000, output_bytes=1000, parameter_bytes=8_000_000)],
                                        micro_batch_size=1, input_bytes=100, precision="bf16")
@@ -56,15 +56,16 @@ def test_under_a_limit_only_sharding_fits_the_planner_ranks_it_first():
 
 
 def test_resharding_after_forward_is_planned_where_keeping_the_stages_gathered_does_not_fit():
-    """LoopedBFS, pp 2 x dp 2, 8 layers of 4 MB (bf16): a rank holds two stages of 2 layers (a 4 MB bf16 copy
-    each). Kept gathered, both copies stay for the step (50.1 MB at the peak); resharded after forward, the stage
-    not computing lets go of its copy (46.1 MB), for more all-gathers."""
-    profile = heavy(8)
+    """LoopedBFS, pp 2 x dp 2, 8 layers of 4 MB (fp32): a rank holds two stages of 2 layers (an 8 MB copy each).
+    Kept gathered, both copies are there at the later stage's backwards (52.1 MB at the peak); resharded after
+    forward, the earlier stage let go of its copy and gathers it again for its own backwards, when the later stage's
+    gradient shards (4 MB) are there instead (48.0 MB), for more all-gathers."""
+    profile = heavy(8, precision="fp32")
     kwargs = dict(gpus=4, batch_size=4, link=LINK, layouts=[(2, 2)], schedules=["LoopedBFS"],
                   data_parallel_modes=("shard",), prune_within=None)
     loose = plan(profile, memory_limit_bytes=60_000_000, **kwargs)
     assert loose and not any(p.candidate.reshard_after_forward for p in loose)
-    tight = plan(profile, memory_limit_bytes=48_000_000, **kwargs)
+    tight = plan(profile, memory_limit_bytes=50_000_000, **kwargs)
     resharded = [p for p in tight if p.candidate.reshard_after_forward and p.estimate.feasible]
     assert resharded
     kept = {p.candidate.key: p for p in tight if not p.candidate.reshard_after_forward}
