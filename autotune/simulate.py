@@ -851,8 +851,11 @@ def _peak_memory(
     unsharded gradients, a = a unit's all-gather input, e = a unit's reduce-scatter input less its working copy (let
     go of first), f = a resharding forward's two units:
 
-        a gather: (+a, transient) +c, but for an F under reshard_after_forward: (+f + a, transient)
-        the first backward making weight gradients: +u     an F that reshards what a backward gathered: -c after
+        kept gathered, the stage's first F: (+a, transient) +c
+        resharding, an F: (+f, transient; + a if it gathers), and -c first if a backward left the stage gathered
+        resharding, a backward that gathers: (+f + a, transient) +c after it (FSDP2 gathers unit by unit as the
+        backward goes, and keeps them)
+        the first backward making weight gradients: +u after it (they accumulate as the activations go)
         the last backward: (+e, transient) -u -c +u/dp (the gradient shards, kept to the optimizer step)
 
     and the static memory holds the parameter and optimizer-state shards (memory_model.parameter_memory_bytes);
@@ -886,28 +889,34 @@ def _peak_memory(
         for a in ids:
             s, kind = stage_of[a], kind_of[a]
             stays = out[s] if s != last else 0  # the output a send keeps after the backward
-            during = 0  # sharded: what this action alone holds on top
+            during = new = 0  # sharded: what this action alone holds on top; what it leaves (gathered, gradients)
             if shard is not None:
-                if shard.gathers[a] and kind == "F" and resharding:
-                    during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
+                if resharding and kind == "F":
+                    if s in holding:  # a backward left it gathered: the forward lets go of each unit after it
+                        live -= stages.working_copy_bytes[s]
+                        holding.discard(s)
+                        during = stages.forward_copy_bytes[s]
+                    elif shard.gathers[a]:
+                        during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
                 elif shard.gathers[a]:
-                    peak = max(peak, live + stages.gather_buffer_bytes[s])
-                    live += stages.working_copy_bytes[s]
+                    if kind == "F":  # kept gathered: the first forward gathers the stage for the step
+                        peak = max(peak, live + stages.gather_buffer_bytes[s])
+                        live += stages.working_copy_bytes[s]
+                    else:  # resharding: a backward gathers unit by unit as it goes, and keeps them
+                        during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
+                        new = stages.working_copy_bytes[s]
                     holding.add(s)
-                if shard.first_grad[a]:
-                    live += stages.unsharded_grad_bytes[s]
+                if shard.first_grad[a]:  # they accumulate layer by layer as the activations go
+                    new += stages.unsharded_grad_bytes[s]
             if kind == "F":
                 live += held[s]
                 if live + during > peak:  # (not max(): this loop runs once per action of every simulated candidate)
                     peak = live + during
-                if shard is not None and shard.reshards[a] and s in holding:
-                    live -= stages.working_copy_bytes[s]
-                    holding.discard(s)
                 continue
             temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
             loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
             if kind == "B":
-                peak = max(peak, live + max(loss, recompute[s] + temp))
+                peak = max(peak, live + during + max(loss, recompute[s] + temp))
                 started.add(s)
                 live -= held[s] - stays
                 if kept:
@@ -917,15 +926,16 @@ def _peak_memory(
                     linger = stays + grad[s]
             elif kind == "I":
                 k = stages.split_kept_bytes[s]
-                peak = max(peak, live + max(loss, recompute[s] + max(temp, k + grad[s])))
+                peak = max(peak, live + during + max(loss, recompute[s] + max(temp, k + grad[s])))
                 live += recompute[s] + grad[s] + k - stages.loss_saved_bytes[s]
                 on_buffers += grad[s]
             else:  # W: weight gradients only (the first stage's W runs its whole backward)
                 if s != 0:
                     temp = stages.largest_grad_bytes[s] if s in started else 0
-                peak = max(peak, live + temp)
+                peak = max(peak, live + during + temp)
                 started.add(s)
                 live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
+            live += new
             if live > peak:
                 peak = live
             if shard is not None and shard.reduces[a]:
