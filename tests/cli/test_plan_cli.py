@@ -192,6 +192,18 @@ def test_profile_output_then_plan_from_it_over_nodes_without_the_model(model, tm
     assert f"{saved} was profiled in fp32, not bf16; profile again with" in " ".join(refused.stderr.split())
 
 
+def test_profile_in_bf16_then_plan_in_bf16(model, tmp_path):
+    saved = tmp_path / "bf16.json"
+    result = invoke("profile", model, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--precision", "bf16",
+                    "-M", 4, "--output", saved)
+    assert result.exit_code == 0, result.output
+    assert json.loads(saved.read_text())["precision"] == "bf16"
+    planned = json.loads(invoke("plan", "--profile", saved, "--gpus", 2, "--json", "--precision", "bf16").stdout)
+    assert planned and {e["precision"] for e in planned} == {"bf16"}
+    table = invoke("plan", "--profile", saved, "--gpus", 2)
+    assert "plan: 2 ranks, batch 8, bf16" in " ".join(table.stdout.split())
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
