@@ -30,10 +30,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
-from autotune.candidate import DATA_PARALLEL_MODES, pipeline_layouts  # noqa: E402
+from autotune.candidate import DATA_PARALLEL_MODES, pipeline_layouts, stage_bounds  # noqa: E402
 from autotune.costs import LayerCost, Profile  # noqa: E402
 from autotune.graph_cache import planning  # noqa: E402
+from autotune.memory_model import (  # noqa: E402
+    dp_shards,
+    parameter_memory_bytes,
+    receive_buffer_bytes,
+    unsharded_gradient_bytes,
+    working_copy_bytes,
+)
 from autotune.plan import PlannedCandidate, plan  # noqa: E402
+from autotune.schedules import stage_ranks  # noqa: E402
 from autotune.simulate import LinkModel  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 
@@ -105,8 +113,33 @@ def describe(p: PlannedCandidate) -> str:
     return f"{c.schedule.value}{extra}, B/M {c.n_microbatches}, M {c.micro_batch_size}"
 
 
-def per_layout(profile: Profile) -> list[list[object]]:
-    """Per pp x dp layout and data-parallel choice: the fastest feasible candidate, else the leanest."""
+def breakdown(profile: Profile, p: PlannedCandidate) -> list[object]:
+    """The fullest rank's peak, by the memory model's terms: what the parameters cost (float32 shards or whole
+    state; sharded, the working copy and the unsharded gradients), the receive buffers, and the rest (activations
+    held and rebuilt, sends, temporaries, the batch)."""
+    c, e = p.candidate, p.estimate
+    costs = profile.layer_costs(c.micro_batch_size)
+    rank = max(range(c.pipeline_degree), key=lambda r: e.peak_memory_bytes[r])
+    bounds = stage_bounds(c.layers_per_stage)
+    mine = [s for s, r in enumerate(stage_ranks(c.schedule, c.pipeline_degree, c.n_stages)) if r == rank]
+    params = sum(costs[i].parameter_bytes for s in mine for i in range(bounds[s], bounds[s + 1]))
+    receive = 0.0
+    for s in mine:
+        stage_in = profile.input_bytes_at(c.micro_batch_size) if s == 0 else costs[bounds[s] - 1].output_bytes
+        receive += receive_buffer_bytes(stage_in, costs[bounds[s + 1] - 1].output_bytes, candidate=c,
+                                        first=s == 0, last=s == c.n_stages - 1)
+    state = parameter_memory_bytes(params, profile.optimizer_state_ratio, dp_shards(c))
+    copy = working_copy_bytes(params, candidate=c)
+    grads = unsharded_gradient_bytes(params, candidate=c)
+    peak = e.peak_memory_bytes[rank]
+    rest = peak - state - copy - grads - receive
+    return [f"{c.pipeline_degree}×{c.data_parallel_degree}", kind(p), describe(p), rank, *(format_bytes(int(x)) for x in
+            (params, state, copy, grads, receive, rest, peak))]
+
+
+def per_layout(profile: Profile, details: list[list[object]] | None = None) -> list[list[object]]:
+    """Per pp x dp layout and data-parallel choice: the fastest feasible candidate, else the leanest (and, into
+    details, where its fullest rank's memory goes)."""
     rows: list[list[object]] = []
     for pp, dp in pipeline_layouts(NODES * GPUS_PER_NODE, BATCH, profile.n_layers):
         started = time.perf_counter()
@@ -122,6 +155,8 @@ def per_layout(profile: Profile) -> list[list[object]]:
             feasible = [p for p in mine if p.estimate.feasible]
             best = feasible[0] if feasible else min(mine, key=lambda p: max(p.estimate.peak_memory_bytes))
             e = best.estimate
+            if details is not None:
+                details.append(breakdown(profile, best))
             rows.append([f"{pp}×{dp}", choice, "yes" if feasible else "no", describe(best),
                          round(e.step_time_ms / 1e3, 1), format_bytes(max(e.peak_memory_bytes)),
                          round(e.gather_ms / 1e3, 2), round(e.reduce_scatter_ms / 1e3, 2), round(took, 1)])
@@ -168,7 +203,8 @@ def main() -> None:
     profile = llama70b_profile(args.tflops)
     parameters = sum(c.parameter_bytes for c in profile.layer_costs(1)) // 4
     compute = pure_compute_s(profile)
-    rows = per_layout(profile)
+    details: list[list[object]] = []
+    rows = per_layout(profile, details)
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(tmp) / "llama70b.json"
         profile_path.write_text(json.dumps(profile.to_dict()))
@@ -185,6 +221,10 @@ def main() -> None:
         "Each layout and data-parallel choice: the fastest that fits, else the leanest (plan() per layout)":
             _results.markdown_table(["pp×dp", "data parallel", "fits 80 GiB", "schedule", "step s", "peak / rank",
                                      "all-gather s", "reduce-scatter s", "plan s"], rows),
+        "Where the fullest rank's memory goes (the same rows)": _results.markdown_table(
+            ["pp×dp", "data parallel", "schedule", "rank", "parameters (fp32)", "state (fp32: params, grads, "
+             "AdamW; sharded: param + AdamW shards)", "working copy (bf16)", "unsharded fp32 grads",
+             "receive buffers", "rest (activations, sends, temporaries, batch)", "peak"], details),
         "The after plan's top 5": _results.markdown_table(
             ["#", "pp×dp", "data parallel", "schedule", "step s", "peak / rank"],
             [[i + 1, *cli_row("", e)[1:]] for i, e in enumerate(after)]),
