@@ -41,7 +41,7 @@ from autotune.memory_model import (  # noqa: E402
     working_copy_bytes,
 )
 from autotune.plan import PlannedCandidate, plan  # noqa: E402
-from autotune.schedules import stage_ranks  # noqa: E402
+from autotune.schedules import parse_schedule, stage_ranks  # noqa: E402
 from autotune.simulate import LinkModel  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 
@@ -114,9 +114,10 @@ def describe(p: PlannedCandidate) -> str:
 
 
 def breakdown(profile: Profile, p: PlannedCandidate) -> list[object]:
-    """The fullest rank's peak, by the memory model's terms: what the parameters cost (float32 shards or whole
-    state; sharded, the working copy and the unsharded gradients), the receive buffers, and the rest (activations
-    held and rebuilt, sends, temporaries, the batch)."""
+    """The fullest rank's peak beside the memory model's largest terms for the stages it holds: what the parameters
+    cost (float32 state, or sharded: the parameter and AdamW shards, the working copy and the unsharded gradients)
+    and the receive buffers. The terms need not peak together (resharding lets go of copies; with two stages per
+    rank, one stage's gradients may be reduced before the other's accumulate)."""
     c, e = p.candidate, p.estimate
     costs = profile.layer_costs(c.micro_batch_size)
     rank = max(range(c.pipeline_degree), key=lambda r: e.peak_memory_bytes[r])
@@ -132,9 +133,22 @@ def breakdown(profile: Profile, p: PlannedCandidate) -> list[object]:
     copy = working_copy_bytes(params, candidate=c)
     grads = unsharded_gradient_bytes(params, candidate=c)
     peak = e.peak_memory_bytes[rank]
-    rest = peak - state - copy - grads - receive
-    return [f"{c.pipeline_degree}×{c.data_parallel_degree}", kind(p), describe(p), rank, *(format_bytes(int(x)) for x in
-            (params, state, copy, grads, receive, rest, peak))]
+    return [f"{c.pipeline_degree}×{c.data_parallel_degree}", kind(p), describe(p), rank,
+            *(format_bytes(int(x)) for x in (params, state, copy, grads, receive, peak))]
+
+
+def busiest_rank_compute_s(profile: Profile, entry: dict[str, object]) -> float:
+    """The busiest pipeline rank's compute per step in a plan's JSON entry: its stages' forward and backward (and
+    recompute, checkpointed) for every micro-batch, nothing else."""
+    m, pp = int(entry["num_microbatches"]), int(entry["pipeline_degree"])  # type: ignore[call-overload]
+    split = [int(n) for n in entry["layers_per_stage"]]  # type: ignore[attr-defined]
+    costs = profile.layer_costs(int(entry["micro_batch_size"]))  # type: ignore[call-overload]
+    bounds = stage_bounds(split)
+    per_rank = [0.0] * pp
+    for s, r in enumerate(stage_ranks(parse_schedule(str(entry["schedule"])), pp, len(split))):
+        for c in costs[bounds[s]:bounds[s + 1]]:
+            per_rank[r] += c.forward_ms + c.backward_ms + (c.forward_ms if entry["activation_checkpointing"] else 0)
+    return max(per_rank) * m / 1e3
 
 
 def per_layout(profile: Profile, details: list[list[object]] | None = None) -> list[list[object]]:
@@ -224,7 +238,7 @@ def main() -> None:
         "Where the fullest rank's memory goes (the same rows)": _results.markdown_table(
             ["pp×dp", "data parallel", "schedule", "rank", "parameters (fp32)", "state (fp32: params, grads, "
              "AdamW; sharded: param + AdamW shards)", "working copy (bf16)", "unsharded fp32 grads",
-             "receive buffers", "rest (activations, sends, temporaries, batch)", "peak"], details),
+             "receive buffers", "peak"], details),
         "The after plan's top 5": _results.markdown_table(
             ["#", "pp×dp", "data parallel", "schedule", "step s", "peak / rank"],
             [[i + 1, *cli_row("", e)[1:]] for i, e in enumerate(after)]),
@@ -240,8 +254,15 @@ def main() -> None:
         "the layout (this machine, shared). The sharded memory follows torch's pipeline stage: gradients accumulate "
         "unsharded in float32 until the stage's last backward (no reduce-scatter per micro-batch), and a stage a "
         "backward gathered stays gathered until the next forward (or the step's end without resharding).\n\n"
-        f"After-planner CLI wall time {after_s:.0f} s"
-        + (f"; before {before[1]:.0f} s." if before else ".")
+        f"The after plan's best, {after[0]['pipeline_degree']}×{after[0]['data_parallel_degree']}: its busiest "
+        f"rank computes {busiest_rank_compute_s(profile, after[0]):.1f} s per step (its stages' forward, backward "
+        "and recompute for every micro-batch), against the 34 s of a perfect spread: 82 layers do not split evenly "
+        "over its ranks, and full checkpointing adds a forward. What binds memory: for shard, the unsharded float32 "
+        "gradients (4 B per parameter of the rank's stages, as torch's pipeline stage defers the reduce-scatter to "
+        "the stage's last backward) and torch's receive buffers (one per micro-batch, in and out) before the "
+        "sharded state; so pp 8 x 8 shard, whose state is 13 GiB, needs 90 GiB.\n\n"
+        f"After-planner CLI wall time {after_s:.0f} s" + (f"; before {before[1]:.0f} s." if before else ".")
+        + " (This machine is shared: times are not benchmarks.)"
     )
     data = {"per_layout": rows, "after": after, "before": before[0] if before else None,
             "pure_compute_s": compute, "parameters": parameters, "tflops": args.tflops}
