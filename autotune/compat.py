@@ -8,12 +8,16 @@
     running its own orders (VHalf, VMin)     _PipelineScheduleRuntime, _Action, _ComputationType,
                                              _prepare_schedule_with_comms (pipelining.schedules)
     V placement on torch 2.11 with gloo      PipelineStage._get_init_p2p_neighbors_ops (self-sends dropped)
-    live tensor bytes on CPU                 TorchDispatchMode (utils._python_dispatch), tree_flatten (utils._pytree)
+    live tensor bytes on CPU                 TorchDispatchMode, is_traceable_wrapper_subclass
+                                             (utils._python_dispatch), tree_flatten (utils._pytree)
     saved activations that are parameters    Tensor._base
     BatchNorm anywhere in a layer            _BatchNorm (nn.modules.batchnorm)
     reading torch's failures                 its error texts (broken connections, out of memory) and source paths
     a rank's completed compute actions       PipelineStage.forward_one_chunk, backward_one_chunk,
                                              backward_weight_one_chunk (what torch's schedules call per action)
+    split backwards of FSDP2 stages that     PipelineStage.backward_maybe_with_nosync (where torch's stage reads
+    reshard after forward                    the weights its input-only backward leaves for W)
+    storage for FSDP2 shards built on meta   nn.Module._apply (FSDPModule overrides it to re-pad its shards)
 
 Importing this module checks the torch version against the tested range (a TorchVersionWarning outside it, no
 more); a symbol is looked up when first needed, and a missing one is a TorchAPIError (exit 4) that names it, the
@@ -253,6 +257,18 @@ except ImportError:  # pragma: no cover - a torch without them is outside any te
         return symbol("torch.utils._pytree", "tree_flatten")(tree)
 
 
+def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding a tensor's storage: a wrapper subclass's inner tensors (a DTensor's local shard: FSDP2's
+    parameters and gradients), else the tensor itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()  # a DTensor's: its local tensor and (torch 2.14) its device mesh
+    inner = [getattr(tensor, name) for name in names]
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in stored_tensors(value)]
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was taken of (None for a tensor that is no view)."""
     return tensor._base
@@ -307,6 +323,42 @@ TORCH_DISTRIBUTED_PATH = "torch/distributed"
 
 TORCH_PATH = "/torch/"
 """In a stack frame's file name: the frame is inside torch."""
+
+
+def give_shards_storage(module: torch.nn.Module, device: torch.device) -> None:
+    """Storage on `device` for the FSDP2 shards (DTensors) of a module sharded on the meta device, each parameter
+    swapped in place (a DTensor is a wrapper subclass: nn.Module._apply keeps its identity), and FSDP2 re-pads its
+    shards after (FSDPModule._apply), as for module.to_empty(), but leaving the real buffers and parameters outside
+    FSDP2 as they are (to_empty would empty the buffers and give a tied parameter two new objects)."""
+    from torch.distributed.tensor import DTensor
+
+    def storage(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=device) if isinstance(t, DTensor) and t.is_meta else t
+
+    module._apply(storage)
+
+
+def unshard_before_split_backward(stage: Any) -> Any:
+    """torch's input-only backward (I, split-backward schedules: ZBVZeroBubble, InterleavedZeroBubble, DualPipeV,
+    VHalf, VMin) finds the weights whose gradients W computes later through the stage module's registered parameters
+    at that moment, and W maps them back the same way. An FSDP2 unit that resharded after a forward
+    (reshard_after_forward) has its sharded DTensors registered then, not the unsharded parameters the forward's
+    graph used: W finds nothing (those gradients stay None) or fails (a KeyError on an AccumulateGrad) (torch 2.11
+    and 2.14). So, before an I or a W, the stage's units are gathered (FSDPModule.unshard: a no-op for a unit
+    gathered already), as a full backward's pre-backward hooks would do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = stage.backward_maybe_with_nosync
+
+    def backward_maybe_with_nosync(backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False) -> Any:
+        if backward_type in ("input", "weight"):
+            for module in stage.submod.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
+        return original(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    stage.backward_maybe_with_nosync = backward_maybe_with_nosync
+    return stage
 
 
 def prepare_stage(stage: Any) -> Any:

@@ -11,9 +11,12 @@ import torch.distributed as dist
 from autotune.placement import RankOrder, global_rank, grid_position
 
 if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
     from autotune.candidate import Candidate
 
-__all__ = ["GROUPS", "RankLayout", "init_groups", "new_group"]
+__all__ = ["GROUPS", "RankLayout", "dp_mesh", "init_groups", "new_group"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,3 +109,11 @@ def init_groups(layout: RankLayout) -> tuple[dist.ProcessGroup | None, dist.Proc
         cache.meshes[key] = (mesh["pp"].get_group(), mesh["dp"].get_group())
         cache.created += 1
     return cache.meshes[key]
+
+
+def dp_mesh(dp_group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The 1-D DeviceMesh of a data-parallel group, for FSDP2 (autotune.sharding): the group's own ranks, no new
+    process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dp_group, device.type)

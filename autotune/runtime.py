@@ -16,10 +16,11 @@ or, with a data loader per replica (its replica_batch_size rows), keeping only w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,19 +29,30 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
-from autotune import compat
+from autotune import compat, sharding
 from autotune.candidate import Candidate, WireDtype, stage_bounds
 from autotune.errors import InvalidCandidateError
-from autotune.model_file import ModelSpec, build_blocks, build_optimizer, input_tensors, load_model_file, map_inputs
+from autotune.model_file import (
+    SEED,
+    ModelSpec,
+    build_blocks,
+    build_optimizer,
+    build_skeleton,
+    input_tensors,
+    load_model_file,
+    map_inputs,
+)
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
 from autotune.process_groups import (  # RankLayout, init_groups: part of this module's interface
     RankLayout,
+    dp_mesh,
     init_groups,
     new_group,
 )
 from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
+from autotune.sharding import local_tensor
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
@@ -75,21 +87,43 @@ class _ContiguousGrad(torch.autograd.Function):
 class StageBoundary(nn.Module):
     """What crosses between stages: gloo and NCCL send only contiguous tensors, and torch's stages send outputs and
     input gradients as the model made them (a transpose in a ViT's patch embedding is enough to break a run). So
-    outputs and input gradients are made contiguous here, and with `wire_dtype` activations travel in that dtype
-    (and so their gradients): floating inputs are cast back to float32 on arrival; the last stage's output keeps
-    its dtype for the loss."""
+    outputs and input gradients are made contiguous here, and with `wire_dtype` floating outputs travel in that
+    dtype (and so their gradients); with `input_dtype` floating inputs are cast to it on arrival (float32 when a
+    float32 stage gets a bfloat16 wire).
 
-    def __init__(self, inner: nn.Module, *, wire_dtype: torch.dtype | None, last: bool) -> None:
+    Precision: with `autocast` the stage's forward runs under torch.autocast to that dtype (bf16 over float32
+    weights, the unsharded runs); with `float_output` the last stage's floating outputs reach the loss as float32
+    (as torchtitan casts its logits .float()). The last stage's output never goes on a wire."""
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        *,
+        wire_dtype: torch.dtype | None,
+        last: bool,
+        input_dtype: torch.dtype | None = None,
+        autocast: torch.dtype | None = None,
+        float_output: bool = False,
+        device_type: str = "cpu",
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.wire_dtype = wire_dtype
         self.last = last
+        self.input_dtype = input_dtype
+        self.autocast = autocast
+        self.float_output = float_output
+        self.device_type = device_type
 
     def forward(self, *args: torch.Tensor, **side: Any) -> Any:
         args = tuple(self._arrive(a) for a in args)
-        out = self.inner(*args, **side)
+        if self.autocast is not None:
+            with torch.autocast(self.device_type, dtype=self.autocast):
+                out = self.inner(*args, **side)
+        else:
+            out = self.inner(*args, **side)
         if self.last:
-            return out
+            return _as_float(out) if self.float_output else out
         if isinstance(out, tuple):
             return handoff(tuple(self._leave(t) for t in out), args)
         return handoff(self._leave(out), args) if isinstance(out, torch.Tensor) else out
@@ -104,9 +138,37 @@ class StageBoundary(nn.Module):
     def _arrive(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
             return x  # token ids
-        if self.wire_dtype is not None:
-            x = x.float()
+        if self.input_dtype is not None:
+            x = x.to(self.input_dtype)
         return _ContiguousGrad.apply(x) if x.requires_grad else x
+
+
+def _as_float(out: Any) -> Any:
+    """The last stage's floating output(s) as float32, for the loss."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, tuple):
+        return tuple(_as_float(t) for t in out)
+    return out
+
+
+def stage_boundary(inner: nn.Module, candidate: Candidate, stage: int, device: torch.device) -> StageBoundary:
+    """The StageBoundary of a candidate's stage. bf16 precision: bfloat16 activations, so a bfloat16 wire whatever
+    wire_dtype says (its float32 would only widen what the stage computed in bfloat16), autocast unless FSDP2's
+    mixed precision casts the parameters (sharded); the loss gets float32. fp32 precision: the wire is wire_dtype,
+    and a bfloat16 wire's inputs are cast back to float32 on arrival."""
+    bf16 = candidate.precision == "bf16"
+    wire = torch.bfloat16 if bf16 or candidate.wire_dtype == "bfloat16" else None
+    return StageBoundary(
+        inner,
+        wire_dtype=wire,
+        last=stage == candidate.n_stages - 1,
+        # FSDP2's units cast their floating inputs to bfloat16 themselves; autocast keeps float32 between ops
+        input_dtype=torch.float32 if wire is not None and not (bf16 and candidate.sharded) else None,
+        autocast=torch.bfloat16 if bf16 and not candidate.sharded else None,
+        float_output=bf16,
+        device_type=device.type,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +218,13 @@ class RankPipeline:
     replicated: bool = False
     """Each stage runs under torch's DistributedDataParallel over dp_group: its gradients are averaged over the
     replicas in buckets during the stage's last backward (overlapped with it), not after the schedule."""
+    sharded: bool = False
+    """Each stage is FSDP2-sharded over dp_group (autotune.sharding): parameters and gradients are DTensors holding
+    this replica's shard, and FSDP2 averages the gradients over the replicas (reduce-scatter) when torch's schedule
+    ends each stage's backwards."""
+    unsharded: list[nn.Parameter] = field(default_factory=list)
+    """sharded: the parameters FSDP2 leaves out (held by two of this rank's FSDP units: a tied embedding on the rank
+    holding both its uses), whole on every replica and averaged over them after the schedule."""
     parameter_names: dict[int, str] = field(default_factory=dict)
     """id(parameter) -> its name in the user's model (the first, for a tied one)."""
     shared_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
@@ -253,25 +322,29 @@ class RankPipeline:
 
     def reduce_gradients(self) -> None:
         """Sum tied gradients over the ranks holding them, then average every gradient over micro-batches and
-        replicas (replicated: DistributedDataParallel averaged them over the replicas during the backward; else one
-        flat all-reduce over this rank's replicas)."""
+        replicas: replicated, DistributedDataParallel averaged them over the replicas during the backward; sharded,
+        FSDP2 did (reduce-scatter, in float32), except for the parameters it leaves whole (unsharded); the rest in
+        one flat all-reduce over this rank's replicas. Sums of a tied parameter's shards are sums of its gradient:
+        both holders shard it alike (same shape, same replicas)."""
         for params, group in self.shared_groups:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-        replicas = 1 if self.replicated else self.candidate.data_parallel_degree
-        scale = 1.0 / (self.candidate.n_microbatches * replicas)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
+                dist.all_reduce(local_tensor(p.grad), group=group)
         if self.dp_group is None or self.replicated:
-            for grad in grads:
-                grad.mul_(scale)
+            by_hand: list[nn.Parameter] = []
+        else:
+            by_hand = self.unsharded if self.sharded else self.parameters()
+        mine = {id(p) for p in by_hand}
+        for p in self.parameters():
+            if p.grad is not None and id(p) not in mine:
+                p.grad.mul_(1.0 / self.candidate.n_microbatches)
+        grads = [p.grad for p in by_hand if p.grad is not None]
+        if not grads:
             return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.dp_group)
-        flat *= scale
+        flat *= 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
         for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(reduced.view_as(grad))
 
@@ -285,8 +358,11 @@ def _release_others(model: nn.Module, modules: list[nn.Module]) -> None:
             release(t)
 
 
-def _load_state(spec: ModelSpec, model: nn.Module, modules: list[nn.Module], load_state: LoadState) -> None:
-    """Copy real weights into this rank's parameters and buffers, asking load_state for exactly their names."""
+def _load_state(
+    spec: ModelSpec, model: nn.Module, modules: list[nn.Module], load_state: LoadState, names: dict[int, str]
+) -> None:
+    """Copy real weights into this rank's parameters and buffers, asking load_state for exactly their names (a
+    parameter by its first name in the model, names[id]; a sharded one gets its shard of the value)."""
     from autotune.errors import ModelFileError
 
     mine = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
@@ -295,7 +371,7 @@ def _load_state(spec: ModelSpec, model: nn.Module, modules: list[nn.Module], loa
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in mine and id(t) not in seen:  # a tied parameter once, under its first name
             seen.add(id(t))
-            wanted[name] = t
+            wanted[names.get(id(t), name)] = t
     try:
         state = load_state(sorted(wanted))
     except Exception as exc:  # the user's loader can raise anything
@@ -314,7 +390,20 @@ def _load_state(spec: ModelSpec, model: nn.Module, modules: list[nn.Module], loa
                     f"{spec.path}: load_state returned {name} of shape {tuple(value.shape)}; the model's is "
                     f"{tuple(t.shape)}"
                 )
-            t.copy_(value)
+            sharding.copy_full(t, value)
+
+
+@contextmanager
+def _renamed(modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
+    """Keep `names` (id(parameter) -> its name in the model) true across a block that replaces the modules'
+    parameters under the same names (fully_shard registers DTensors in place of the originals)."""
+    held = [{key: names[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in names}
+            for module in modules]
+    yield
+    for module, known in zip(modules, held):
+        for key, p in module.named_parameters(remove_duplicate=False):
+            if key in known:
+                names.setdefault(id(p), known[key])
 
 
 def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -340,7 +429,9 @@ def build_pipeline(
     """Build this rank's stages only: the model on the meta device, the blocks of this rank's stages materialised on
     `device` with their per-block initialisation (autotune.models.materialize: every rank holding a tied parameter
     gets the same values), then, with `load_state`, real weights for them; wrapped in torch's schedule. Every rank
-    calls this (it creates the process groups of tied parameters, on every rank).
+    calls this (it creates the process groups of tied parameters, on every rank). A sharded candidate's stages are
+    FSDP2-sharded over dp_group on the meta device first, and only this rank's shards get storage and values
+    (autotune.sharding); its bf16 is FSDP2's mixed precision, an unsharded one's torch.autocast (stage_boundary).
 
     load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
     one must be returned (copied into the rank's tensors, cast to their dtype).
@@ -358,28 +449,50 @@ def build_pipeline(
         )
     bounds = stage_bounds(candidate.layers_per_stage)
     mine = [b for s in stage_indices for b in range(bounds[s], bounds[s + 1])]
-    blocks = build_blocks(spec, only=mine, device=device)
-    wire_dtype = torch.bfloat16 if candidate.wire_dtype == "bfloat16" else None
+    if candidate.sharded and dp_group is None:
+        from autotune.errors import ConfigError
+
+        raise ConfigError("a sharded candidate needs its data-parallel group: pass dp_group (runtime.init_groups)")
+    # Sharded: every block stays on the meta device until FSDP2 has sharded it (autotune.sharding).
+    blocks = build_skeleton(spec) if candidate.sharded else build_blocks(spec, only=mine, device=device)
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
     for s in stage_indices:
         module: nn.Module = blocks.stage(bounds[s], bounds[s + 1])
         if candidate.activation_checkpointing:
             module = CheckpointedStage(module)
-        module = StageBoundary(module, wire_dtype=wire_dtype, last=s == candidate.n_stages - 1)
-        module.to(device)
+        module = stage_boundary(module, candidate, s, device)
+        if not candidate.sharded:
+            module.to(device)
         modules.append(module)
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
+    unsharded: list[nn.Parameter] = []
+    if candidate.sharded:
+        # which parameters are tied is read (and kept: a cached property) while every block still holds the
+        # originals: fully_shard replaces them in this rank's blocks only
+        blocks.shared_parameters()
+        ignored = sharding.tied_on_rank(blocks.blocks, mine)
+        unsharded = list(ignored)
+        mesh = dp_mesh(cast(dist.ProcessGroup, dp_group), device)
+        with _renamed(modules, names):
+            for s, module in zip(stage_indices, modules):
+                sharding.shard_stage(module, blocks.blocks[bounds[s]:bounds[s + 1]], mesh=mesh, candidate=candidate,
+                                     ignored=ignored)
+        sharding.materialize_shards(spec, blocks.blocks, mine, modules, device=device, seed=SEED)
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
     _release_others(blocks.model, modules)
     if load_state is not None:
-        _load_state(spec, blocks.model, modules, load_state)
+        _load_state(spec, blocks.model, modules, load_state, names)
     del blocks
-    replicated = overlap_gradient_sync and dp_group is not None and overlaps_gradient_sync(candidate, modules)
+    replicated = (overlap_gradient_sync and dp_group is not None and not candidate.sharded
+                  and overlaps_gradient_sync(candidate, modules))
     for s, module in zip(stage_indices, modules):
         submod = _replicate(module, dp_group, device) if replicated else module
-        stages.append(compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group)))
+        stage = compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group))
+        if candidate.reshard_after_forward and candidate.sharded and SCHEDULES[candidate.schedule].splits_backward:
+            stage = compat.unshard_before_split_backward(stage)
+        stages.append(stage)
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
     return RankPipeline(
         spec=spec,
@@ -392,6 +505,8 @@ def build_pipeline(
         dp_group=dp_group,
         pp_group=pp_group,
         replicated=replicated,
+        sharded=candidate.sharded,
+        unsharded=unsharded,
         device=device,
         parameter_names=names,
         shared_groups=groups,
@@ -404,16 +519,20 @@ def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatche
     """The same stages over the same modules (parameters and .grad shared, no copy) with another wire dtype and a
     schedule of n_microbatches micro-batches of the same size: torch stage objects and a schedule only, no
     parameters, no process groups (the pipeline's own are reused). For a comparison on the first micro-batches
-    (trial.worker's wire error); it has no optimizer step of its own (the pipeline's optimizer is shared)."""
+    (trial.worker's wire error); it has no optimizer step of its own (the pipeline's optimizer is shared). Not for a
+    sharded pipeline: its stage modules are FSDP2's roots, which a new boundary around them cannot replace."""
+    if pipe.sharded:
+        from autotune.errors import ConfigError
+
+        raise ConfigError("rewired_pipeline cannot rewire FSDP2-sharded stages; compare wires on a replicate layout")
     base = pipe.candidate
     candidate = replace(base, wire_dtype=wire_dtype, n_microbatches=n_microbatches,
                         global_batch_size=n_microbatches * base.micro_batch_size * base.data_parallel_degree)
-    dtype = torch.bfloat16 if wire_dtype == "bfloat16" else None
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
     for s, old in zip(pipe.stage_indices, pipe.modules):
         inner = old.inner if isinstance(old, StageBoundary) else old
-        module = StageBoundary(inner, wire_dtype=dtype, last=s == candidate.n_stages - 1)
+        module = stage_boundary(inner, candidate, s, pipe.device)
         modules.append(module)
         stages.append(compat.prepare_stage(
             PipelineStage(module, s, candidate.n_stages, pipe.device, group=pipe.pp_group)))
@@ -486,8 +605,9 @@ def _shared_groups(
                 continue
             params: list[nn.Parameter] = []
             for parameter, held in zip(shared, holders):
-                p = named.get(parameter.names[0])
-                if held == ranks and p is not None and id(p) in by_id and id(p) in params_of:
+                # the first name's module may hold the original: sharded, only this rank's blocks hold the DTensor
+                p = next((named[n] for n in parameter.names if n in named and id(named[n]) in by_id), None)
+                if held == ranks and p is not None and id(p) in params_of:
                     params.append(p)
             mine.append((params, group))
     return mine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated, Any
 
 import typer
@@ -24,6 +25,7 @@ from autotune.cli.options import (
     JsonOpt,
     MemoryOpt,
     ModelArg,
+    PrecisionOpt,
     RunTimeoutOpt,
     SplitAtOpt,
     StepsOpt,
@@ -34,6 +36,13 @@ from autotune.cli.options import (
     parse_split_at,
 )
 from autotune.errors import STATUS_EXIT_CODES
+
+
+class DataParallelChoice(str, Enum):
+    """--data-parallel choices of one trial: the candidate's DataParallelMode values."""
+
+    replicate = "replicate"
+    shard = "shard"
 
 
 @app.command(epilog=EXIT_CODES_HELP)
@@ -64,10 +73,29 @@ def trial(
         WireDtypeChoice,
         typer.Option(
             "--wire-dtype",
-            help="dtype of activations and gradients sent between stages. bfloat16 also measures the gradients' "
-            "relative error against a float32 wire on the first micro-batches, through the same stages.",
+            help="dtype of activations and gradients sent between stages (fp32 precision; bf16 sends bfloat16). "
+            "bfloat16 also measures the gradients' relative error against a float32 wire on the first "
+            "micro-batches, through the same stages (not when sharded).",
         ),
     ] = WireDtypeChoice.float32,
+    precision: PrecisionOpt = None,
+    data_parallel: Annotated[
+        DataParallelChoice,
+        typer.Option(
+            "--data-parallel",
+            help="How the --dp replicas hold their stages: replicate (each holds them whole: DDP) or shard (FSDP2: "
+            "parameters, gradients and optimizer state split over the replicas; needs --dp 2 or more).",
+        ),
+    ] = DataParallelChoice.replicate,
+    reshard_after_forward: Annotated[
+        bool,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="With --data-parallel shard: free each stage's gathered parameters after every micro-batch's "
+            "forward and gather them again (less memory, an all-gather per micro-batch); default: keep them "
+            "gathered for the step.",
+        ),
+    ] = False,
     steps: StepsOpt = 5,
     warmup: WarmupOpt = 2,
     timeout: RunTimeoutOpt = "300",
@@ -87,7 +115,7 @@ def trial(
         timeout_s = parse_seconds(timeout, "--timeout")
         start_fork_server()
         from autotune.candidate import Candidate, uniform_split
-        from autotune.devices import cpu_oversubscription, resolve_device
+        from autotune.devices import cpu_oversubscription, default_precision, resolve_device
         from autotune.errors import UsageError
         from autotune.model_file import check_model, load_model_file
         from autotune.schedules import default_stages_per_rank, parse_schedule
@@ -98,6 +126,12 @@ def trial(
         chosen = parse_schedule(schedule)
         if gpus % dp:
             raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
+        if data_parallel is DataParallelChoice.shard and dp == 1:
+            raise UsageError("--data-parallel shard needs --dp 2 or more (one replica has nothing to shard over); "
+                             "pass --dp, or --data-parallel replicate")
+        if reshard_after_forward and data_parallel is not DataParallelChoice.shard:
+            raise UsageError("--reshard-after-forward applies to --data-parallel shard only; add --data-parallel "
+                             "shard or leave it off")
         with time_limit(timeout_s, path=model, what=MODEL_CHECK):
             spec = load_model_file(model, split_at=parse_split_at(split_at))
             check_model(spec, batch_size)
@@ -107,6 +141,7 @@ def trial(
             err_console.print(f"[yellow]warning:[/yellow] {batchnorm_warning(spec)}", highlight=False)
         pp = gpus // dp
         split = parse_split(layers_per_stage) or uniform_split(spec.n_layers, pp * default_stages_per_rank(chosen))
+        device_choice = resolve_device(device.value)
         candidate = Candidate(
             schedule=chosen,
             pipeline_degree=pp,
@@ -116,6 +151,9 @@ def trial(
             layers_per_stage=split,
             activation_checkpointing=activation_checkpointing,
             wire_dtype=wire_dtype.value,
+            precision=precision.value if precision else default_precision(device_choice, spec.precision),
+            data_parallel_mode=data_parallel.value,
+            reshard_after_forward=reshard_after_forward,
         )
         candidate.validate(spec.n_layers)
         options = TrialOptions(
@@ -123,7 +161,7 @@ def trial(
             warmup=warmup,
             timeout_s=timeout_s,
             memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
-            device=resolve_device(device.value),
+            device=device_choice,
             keep_run_dir=debugging(),
             measure_wire_error=wire_dtype is WireDtypeChoice.bfloat16,
         )
@@ -153,7 +191,11 @@ def render_measurement(m: Any) -> None:
     table.add_row("micro-batches (B/M)", f"{c.n_microbatches} of {c.micro_batch_size} samples")
     table.add_row("layers per stage", ", ".join(map(str, c.layers_per_stage)))
     table.add_row("activation checkpointing", "yes" if c.activation_checkpointing else "no")
-    table.add_row("between stages", c.wire_dtype)
+    table.add_row("precision", "bf16 (float32 master weights)" if c.precision == "bf16" else "fp32")
+    if c.data_parallel_degree > 1:
+        mode = "shard (FSDP2)" if c.sharded else "replicate"
+        table.add_row("data parallel", mode + (", reshard after forward" if c.reshard_after_forward else ""))
+    table.add_row("between stages", "bfloat16" if c.precision == "bf16" else c.wire_dtype)
     if m.status == "ok":
         table.add_row("step time (median)", f"{m.step_time_ms:.1f} ms")
         table.add_row("throughput", f"{m.throughput_samples_per_s:.1f} samples/s")

@@ -80,7 +80,8 @@ class TrialOptions:
     measure_wire_error: bool = False
     """For a bfloat16-wire candidate: also run the first micro-batches (the fewest its schedule runs) forward and
     backward with a float32 wire and with its own, through the same stages, and report the gradients' relative error
-    on a strided sample of them (Measurement.wire_grad_rel_error). Its memory counts in the trial's peak."""
+    on a strided sample of them (Measurement.wire_grad_rel_error). Its memory counts in the trial's peak. Skipped
+    (None) for bf16 compute and for sharded candidates (trial.worker.measures_wire_error)."""
 
 
 def trial_timeout_s(options: TrialOptions, predicted_step_s: float) -> float:

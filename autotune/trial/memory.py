@@ -4,7 +4,9 @@ and on both, the peak of saved activations alone (SavedActivationBytes).
 What the CPU tracker counts: the bytes of every tensor storage alive in the rank's process at the start of the
 tracked step (parameters, gradients, optimizer state, the global batch, torch's receive buffers), plus every storage
 an operator creates during the step until it is freed (activations, gradients, temporaries, optimizer updates).
-Views and in-place results share their input's storage and are counted once. Not counted: memory outside tensors
+Views and in-place results share their input's storage and are counted once. A DTensor (FSDP2's sharded parameters,
+gradients and optimizer state) counts as its local shard; FSDP2's gathered parameters and its all-gather and
+reduce-scatter buffers are plain tensors, counted while they live. Not counted: memory outside tensors
 (Python objects, gloo's own buffers, allocator slack), so it reads lower than RSS but tracks what the GPU allocator
 would hold.
 """
@@ -20,7 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.compat import ALLOCATION_BYTES, OUT_OF_MEMORY_TEXT, TorchDispatchMode, tree_flatten, view_base
+from autotune.compat import (
+    ALLOCATION_BYTES,
+    OUT_OF_MEMORY_TEXT,
+    TorchDispatchMode,
+    stored_tensors,
+    tree_flatten,
+    view_base,
+)
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -60,10 +69,14 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
+        for stored in stored_tensors(tensor):  # a DTensor: its local shard (the mode sees no op inside DTensor's)
+            self._track_storage(stored)
+
+    def _track_storage(self, tensor: torch.Tensor) -> None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return  # sparse / wrapper tensors without a storage
+            return  # sparse tensors without a storage
         key = id(storage)
         if key in self._live:
             return
@@ -110,14 +123,14 @@ class PeakBreakdown(LiveTensorBytes):
         self._op = str(getattr(func, "__name__", func))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track_storage(self, tensor: torch.Tensor) -> None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
         if id(storage) not in self._live:
             self._origin[id(storage)] = (storage.data_ptr(), f"{self._op} in {self.phase}")
-        super()._track(tensor)
+        super()._track_storage(tensor)
 
     def _new_peak(self) -> None:
         kind_of: dict[int, str] = {}
@@ -140,15 +153,16 @@ class SavedActivationBytes:
     pack() wraps each saved tensor in a holder whose lifetime is counted, not the tensor's: a receive buffer or a
     stage output outlives the graph, but the graph lets go of its holder when the backward (W, after a split
     backward) is done. Each storage counts once however many holders share it (a layer's output saved again as the
-    next layer's input). Not counted: parameters (and views of them, such as a Linear's weight.t()), the storages
-    in `exclude` (the step's batch: it lives anyway), and, with activation checkpointing, what checkpoint's own
-    hooks keep and recompute."""
+    next layer's input). Not counted: parameters (and views of them, such as a Linear's weight.t(); FSDP2's gathered
+    parameters are Parameters too), the storages in `exclude` (the step's batch: it lives anyway), and, with
+    activation checkpointing, what checkpoint's own hooks keep and recompute. Under torch.autocast the bfloat16
+    copies of weights that a micro-batch's graph keeps are counted: they live as long as its activations."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {s.untyped_storage().data_ptr() for t in exclude for s in stored_tensors(t)}
         self._holders: dict[int, list[int]] = {}
         """storage data_ptr -> [live holders, storage bytes]."""
 

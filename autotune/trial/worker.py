@@ -139,7 +139,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     peak_bytes = activation_bytes = 0
     n_warmup = max(job.warmup, 1)
     wire_error = None
-    if job.measure_wire_error and candidate.wire_dtype == "bfloat16":
+    if job.measure_wire_error and measures_wire_error(candidate):
         wire_error, peak_bytes = _measured(lambda: _wire_grad_error(pipe, batch), job, device)
     for i in range(n_warmup):
         if i == n_warmup - 1:
@@ -184,6 +184,13 @@ WIRE_SAMPLE_ELEMENTS = 2**18
 """At most this many gradient elements (1 MiB) of the float32-wire pass are kept to compare, and at most one in
 WIRE_SAMPLE_STRIDE: an evenly strided sample over all the rank's parameters, not a copy of them."""
 WIRE_SAMPLE_STRIDE = 16
+
+
+def measures_wire_error(candidate: Candidate) -> bool:
+    """Whether a trial compares a bfloat16 wire's gradients with a float32 wire's: for float32 compute over a
+    bfloat16 wire, not sharded. bf16 compute sends bfloat16 whatever the wire (runtime.stage_boundary): nothing to
+    compare; FSDP2's stage modules cannot be rewired (runtime.rewired_pipeline): compare on a replicate layout."""
+    return candidate.wire_dtype == "bfloat16" and candidate.precision == "fp32" and not candidate.sharded
 
 
 def _wire_grad_error(pipe: RankPipeline, batch: RankBatch) -> float | None:

@@ -114,6 +114,8 @@ def test_missing_model_file(tmp_path):
         (["--schedule", "PipeDream"], "unknown schedule"),
         (["--layers-per-stage", "a,b"], "cannot read --layers-per-stage"),
         (["--memory-limit", "lots"], "cannot read size"),
+        (["--data-parallel", "shard"], "--data-parallel shard needs --dp 2 or more"),
+        (["--dp", "2", "--reshard-after-forward"], "--reshard-after-forward applies to --data-parallel shard only"),
     ],
 )
 def test_invalid_candidates_are_refused_before_launch(tmp_path, extra, fragment):
@@ -189,3 +191,29 @@ def test_failed_trial_exit_code_and_json(model_file):
     assert result.exit_code == 3
     data = json.loads(result.stdout)
     assert data["status"] == "oom" and data["error"]["rank"] == 1
+
+
+@pytest.mark.dist
+def test_a_sharded_bf16_trial_runs_with_its_state_split_over_the_replicas():
+    """--data-parallel shard on pp 2 x dp 2 (FSDP2, bf16 mixed precision, resharding after forward): it runs, says so
+    in its JSON, and rank 0's peak stays below what its stage's whole state takes (parameters, gradients and AdamW's
+    two moments: 16 bytes a parameter), which every replicate layout holds."""
+    from autotune.candidate import stage_bounds, uniform_split
+    from autotune.model_file import build_blocks, load_model_file
+
+    result = invoke("trial", RECIPES / "mlp.py", "--gpus", "4", "--dp", "2", "--device", "cpu", "--batch-size", "32",
+                    "--microbatches", "4", "--schedule", "1F1B", "--steps", "1", "--warmup", "1", "--data-parallel",
+                    "shard", "--reshard-after-forward", "--precision", "bf16", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["status"] == "ok", data["error"]
+    layout = (data["data_parallel_mode"], data["fsdp_reshard_after_forward"], data["precision"])
+    assert layout == ("shard", True, "bf16")
+    assert data["wire_grad_rel_error"] is None and len(data["peak_memory_bytes"]) == 4
+    spec = load_model_file(RECIPES / "mlp.py")
+    bounds = stage_bounds(uniform_split(spec.n_layers, 2))
+    blocks = build_blocks(spec).blocks[bounds[0]:bounds[1]]
+    whole_state = 16 * sum(p.numel() for block in blocks for p in block.parameters())
+    assert 0 < data["peak_memory_bytes"][0] < whole_state
+    assert data["peak_memory_bytes"][0] == data["peak_memory_bytes"][2]  # replicas hold alike
+

@@ -2,7 +2,8 @@
 
 run_jobs runs several (model, candidate) jobs one after the other in one process group (every rank the same list),
 so a test module pays for the process start and the imports once; a job with steps > 0 also takes that many
-optimizer steps and saves the losses, the parameters after them and the optimizer's entries."""
+optimizer steps and saves the losses, the parameters after them (whole: a sharded one gathered), the optimizer's
+entries and the lowered actions of a multi-stage schedule."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
 from autotune.process_groups import GROUPS
 from autotune.runtime import RankLayout, build_pipeline, init_groups
+from autotune.sharding import full_tensor
 
 
 def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -> None:
@@ -54,7 +56,8 @@ def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
     pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
     inputs, targets = make_batch(spec, c.global_batch_size)
     losses = [[float(loss) for loss in pipe.forward_backward(inputs, targets)]]
-    grads = {name: p.grad.detach().clone() for name, p in pipe.named_layer_parameters().items()}
+    # a sharded parameter's gradient whole (full_tensor: a collective over its replicas, who list it alike)
+    grads = {name: full_tensor(p.grad).detach().clone() for name, p in pipe.named_layer_parameters().items()}
     torch.save(grads, out / f"grads-{rank}.pt")
     if not steps:
         return
@@ -66,11 +69,20 @@ def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
     torch.save(
         {
             "losses": losses,
-            "params": {name: p.detach().clone() for name, p in pipe.named_layer_parameters().items()},
+            "params": {name: full_tensor(p).detach().clone() for name, p in pipe.named_layer_parameters().items()},
             "optimizer": [names.get(id(p), "?") for g in pipe.optimizer.param_groups for p in g["params"]],
+            "actions": _actions(pipe.schedule),
         },
         out / f"steps-{rank}.pt",
     )
+
+
+def _actions(schedule: Any) -> list[str]:
+    """This rank's lowered actions as "stage:KIND" (torch's runtime schedules; empty for single-stage ones)."""
+    lowered = getattr(schedule, "pipeline_order_with_comms", None)
+    if not lowered:
+        return []
+    return [f"{a.stage_index}:{a.computation_type.name}" for a in lowered[schedule.rank]]
 
 
 def run_loaded(rank: int, world_size: int, model: str, candidate: dict, state_file: str, out_dir: str) -> None:
@@ -101,7 +113,7 @@ def run_loaded(rank: int, world_size: int, model: str, candidate: dict, state_fi
         torch.save(
             {
                 "asked": asked,
-                "params": {name: p.detach().clone() for name, p in pipe.named_layer_parameters().items()},
+                "params": {name: full_tensor(p).detach().clone() for name, p in pipe.named_layer_parameters().items()},
                 "real_elsewhere": real_elsewhere,
             },
             Path(out_dir) / f"loaded-{rank}.pt",

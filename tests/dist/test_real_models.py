@@ -5,7 +5,6 @@ data-parallel layout's loss; a Llama whose batch pads some sequences (recipes/hf
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from autotune.candidate import Candidate, uniform_split
 from autotune.model_file import ModelSpec, build_blocks, build_optimizer, load_model_file, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
 from tests.conftest import RECIPES
-from tests.dist import spawn_ranks
+from tests.dist import Runs, gathered, spawn_ranks
 
 pytest.importorskip("transformers")
 
@@ -61,11 +60,12 @@ LLAMA_1F1B = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_
                        layers_per_stage=(2, 4))
 
 
-def candidate(spec: ModelSpec, schedule: Schedule, *, pp: int = 2, dp: int = 1, m: int = 4) -> Candidate:
-    """16 samples in dp x m = 4 micro-batches of 4 in every layout: one loss, one gradient, one trajectory."""
+def candidate(spec: ModelSpec, schedule: Schedule, *, pp: int = 2, dp: int = 1, m: int = 4, **more: Any) -> Candidate:
+    """16 samples in dp x m = 4 micro-batches of 4 in every layout: one loss, one gradient, one trajectory. more:
+    other Candidate fields (data_parallel_mode, reshard_after_forward, precision)."""
     stages = pp * default_stages_per_rank(schedule)
     return Candidate(schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=16,
-                     n_microbatches=m, layers_per_stage=uniform_split(spec.n_layers, stages))
+                     n_microbatches=m, layers_per_stage=uniform_split(spec.n_layers, stages), **more)
 
 
 GPT2_LAYOUTS = {
@@ -76,6 +76,15 @@ GPT2_LAYOUTS = {
     "VHalf": dict(schedule=Schedule.V_HALF),
     "dp2": dict(schedule=Schedule.GPIPE, pp=1, dp=2, m=2),
     "pp2xdp2": dict(schedule=Schedule.ONE_F_ONE_B, dp=2, m=2),
+    # FSDP2 over the replicas (autotune.sharding). pp 1: both uses of the tied weight in one rank's stage, where
+    # FSDP2 leaves it whole; 1F1B and Interleaved1F1B: its shards on two ranks, summed; ZBV and VHalf: both uses on
+    # rank 0. Some reshard after each forward (VHalf's and ZBV's split backwards need compat's unshard before I/W).
+    "dp2-shard": dict(schedule=Schedule.GPIPE, pp=1, dp=2, m=2, data_parallel_mode="shard"),
+    **{f"pp2xdp2-shard-{name}": dict(schedule=schedule, dp=2, m=2, data_parallel_mode="shard", reshard_after_forward=r)
+       for name, schedule, r in [("GPipe", Schedule.GPIPE, False), ("1F1B", Schedule.ONE_F_ONE_B, True),
+                                 ("Interleaved1F1B", Schedule.INTERLEAVED_1F1B, False),
+                                 ("ZBVZeroBubble", Schedule.ZBV_ZERO_BUBBLE, True), ("VHalf", Schedule.V_HALF, True),
+                                 ("VHalf-keep", Schedule.V_HALF, False)]},
 }
 
 
@@ -112,71 +121,11 @@ def reference_grads(spec: ModelSpec, c: Candidate) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-class Runs:
-    """The pipelined runs the tests compare, launched on first use: every 2-rank job in one pair of rank processes
-    (one after the other, in one process group: the imports and the process start are paid once), the 4-rank ones
-    in another launch (tests/dist/grad_worker.py's run_jobs). A job gives each rank's first-step gradients and,
-    with steps, its losses, parameters and optimizer entries after them."""
-
-    def __init__(self, jobs: dict[str, tuple[ModelSpec, Candidate, int]], root: Path) -> None:
-        self.jobs = jobs
-        self.root = root
-        self.results: dict[str, list[dict[str, Any]]] = {}
-        self.failed: dict[int, str] = {}
-
-    def __getitem__(self, name: str) -> list[dict[str, Any]]:
-        world = self.jobs[name][1].world_size
-        if name not in self.results and world not in self.failed:
-            self._launch(world)
-        if name not in self.results:
-            pytest.fail(f"{name}: {self.failed[world]}")
-        return self.results[name]
-
-    def _launch(self, world: int) -> None:
-        from tests.dist import grad_worker
-
-        names = [name for name, (_, c, _) in self.jobs.items() if c.world_size == world]
-        store = self.root / f"world{world}"
-        store.mkdir()
-        jobs = []
-        for name in names:
-            spec, c, steps = self.jobs[name]
-            (store / name).mkdir()
-            jobs.append({"model": str(spec.path), "candidate": c.to_dict(), "out": str(store / name), "steps": steps})
-        codes = spawn_ranks(grad_worker.run_jobs, lambda rank: (rank, world, jobs, str(store)), world, timeout=240)
-        for name in names:
-            spec, c, steps = self.jobs[name]
-            files = [store / name / f"{'steps' if steps else 'grads'}-{rank}.pt" for rank in range(world)]
-            if not all(f.exists() for f in files):
-                break
-            self.results[name] = [
-                {"grads": torch.load(store / name / f"grads-{rank}.pt"),
-                 **(torch.load(store / name / f"steps-{rank}.pt") if steps else {})}
-                for rank in range(world)
-            ]
-        if codes != [0] * world:
-            self.failed[world] = f"rank exit codes {codes} (tracebacks on stderr); jobs run in order {names}"
-
-
 @pytest.fixture(scope="module")
 def runs(gpt2: ModelSpec, llama: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     jobs = {name: (gpt2, candidate(gpt2, **layout), STEPS) for name, layout in GPT2_LAYOUTS.items()}
     jobs["llama"] = (llama, LLAMA_1F1B, 0)
     return Runs(jobs, tmp_path_factory.mktemp("runs"))
-
-
-def gathered(ranks: list[dict[str, Any]], what: str) -> dict[str, torch.Tensor]:
-    """One tensor per parameter name over all ranks; a parameter on several ranks (a replica, a tied copy) must be
-    the same everywhere."""
-    merged: dict[str, torch.Tensor] = {}
-    for rank, result in enumerate(ranks):
-        for name, tensor in result[what].items():
-            if name in merged:
-                torch.testing.assert_close(tensor, merged[name], rtol=1e-5, atol=1e-7,
-                                           msg=f"{what} of {name} differ between ranks (rank {rank})")
-            else:
-                merged[name] = tensor
-    return merged
 
 
 def step_losses(ranks: list[dict[str, Any]]) -> list[float]:
@@ -233,6 +182,19 @@ def test_tied_gpt2_loss_after_8_steps_equals_data_parallel(gpt2, runs, trained_r
     assert loss_of(gpt2, gathered(runs[layout], "params")) == pytest.approx(dp_loss, rel=1e-4)
     assert step_losses(runs[layout]) == pytest.approx(step_losses(runs["dp2"]), rel=1e-4)
     assert len(step_losses(runs[layout])) == STEPS
+
+
+@pytest.mark.parametrize("layout", ["pp2xdp2-shard-VHalf", "pp2xdp2-shard-Interleaved1F1B"])
+def test_our_orders_and_torchs_multi_stage_schedules_drive_fsdp(runs, layout):
+    """torch's runtime lowers a multi-stage order (VHalf's from autotune.schedules through compat.runtime_schedule,
+    and torch's own Interleaved1F1B) with FSDP actions: each stage is unsharded before its compute, resharded after,
+    and its gradients reduced once."""
+    for result in runs[layout]:
+        kinds = [action.split(":")[1] for action in result["actions"]]
+        for stage in (action.split(":")[0] for action in result["actions"] if action.endswith(":FORWARD")):
+            assert f"{stage}:UNSHARD" in result["actions"] and f"{stage}:RESHARD" in result["actions"]
+            assert result["actions"].count(f"{stage}:REDUCE_GRAD") == 1
+        assert kinds.count("UNSHARD") >= 2
 
 
 def test_the_tied_weight_is_one_optimizer_entry_when_both_uses_share_a_rank(runs):

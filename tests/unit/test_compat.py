@@ -48,6 +48,11 @@ def test_signatures_autotune_calls():
     from torch.distributed.pipelining import PipelineStage
 
     assert all(callable(getattr(PipelineStage, name, None)) for name in compat.STAGE_COMPUTE_METHODS)
+    backward = inspect.signature(PipelineStage.backward_maybe_with_nosync).parameters
+    assert list(backward)[:4] == ["self", "backward_type", "bwd_kwargs", "last_backward"]
+    from torch.distributed.fsdp import FSDPModule
+
+    assert "_apply" in vars(FSDPModule)  # it re-pads the shards compat.give_shards_storage gives storage
 
 
 @pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV_ZERO_BUBBLE, Schedule.DUAL_PIPE_V,

@@ -151,3 +151,25 @@ def test_peak_breakdown_names_what_is_alive_at_the_peak():
     assert tracker.breakdown["other:mul.Tensor in 1F0"] == 4000
     assert tracker.peak_bytes >= 12000 and not any("1B0" in k for k in tracker.breakdown)
     del b, c
+
+
+def test_trackers_see_a_dtensors_local_shard(tmp_path):
+    """FSDP2's parameters, gradients and optimizer state are DTensors: the live-bytes tracker counts what an op on one
+    makes as its local shard (the mode sees no op inside DTensor's own dispatch), and the saved-activation counter
+    takes DTensors to exclude."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autotune.trial.memory import SavedActivationBytes
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = DTensor.from_local(torch.ones(1000), mesh, [Shard(0)])
+        with LiveTensorBytes() as tracker:
+            base = tracker.live_bytes
+            doubled = shard * 2  # a new 4000-byte local shard
+            assert isinstance(doubled, DTensor) and tracker.live_bytes - base == 4000
+        assert SavedActivationBytes(exclude=[shard])._excluded == {shard.to_local().untyped_storage().data_ptr()}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Sharded data parallel for a rank's stages: torch's FSDP2 (`fully_shard`) over the data-parallel replicas, applied
+on the meta device, then each rank's shards materialised with the values an unsharded build would have.
+
+    stage module   StageBoundary( [CheckpointedStage(] stage( block, block, ... ) [)] )   <- FSDP root (one per stage)
+    FSDP units       each block holding parameters is its own unit; the root holds what no block does
+
+As torchtitan builds a PP x FSDP run: each pipeline stage is `fully_shard`ed block by block, then the stage module as
+the root, and torch's pipelining drives it (PipelineStage.backward_maybe_with_nosync defers the gradient
+reduce-scatter to the stage's last backward; perform_reduce_grad runs it; the multi-stage schedules' runtime
+inserts UNSHARD / RESHARD / REDUCE_GRAD actions). Nothing here all-gathers by hand.
+
+Materialising: `fully_shard` on the meta device leaves every parameter a DTensor with a meta local shard. Each block
+is then materialised in full, one at a time, on a second skeleton of the model (models.materialize: the per-block
+deterministic initialisation every rank and the reference share) and this rank's chunk of every parameter is
+copied into its shard: at most one block is ever whole on the device.
+
+A parameter two FSDP units of this rank would both hold (a tied embedding on a rank holding the embedding and the
+head: pp = 1, or V placement) is left out of FSDP (`ignored_params`): it stays whole on every replica and its
+gradient is averaged after the step (runtime.RankPipeline.reduce_gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autotune import compat
+from autotune.models.materialize import materialize, release
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autotune.candidate import Candidate
+    from autotune.model_file import ModelSpec
+
+__all__ = ["copy_full", "full_tensor", "local_tensor", "materialize_shards", "shard_stage", "tied_on_rank"]
+
+
+def tied_on_rank(blocks: Sequence[nn.Module], mine: Iterable[int]) -> set[nn.Parameter]:
+    """The parameters that two or more of this rank's blocks hold (FSDP2 gives a parameter one unit)."""
+    seen: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i in mine:
+        for p in blocks[i].parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+            params[id(p)] = p
+    return {params[key] for key, count in seen.items() if count > 1}
+
+
+def shard_stage(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    *,
+    mesh: DeviceMesh,
+    candidate: Candidate,
+    ignored: set[nn.Parameter],
+) -> nn.Module:
+    """fully_shard each of the stage's blocks that holds parameters, then the stage module (the root), over `mesh`
+    (the replicas of this stage), with the candidate's reshard_after_forward and, for bf16, FSDP2's mixed precision
+    (bfloat16 parameters in compute, float32 gradient reduction). Parameters in `ignored` stay out of FSDP. Works
+    on the meta device. Returns the module (now also an FSDPModule)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if candidate.precision == "bf16" else MixedPrecisionPolicy())
+    options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=candidate.reshard_after_forward,
+                                   mp_policy=policy, ignored_params=set(ignored))
+    for block in blocks:
+        if any(p not in ignored for p in block.parameters()):
+            fully_shard(block, **options)
+    fully_shard(module, **options)
+    return module
+
+
+def materialize_shards(
+    spec: ModelSpec, blocks: Sequence[nn.Module], mine: Sequence[int], modules: Sequence[nn.Module], *,
+    device: torch.device, seed: int,
+) -> None:
+    """Give the sharded stages' parameters storage on `device` (FSDP2's own shards, in place; the parameters it
+    leaves out whole) and this rank's chunk of the values the unsharded model has: block by block, each
+    materialised whole on a second skeleton of the model and released again. `blocks` are this build's (sharded)
+    blocks, `mine` the indices of this rank's."""
+    from autotune.model_file import build_skeleton
+
+    for module in modules:
+        compat.give_shards_storage(module, device)
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        if p.is_meta:  # left out of FSDP: whole; swapped in place too (a tie is one object in two modules)
+            _swap(p, torch.empty_like(p, device=device))
+    reference = build_skeleton(spec)
+    done: set[int] = set()
+    for i in mine:
+        materialize(reference.model, reference.blocks, reference.names, [i], device=device,
+                    init_weights=spec.init_weights, seed=seed)
+        source = dict(reference.blocks[i].named_parameters())
+        for name, p in blocks[i].named_parameters():
+            if id(p) not in done:
+                copy_full(p, source[name])
+                done.add(id(p))
+        for p in source.values():
+            release(p)
+
+
+def _swap(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Give a parameter new data in place: the same Python object (and attributes), as every module holding it
+    sees it."""
+    attributes = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+    p.__dict__.update(attributes)
+
+
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole (unsharded) value into a parameter: into its local shard when it is a DTensor (FSDP2 shards dim 0
+    in torch.chunk's pieces), else all of it."""
+    with torch.no_grad():
+        if not isinstance(param, DTensor):
+            param.copy_(full)
+            return
+        local = param.to_local()
+        mesh = param.device_mesh
+        pieces = torch.chunk(full, mesh.size(), dim=0)
+        rank = mesh.get_local_rank()
+        piece = pieces[rank] if rank < len(pieces) else full[:0]
+        if tuple(piece.shape) != tuple(local.shape):
+            raise RuntimeError(f"shard of shape {tuple(local.shape)} for a {tuple(full.shape)} value on replica "
+                               f"{rank} of {mesh.size()}: FSDP2 sharded it otherwise than torch.chunk")
+        local.copy_(piece)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor: a DTensor's local shard, else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor: a DTensor's all-gathered (a collective: every replica calls it, in the same
+    order), else the tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
