@@ -57,9 +57,9 @@ class SearchSpace:
     Parameters: layout ("pp2xdp1"); schedule_<layout> (the schedules that run there); n_microbatches_<layout>_<schedule>
     (the counts that schedule accepts there); with more than one stage, split base (balanced | uniform) and one shift
     per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1 and fp32 compute, wire
-    dtype; where the layout spans nodes with pp > 1 and dp > 1, rank_order; with dp > 1 and more than one way to hold the replicas,
-    data_parallel (replicate | shard | shard-reshard: layouts.data_parallel_choices). The precision is the search's,
-    not a parameter (the profile was measured at it)."""
+    dtype; where the layout spans nodes with pp > 1 and dp > 1, rank_order; with dp > 1 and more than one way to
+    hold the replicas, data_parallel (replicate | shard | shard-reshard: layouts.data_parallel_choices). The
+    precision is the search's, not a parameter (the profile was measured at it)."""
 
     def __init__(self, profile: Profile, options: SpaceOptions) -> None:
         self.profile = profile
