@@ -120,7 +120,7 @@ def test_a_write_is_retried_through_optunas_public_storage_api(tmp_path: Path, m
 
 def test_optuna_keeps_its_cache_of_finished_trials(tmp_path: Path) -> None:
     # The search re-reads the study before each decision: without Optuna's cache each read fetches every trial
-    # again (bench/storage_speed.py: 18x the storage time of a 300-trial search).
+    # again (bench/storage_speed.py: 17x the storage CPU time of a 300-trial search).
     storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", retry_s=60, say=lambda text: None)
     study = optuna.create_study(storage=storage.optuna, direction="maximize")
     study.tell(study.ask(), 1.0)
