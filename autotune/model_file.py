@@ -20,6 +20,7 @@ from autotune.errors import ModelFileError
 from autotune.models import BlockModel, Role, SharedParameter, check_blocks, check_cut, cut_model, split_points_from
 from autotune.models.check import head_rows
 from autotune.models.materialize import materialize, parameters_on_meta
+from autotune.models.tensor_parallel import TpPlanHook, tp_plan_hook
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
 HOOKS = ("build_optimizer", "init_weights", "load_state")
@@ -66,6 +67,9 @@ class ModelSpec:
     (names as in model.state_dict()); setup_pipeline calls it, trials do not. None: initialised weights."""
     precision: str | None = None
     """The file's PRECISION ("fp32" | "bf16"): the default when --precision is not given; None: the device's."""
+    tp_plan: TpPlanHook | None = None
+    """The file's TP_PLAN ({module glob: style}) or tp_plan(model) function: its tensor-parallel plan, before the
+    model's own (autotune.models.tensor_parallel.tp_plan_of); None: the model's own plan, if any."""
 
     @property
     def n_layers(self) -> int:
@@ -113,6 +117,10 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         split_at = tuple(found) if found else None
     split_at = tuple(split_at) if split_at else None
     blocks = _cut(path, model, split_at, functions["make_batch"])
+    try:
+        tp_plan = tp_plan_hook(module)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     precision = getattr(module, "PRECISION", None)
     if precision is not None and precision not in ("fp32", "bf16"):
         raise ModelFileError(f"{path}: PRECISION = {precision!r}; set it to 'fp32' or 'bf16', or remove it")
@@ -139,6 +147,7 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         layer_roles=blocks.roles,
         shared=blocks.shared_parameters(),
         precision=precision,
+        tp_plan=tp_plan,
     )
 
 

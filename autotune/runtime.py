@@ -396,12 +396,14 @@ def _load_state(
 @contextmanager
 def _renamed(modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
     """Keep `names` (id(parameter) -> its name in the model) true across a block that replaces the modules'
-    parameters (fully_shard registers DTensors in place of the originals)."""
-    held = [(m, attr, names[id(p)]) for root in modules for m in root.modules()
-            for attr, p in m._parameters.items() if p is not None and id(p) in names]
+    parameters under the same names (fully_shard registers DTensors in place of the originals)."""
+    held = [{key: names[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in names}
+            for module in modules]
     yield
-    for m, attr, name in held:
-        names.setdefault(id(m._parameters[attr]), name)
+    for module, known in zip(modules, held):
+        for key, p in module.named_parameters(remove_duplicate=False):
+            if key in known:
+                names.setdefault(id(p), known[key])
 
 
 def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -427,7 +429,9 @@ def build_pipeline(
     """Build this rank's stages only: the model on the meta device, the blocks of this rank's stages materialised on
     `device` with their per-block initialisation (autotune.models.materialize: every rank holding a tied parameter
     gets the same values), then, with `load_state`, real weights for them; wrapped in torch's schedule. Every rank
-    calls this (it creates the process groups of tied parameters, on every rank).
+    calls this (it creates the process groups of tied parameters, on every rank). A sharded candidate's stages are
+    FSDP2-sharded over dp_group on the meta device first, and only this rank's shards get storage and values
+    (autotune.sharding); its bf16 is FSDP2's mixed precision, an unsharded one's torch.autocast (stage_boundary).
 
     load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
     one must be returned (copied into the rank's tensors, cast to their dtype).

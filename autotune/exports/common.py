@@ -40,6 +40,18 @@ def data_parallel_words(c: TunedConfig) -> str:
     return " (replicated)"
 
 
+def tensor_parallel_words(c: TunedConfig) -> str:
+    """" x tp 2" for the header where the stages are tensor-parallel; empty otherwise."""
+    return f" x tp {c.tensor_parallel_degree}" if c.tensor_parallel_degree > 1 else ""
+
+
+TP_AS_MEASURED = (
+    "activations stay whole between blocks (an all-reduce after each row-wise layer) and the logits are gathered "
+    "whole for the loss"
+)
+"""What autotune's tensor parallelism does where trainers often do otherwise (sequence parallel, loss parallel)."""
+
+
 def header(
     c: TunedConfig,
     target: TargetVersion,
@@ -57,7 +69,8 @@ def header(
         f"Target: {target.stamp}.",
         (
             f"Model {c.model} (sha256 {c.model_sha256}, {c.model_layers} layers), {c.gpus} ranks = pp "
-            f"{c.pipeline_degree} x dp {c.data_parallel_degree}{data_parallel_words(c)}, {c.precision}, schedule "
+            f"{c.pipeline_degree} x dp {c.data_parallel_degree}{data_parallel_words(c)}{tensor_parallel_words(c)}, "
+            f"{c.precision}, schedule "
             f"{c.schedule.value}, B={c.global_batch_size}, "
             f"M={c.micro_batch_size}, {c.num_microbatches} micro-batches, layers_per_stage "
             f"{list(c.layers_per_stage)}; measured {c.measured.step_time_ms:.1f} ms/step on {c.environment.device}."

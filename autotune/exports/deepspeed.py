@@ -170,6 +170,17 @@ def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why
             "would make the whole model bf16, which is not what was measured"
         )
     precision = precision_settings(c, cannot, notes)
+    tp = c.tensor_parallel_degree
+    if tp > 1:
+        dp = c.data_parallel_degree
+        cannot.append(
+            f"tensor_parallel_degree {tp}: DeepSpeed's pipeline engine has no tensor parallelism of its own. The "
+            f"layers must split themselves (as Megatron-DeepSpeed's do) and the PipelineModule be built with "
+            f"topology=PipeModelDataParallelTopology(num_pp={pp}, num_mp={tp}, num_dp={dp}) in place of num_stages "
+            f"(its model axis innermost, as tuned). With the model's own layers, launch pp x dp = {pp * dp} ranks: "
+            f"each then holds its stage's whole layers, about {tp} times the parameter, gradient and optimizer memory "
+            f"autotune measured per rank, so check the memory limit"
+        )
     cannot += [f"layer roles: {problem}" for problem in plan.problems]
     parts = stage_bounds(split)
     interval = max(split) if c.activation_checkpointing else 0
@@ -190,8 +201,9 @@ def export_deepspeed(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why
     notes += [
         f"build the model with the {MODULE_KEY} code below: {cls}(layers=list(build_model()), num_stages={pp}, "
         f"loss_fn=loss_fn) cuts at parts = {parts} ({stage_text}; {ranks}); check pipe.parts == {parts}",
-        f"launch {c.gpus} ranks: DeepSpeed derives data-parallel size {c.data_parallel_degree} = world size / "
-        f"num_stages, and train_batch_size = micro x gradient_accumulation_steps x data-parallel size",
+        f"launch {c.gpus // tp} ranks{f' ({c.gpus} with the tensor-parallel topology above)' if tp > 1 else ''}: "
+        f"DeepSpeed derives data-parallel size {c.data_parallel_degree} = world size / (num_stages x model-parallel "
+        f"size), and train_batch_size = micro x gradient_accumulation_steps x data-parallel size",
         "pipeline.stages and pipeline.partition are left out: DeepSpeed stores them and never reads them",
     ]
     comment = header(c, target, "Pass as the DeepSpeed config (JSON).", cannot, notes, plan, prefix="")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from autotune.candidate import uniform_split
-from autotune.exports.common import V_MEMORY, header, shell_array, v_memory_lacking
+from autotune.exports.common import TP_AS_MEASURED, V_MEMORY, header, shell_array, v_memory_lacking
 from autotune.exports.roles import LayerPlan, StageLayers
 from autotune.exports.targets import TargetVersion
 from autotune.schedules import SCHEDULES, Schedule
@@ -186,6 +186,19 @@ def export_megatron(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why:
         ("--micro-batch-size", str(c.micro_batch_size)),
         ("--global-batch-size", str(c.global_batch_size)),
     ]
+    tp = c.tensor_parallel_degree
+    if tp > 1:
+        flags.append(("--tensor-model-parallel-size", str(tp)))
+        notes.append(
+            f"--tensor-model-parallel-size {tp}: Megatron splits attention and MLP column- then row-wise over {tp} "
+            f"consecutive ranks (tp innermost), as autotune applied the model's own plan; the model's heads and "
+            f"query groups (--num-attention-heads, --num-query-groups) must divide by {tp}. --sequence-parallel is "
+            f"left off because autotune did not use it: {TP_AS_MEASURED}; --sequence-parallel would shard the norms' "
+            f"and dropouts' activations over the sequence (a reduce-scatter and an all-gather in place of each "
+            f"all-reduce, less activation memory). Megatron's output layer keeps the logits split by vocabulary and "
+            f"computes a vocabulary-parallel cross-entropy: each rank holds 1/{tp} of the logits, a little less memory "
+            f"than measured"
+        )
     split = split_flags(plan, pp)
     flags += split
     if any(name == "--pipeline-model-parallel-layout" for name, _ in split):

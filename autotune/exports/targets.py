@@ -81,6 +81,7 @@ _TORCHTITAN_SPLIT = {
     "module_fqns": "parallelism.module_fqns_per_model_part",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
+    "tensor_parallel": "parallelism.tensor_parallel_degree",
     "fsdp_reshard": "parallelism.fsdp_reshard_after_forward",
     "mixed_precision_param": "training.mixed_precision_param",
     "mixed_precision_reduce": "training.mixed_precision_reduce",
@@ -100,6 +101,7 @@ _MEGATRON_FLAGS = {
     "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers",
     "bf16": "--bf16",
     "distributed_optimizer": "--use-distributed-optimizer",
+    "tensor_parallel": "--tensor-model-parallel-size",
 }
 
 TARGETS: tuple[TargetVersion, ...] = (
@@ -114,6 +116,7 @@ TARGETS: tuple[TargetVersion, ...] = (
             "local_batch_size": "training.local_batch_size",
             "global_batch_size": "training.global_batch_size",
             "checkpointing": "activation_checkpoint.mode",
+            "loss_parallel_off": "parallelism.disable_loss_parallel",
             "embedding_fqn": "tok_embeddings",
             "head_fqns": "norm,output",
         },
@@ -131,6 +134,7 @@ TARGETS: tuple[TargetVersion, ...] = (
             "global_batch_size": "training.global_batch_size",
             "checkpointing": "activation-checkpoint:full|none",
             "cuda_graphs": "training.disable_cuda_graphs",
+            "sequence_parallel_off": "parallelism.no_enable_sequence_parallel",
             "embedding_fqn": "tok_embeddings",
             "head_fqns": "norm,lm_head",
         },
@@ -150,6 +154,7 @@ TARGETS: tuple[TargetVersion, ...] = (
             "tokens_per_step": "training.num_tokens_per_train_step",
             "checkpointing": "activation-checkpoint:full|none",
             "cuda_graphs": "training.disable_cuda_graphs",
+            "sequence_parallel_off": "parallelism.no_enable_sequence_parallel",
             "embedding_fqn": "tok_embeddings",
             "head_fqns": "norm,lm_head",
         },

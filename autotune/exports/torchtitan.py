@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 
-from autotune.exports.common import V_MEMORY, header, ranges, shell_array, v_memory_lacking
+from autotune.exports.common import TP_AS_MEASURED, V_MEMORY, header, ranges, shell_array, v_memory_lacking
 from autotune.exports.roles import LayerPlan
 from autotune.exports.targets import TargetVersion
 from autotune.schedules import SCHEDULES, Schedule
@@ -160,6 +160,9 @@ def export_torchtitan(c: TunedConfig, target: TargetVersion, plan: LayerPlan, se
         (keys["mixed_precision_reduce"], "float32"),
     ]
     data_parallel_notes(c, target, cannot, notes)
+    if c.tensor_parallel_degree > 1:
+        settings.append((keys["tensor_parallel"], c.tensor_parallel_degree))
+        tensor_parallel_settings(c, target, settings, cannot, notes)
     if c.pipeline_degree > 1 and "cuda_graphs" in keys:
         settings.append((keys["cuda_graphs"], None))
         notes.append("--training.disable_cuda_graphs: torchtitan 0.3 and later refuse pipeline parallelism otherwise")
@@ -212,6 +215,43 @@ def reshard_policy(c: TunedConfig) -> str:
     "default" is `reshard_after_forward = not pp_enabled` (distributed/fsdp.py): it keeps the stage gathered under a
     pipeline but reshards at pp 1, so it reproduces the tuned knob only sometimes and is never written."""
     return "always" if c.fsdp_reshard_after_forward else "never"
+
+
+def tensor_parallel_settings(
+    c: TunedConfig, target: TargetVersion, settings: list[tuple[str, object]], cannot: list[str], notes: list[str]
+) -> None:
+    """Sequence and loss parallelism as autotune measured them (both off), where the target can say so, and what
+    differs (torchtitan 0.3.0 models/llama3/sharding.py and models/common/decoder_sharding.py: sequence parallel by
+    parallelism.enable_sequence_parallel, the head's logits always sharded; 0.2.2 models/llama3/infra/parallelize.py:
+    SequenceParallel on every norm, loss parallel unless parallelism.disable_loss_parallel)."""
+    tp, keys = c.tensor_parallel_degree, target.keys
+    notes.append(
+        f"tensor_parallel_degree {tp}: torchtitan shards its own model with its own plan (embedding and head by "
+        f"vocabulary, attention and feed-forward column- then row-wise) over {tp} consecutive ranks (tp is the "
+        f"innermost dimension of its mesh), as autotune applied the model's own plan; autotune measured: "
+        f"{TP_AS_MEASURED}"
+    )
+    if "sequence_parallel_off" in keys:
+        settings.append((keys["sequence_parallel_off"], None))
+        notes.append(
+            "parallelism.no_enable_sequence_parallel keeps activations whole between blocks, as measured; torchtitan's "
+            "default shards the norms' activations over the sequence (a reduce-scatter and an all-gather in place of "
+            "each all-reduce, less activation memory, seq_len divisible by tp)"
+        )
+        notes.append(
+            f"torchtitan keeps the logits sharded over the tp ranks and computes the loss on the shards (loss "
+            f"parallel; {target.version} has no switch for it): each rank holds 1/{tp} of the logits where autotune "
+            f"gathered them whole, a little less memory than measured"
+        )
+    else:
+        settings.append((keys["loss_parallel_off"], True))
+        notes.append("parallelism.disable_loss_parallel: the logits are gathered whole for the loss, as measured")
+        cannot.append(
+            "sequence parallelism off: torchtitan 0.2 applies SequenceParallel to every norm whenever "
+            "tensor_parallel_degree > 1 (no switch), sharding their activations over the sequence (a reduce-scatter "
+            "and an all-gather in place of each all-reduce autotune measured, less activation memory); export with "
+            "--target 0.3 to keep them whole"
+        )
 
 
 def _fp32_under_0_2(c: TunedConfig, target: TargetVersion) -> bool:

@@ -1,6 +1,6 @@
 """Feed an export to its trainer's own parser and config checks, where that trainer is importable, and read back
 what it understood: pipeline degree, schedule, micro-batches, checkpointing, transformer layers per stage, data
-parallelism (replicated or sharded) and precision.
+parallelism (replicated or sharded), tensor parallelism and precision.
 
 Each check runs the trainer's code in this process with its output captured (torchtitan: ConfigManager.parse_args,
 ParallelDims on the config's world size and its own split and reshard-policy functions; DeepSpeed: DeepSpeedConfig
@@ -55,6 +55,12 @@ MEGATRON_MODEL_FLAGS = [
     "32",
 ]
 """A small model shape, which Megatron's checks need and the export leaves to the user."""
+
+
+def megatron_model_flags(tp: int) -> list[str]:
+    """MEGATRON_MODEL_FLAGS with as many heads as tp needs (validate_args: heads divisible by tp), 16 per head."""
+    heads = math.lcm(4, tp)
+    return ["--hidden-size", str(16 * heads), "--num-attention-heads", str(heads), *MEGATRON_MODEL_FLAGS[4:]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,15 +229,19 @@ def _torchtitan(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPla
     }
     if sharded:
         want["reshard after forward"] = c.fsdp_reshard_after_forward
+    want["tp"] = c.tensor_parallel_degree
+    if c.tensor_parallel_degree > 1:
+        want["sequence parallel" if target.version != "0.2" else "loss parallel"] = False
     if c.pipeline_degree > 1:
         want["blocks per stage"] = plan.block_split
     return _compare(read, want, f"{how} accepted the export and read back")
 
 
 def _torchtitan_data_parallel(par: Any, training: Any, c: TunedConfig) -> dict[str, Any]:
-    """The data-parallel degrees as torchtitan's ParallelDims resolves them on the config's world size (it refuses
-    degrees whose product is not the world size), the precision, and the reshard policy with the boolean torchtitan's
-    own get_fsdp_reshard_after_forward_policy makes of it at this pp."""
+    """The data- and tensor-parallel degrees as torchtitan's ParallelDims resolves them on the config's world size (it
+    refuses degrees whose product is not the world size), the precision, the reshard policy with the boolean
+    torchtitan's own get_fsdp_reshard_after_forward_policy makes of it at this pp, and with tp > 1 whether sequence
+    (0.3, main) or loss (0.2) parallelism is on."""
     from torchtitan.distributed import ParallelDims  # type: ignore[import-not-found]
 
     with _quiet() as output:
@@ -270,6 +280,11 @@ def _torchtitan_data_parallel(par: Any, training: Any, c: TunedConfig) -> dict[s
             read["reshard after forward"] = get_fsdp_reshard_after_forward_policy(
                 par.fsdp_reshard_after_forward, dims.pp_enabled
             )
+    read["tp"] = dims.tp
+    if dims.tp > 1 and hasattr(par, "enable_sequence_parallel"):  # 0.3 and main
+        read["sequence parallel"] = par.enable_sequence_parallel
+    elif dims.tp > 1:  # 0.2: sequence parallel always; loss parallel unless disabled
+        read["loss parallel"] = not par.disable_loss_parallel
     return read
 
 
@@ -448,7 +463,8 @@ def _deepspeed_parts(doc: dict[str, Any], pp: int, layers: int, dual: bool) -> t
 
 def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan) -> tuple[list[str], str]:
     flags = shell_array(text, "AUTOTUNE_MEGATRON_ARGS")
-    argv = ["pretrain_gpt.py", *MEGATRON_MODEL_FLAGS, *flags]
+    model_flags = megatron_model_flags(c.tensor_parallel_degree)
+    argv = ["pretrain_gpt.py", *model_flags, *flags]
     saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
     with _quiet() as output:
         try:
@@ -479,6 +495,8 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         "pp": config.pipeline_model_parallel_size,
         "transformer layers": config.num_layers,
         "data-parallel size": args.data_parallel_size,
+        "tp": config.tensor_model_parallel_size,
+        "sequence parallel": bool(args.sequence_parallel),
         "blocks per stage": blocks,
         "recompute": config.recompute_granularity or "none",
         "bf16": bool(args.bf16),
@@ -490,6 +508,8 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         "pp": c.pipeline_degree,
         "transformer layers": plan.blocks,
         "data-parallel size": c.data_parallel_degree,
+        "tp": c.tensor_parallel_degree,
+        "sequence parallel": False,
         "blocks per stage": expected_blocks,
         "recompute": "full" if c.activation_checkpointing else "none",
         "bf16": c.precision == "bf16",
@@ -501,7 +521,7 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         read,
         want,
         f"parse_args + validate_args + core_transformer_config_from_args (with "
-        f"{' '.join(MEGATRON_MODEL_FLAGS)} for the model shape, WORLD_SIZE={c.gpus}) read back",
+        f"{' '.join(model_flags)} for the model shape, WORLD_SIZE={c.gpus}) read back",
     )
 
 

@@ -5,6 +5,10 @@ _backward.py) ends with `for t in stage_outputs: t.detach_()`. That fails for an
 detach views in-place": nn.Linear on a 3-D activation returns one) and, for an output that is one of the stage's
 inputs (a skip connection passed through), detaches the input. So such outputs leave as a new tensor on the same
 memory: no copy, not a view, the gradient passed straight through.
+
+A tensor subclass has no memory of its own to alias: tensor parallelism's all-reduced output (torch's
+AsyncCollectiveTensor, which RowwiseParallel returns before the collective is waited on: a stage ending with a
+vocabulary-parallel embedding) leaves as a copy, made by an op, which waits for it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def handoff(value: T, inputs: Sequence[Any] = ()) -> T:
 
 
 def _fresh(tensor: torch.Tensor, given: set[int]) -> torch.Tensor:
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        return tensor.clone()
     if not (tensor._is_view() or id(tensor) in given):
         return tensor
     if tensor.requires_grad:

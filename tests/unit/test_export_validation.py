@@ -48,6 +48,9 @@ CASES = {
     "fsdp-pp1": with_roles(
         make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, dp=4, microbatches=4, precision="bf16", mode="shard")
     ),
+    # issue 25: tensor parallelism beside a pipeline and replicas, and alone
+    "tp2": with_roles(make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, tp=2)),
+    "tp4-pp1": with_roles(make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, microbatches=4, tp=4)),
 }
 
 
@@ -80,6 +83,19 @@ def test_torchtitan_accepts_and_reads_back(name: str) -> None:
     assert f"dp replicate {replicate}, dp shard {shard}, mixed_precision_param {dtype}, mixed_precision_reduce " in said
     if sharded:  # torchtitan's own get_fsdp_reshard_after_forward_policy on the parsed policy and pp
         assert f"reshard after forward {config.fsdp_reshard_after_forward}," in said
+    tp = config.tensor_parallel_degree
+    assert f"tp {tp}, {'sequence parallel False, ' if tp > 1 else ''}micro-batches" in said
+
+
+@needs_torchtitan
+def test_torchtitan_refuses_a_wrong_tensor_parallel_degree_or_sequence_parallel() -> None:
+    config = CASES["tp2"]
+    text = export_config(config, "torchtitan", "0.3")
+    dropped = _check(config, "torchtitan", "0.3", text.replace("    --parallelism.tensor_parallel_degree 2\n", ""))
+    # ParallelDims refuses pp x dp x tp that is not the world size the config was tuned on (8)
+    assert dropped.status == "rejected" and dropped.detail.startswith("ParallelDims on world size 8:")
+    sp = _check(config, "torchtitan", "0.3", text.replace("    --parallelism.no_enable_sequence_parallel\n", ""))
+    assert sp.status == "rejected" and "sequence parallel is True, not the tuned False" in sp.detail
 
 
 @needs_torchtitan
@@ -232,6 +248,7 @@ def test_megatron_validate_args_counts_transformer_layers(name: str) -> None:
     assert f"bf16 {bf16}, distributed optimizer {config.candidate.sharded}," in result.detail
     if bf16:
         assert "fp32 gradient accumulation and all-reduce True" in result.detail
+    assert f"tp {config.tensor_parallel_degree}, sequence parallel False," in result.detail
 
 
 @needs_megatron

@@ -43,6 +43,7 @@ def make_config(
     precision: str = "fp32",
     mode: str = "replicate",
     reshard: bool = False,
+    tp: int = 1,
 ) -> TunedConfig:
     return TunedConfig(
         model="model.py",  # no such file: roles come from the config or are unknown
@@ -60,10 +61,12 @@ def make_config(
             precision=precision,  # type: ignore[arg-type]
             data_parallel_mode=mode,  # type: ignore[arg-type]
             reshard_after_forward=reshard,
+            tensor_parallel_degree=tp,
         ),
         layer_roles=("embedding", *["block"] * (sum(split) - 2), "head") if roles else None,
         memory_limit_bytes=None,
-        measured=MeasuredResult(step_time_ms=100.0, throughput_samples_per_s=640.0, peak_memory_bytes=(1,) * pp * dp),
+        measured=MeasuredResult(step_time_ms=100.0, throughput_samples_per_s=640.0,
+                                peak_memory_bytes=(1,) * pp * dp * tp),
         environment=Environment(device="cpu", torch="2.13.0", autotune="0.1.0", python="3.11.7"),
     )
 
@@ -96,8 +99,14 @@ BF16_WIRE = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4
                         mode="shard")
 FSDP = make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, dp=4, microbatches=4, precision="bf16", mode="shard")  # pp 1
 MODES = [SHARD_BF16, SHARD_RESHARD, REPLICATE_FP32, REPLICATE_BF16, BF16_WIRE, FSDP]
+# Tensor parallelism inside the stages (issue 25): beside a pipeline and replicas, beside FSDP, alone.
+TP2 = make_config(Schedule.ONE_F_ONE_B, (6, 4), pp=2, dp=2, microbatches=4, tp=2)
+TP2_SHARD_BF16 = make_config(Schedule.INTERLEAVED_1F1B, (3, 3, 2, 2), pp=2, dp=2, microbatches=4, precision="bf16",
+                             mode="shard", tp=2)
+TP_ONLY = make_config(Schedule.ONE_F_ONE_B, (10,), pp=1, microbatches=4, tp=4)
+TENSOR_PARALLEL = [TP2, TP2_SHARD_BF16, TP_ONLY]
 ALL = [UNEVEN, EVEN, INTERLEAVED, INTERLEAVED_UNEVEN, ZBV, GPIPE, CKPT_BF16, VHALF, VMIN_CKPT_BF16, DATA_PARALLEL]
-ALL += MODES
+ALL += MODES + TENSOR_PARALLEL
 ALL += [with_roles(c) for c in ALL] + [DUALPIPEV]
 
 
@@ -128,6 +137,10 @@ def test_every_export_says_what_it_cannot_express(config: TunedConfig, fmt: Expo
     # FSDP2 shards parameters and gradients; DeepSpeed's pipeline and Megatron's distributed optimizer do not
     sharding = "FSDP2's sharding of parameters and gradients"
     assert (sharding in cannot) == (config.candidate.sharded and fmt is not ExportFormat.torchtitan)
+    # torchtitan (0.3) and Megatron express tp; DeepSpeed's pipeline engine has none of its own
+    tp = config.tensor_parallel_degree
+    assert ("has no tensor parallelism of its own" in cannot) == (tp > 1 and fmt is ExportFormat.deepspeed)
+    assert (f"x tp {tp}," in said) == (tp > 1)
     lacks = {  # schedules each target does not have
         ExportFormat.torchtitan: {Schedule.V_HALF, Schedule.V_MIN},
         ExportFormat.deepspeed: set(Schedule) - {Schedule.ONE_F_ONE_B, Schedule.DUAL_PIPE_V},
@@ -279,6 +292,9 @@ def test_torchtitan_toml_values(config: TunedConfig) -> None:
         "float32",
     )
     assert par.get("fsdp_reshard_after_forward") == _titan_reshard(config)
+    tp = config.tensor_parallel_degree
+    assert par.get("tensor_parallel_degree", 1) == tp
+    assert par.get("disable_loss_parallel", False) == (tp > 1)  # the logits gathered whole, as measured
     assert training["global_batch_size"] == config.global_batch_size
     if config.pipeline_degree == 1:
         # no pipeline: torchtitan accumulates global // (local x dp) micro-batches
@@ -306,6 +322,9 @@ def test_torchtitan_flags_values(config: TunedConfig, target: str) -> None:
     assert flags["training.mixed_precision_param"] == _titan_param_dtype(config)
     assert flags["training.mixed_precision_reduce"] == "float32"
     assert flags.get("parallelism.fsdp_reshard_after_forward") == _titan_reshard(config)
+    tp = config.tensor_parallel_degree
+    assert int(flags.get("parallelism.tensor_parallel_degree", 1)) == tp
+    assert ("parallelism.no_enable_sequence_parallel" in flags) == (tp > 1)  # as measured: no sequence parallel
     assert ("training.disable_cuda_graphs" in flags) == (config.pipeline_degree > 1)
     if target == "main":
         per_sample = int(flags["training.num_tokens_per_microbatch_per_dp_rank"]) // config.micro_batch_size
@@ -458,6 +477,8 @@ def _megatron_args(config: TunedConfig, target: str | None = None) -> argparse.N
         "--recompute-num-layers",
     ):
         parser.add_argument(flag, type=int)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--pipeline-model-parallel-layout")
     parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
@@ -515,8 +536,10 @@ def test_megatron_values_and_split(config: TunedConfig) -> None:
     assert args.num_layers == config.model_layers - (2 if roles else 0)  # transformer blocks only
     assert args.micro_batch_size == config.micro_batch_size
     assert args.global_batch_size == config.global_batch_size
-    # Megatron: dp = world / pp (no tp, cp), num_microbatches = global / (micro x dp)
-    dp = config.gpus // args.pipeline_model_parallel_size
+    # Megatron: dp = world / (tp x pp) (no cp), num_microbatches = global / (micro x dp)
+    assert args.tensor_model_parallel_size == config.tensor_parallel_degree
+    assert not args.sequence_parallel  # autotune's tp keeps activations whole between blocks
+    dp = config.gpus // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     assert dp == config.data_parallel_degree
     assert args.global_batch_size // (args.micro_batch_size * dp) == config.num_microbatches
     assert _megatron_split(args) == _expected_blocks(config)
@@ -662,3 +685,30 @@ def test_megatron_says_what_the_distributed_optimizer_does_not_shard() -> None:
     assert "every rank holds its stage's whole parameters and gradient buffer" in cannot
     assert "accumulate_allreduce_grads_in_fp32" in notes
     assert "--use-distributed-optimizer" not in _said(REPLICATE_BF16, "megatron")[0]
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+
+
+def test_tensor_parallel_in_every_target() -> None:
+    cannot, notes = _said(TP2, "torchtitan", "0.3")
+    assert cannot.startswith("torchtitan: nothing")
+    assert "tensor_parallel_degree 2: torchtitan shards its own model with its own plan" in notes
+    assert "parallelism.no_enable_sequence_parallel keeps activations whole between blocks, as measured" in notes
+    assert "each rank holds 1/2 of the logits where autotune gathered them whole" in notes
+    cannot, notes = _said(TP2, "torchtitan", "0.2")
+    assert "torchtitan 0.2 applies SequenceParallel to every norm whenever tensor_parallel_degree > 1" in cannot
+    assert "parallelism.disable_loss_parallel: the logits are gathered whole for the loss, as measured" in notes
+    cannot, notes = _said(with_roles(TP2), "megatron")
+    assert cannot.startswith("Megatron-LM: nothing")
+    assert "--sequence-parallel is left off because autotune did not use it" in notes
+    assert "data-parallel size 2 as world size / (tensor x pipeline" in notes
+    cannot, notes = _said(TP2, "deepspeed")
+    assert "topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2) in place of num_stages" in cannot
+    assert "launch pp x dp = 4 ranks: each then holds its stage's whole layers, about 2 times" in cannot
+    assert "launch 4 ranks (8 with the tensor-parallel topology above)" in notes
+    for config in (UNEVEN, SHARD_BF16):  # tp 1: nothing about it anywhere
+        for fmt in ExportFormat:
+            text = export_config(config, fmt)
+            words = ("tensor_parallel", "tensor-model", "tensor parallel", "sequence", " x tp ")
+            assert [word for word in words if word in text] == [], fmt

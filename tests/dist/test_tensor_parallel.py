@@ -1,0 +1,223 @@
+"""Tensor parallelism inside pipeline stages (issue 25) on CPU ranks (gloo): the Hugging Face Llama recipe with its own
+plan at pp 1 x tp 2 and pp 2 x tp 2 (1F1B, Interleaved1F1B, ZBVZeroBubble), a Qwen3 whose per-head norms see only a
+rank's heads (gradients summed over tp), and a model file's own TP_PLAN, each against the gradients of a
+single-process reference with the same per-block initialisation. The ranks really hold shards: local shapes are
+checked, so an apply_tp that parallelized nothing would fail here."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.candidate import Candidate
+from autotune.model_file import ModelSpec, build_blocks, load_model_file, make_batch
+from autotune.schedules import Schedule
+from tests.conftest import RECIPES
+from tests.dist import spawn_ranks
+
+pytestmark = pytest.mark.dist
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+
+USER_PLAN = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+TP_PLAN = {"*.up": "colwise", "*.down": RowwiseParallel()}
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), Block(), Block(), Block(), nn.Linear(16, 4))
+
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 4, generator=g)
+
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+QWEN3 = """
+import torch
+from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 256
+
+
+def build_model():
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=32))
+
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch_size, 17), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+"""
+
+
+def layout(schedule: Schedule, split: tuple[int, ...], pp: int) -> Candidate:
+    return Candidate(schedule=schedule, pipeline_degree=pp, tensor_parallel_degree=2, global_batch_size=8,
+                     n_microbatches=4, layers_per_stage=split)
+
+
+LLAMA_LAYOUTS = {
+    "llama-tp2": layout(Schedule.GPIPE, (6,), 1),
+    "llama-pp2-tp2-1F1B": layout(Schedule.ONE_F_ONE_B, (2, 4), 2),
+    "llama-pp2-tp2-Interleaved1F1B": layout(Schedule.INTERLEAVED_1F1B, (1, 2, 2, 1), 2),
+    "llama-pp2-tp2-ZBVZeroBubble": layout(Schedule.ZBV_ZERO_BUBBLE, (1, 2, 2, 1), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelSpec]:
+    root = tmp_path_factory.mktemp("tp-models")
+    (root / "user_plan.py").write_text(USER_PLAN)
+    user = load_model_file(root / "user_plan.py")
+    found = {"user-tp2": user, "user-pp2-tp2-1F1B": user}
+    if HAS_TRANSFORMERS:
+        (root / "qwen3.py").write_text(QWEN3)
+        found["qwen3-tp2"] = load_model_file(root / "qwen3.py")
+        llama = load_model_file(RECIPES / "hf_llama.py")
+        found.update(dict.fromkeys(LLAMA_LAYOUTS, llama))
+    return found
+
+
+USER_PIPELINE = layout(Schedule.ONE_F_ONE_B, (2, 3), 2)
+
+
+def candidate_of(name: str, spec: ModelSpec) -> Candidate:
+    if name == "user-pp2-tp2-1F1B":
+        return USER_PIPELINE
+    return LLAMA_LAYOUTS.get(name) or layout(Schedule.GPIPE, (spec.n_layers,), 1)
+
+
+@pytest.fixture(scope="module")
+def runs(specs: dict[str, ModelSpec], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every job's per-rank results: the 2-rank jobs one after the other in one launch, the 4-rank ones in another."""
+    from tests.dist import tp_worker
+
+    root = tmp_path_factory.mktemp("tp-runs")
+    results: dict[str, list[dict[str, Any]]] = {}
+    for world in (2, 4):
+        names = [name for name, spec in specs.items() if candidate_of(name, spec).world_size == world]
+        if not names:
+            continue
+        store = root / f"world{world}"
+        store.mkdir()
+        jobs = []
+        for name in names:
+            (store / name).mkdir()
+            jobs.append({"model": str(specs[name].path), "candidate": candidate_of(name, specs[name]).to_dict(),
+                         "out": str(store / name)})
+        args = (world, jobs, str(store))
+        codes = spawn_ranks(tp_worker.run_jobs, lambda rank, args=args: (rank, *args), world, timeout=300)
+        assert codes == [0] * world, f"rank exit codes {codes} (tracebacks on stderr); jobs in order {names}"
+        for name in names:
+            results[name] = [
+                {what: torch.load(store / name / f"{what}-{rank}.pt") for what in ("grads", "shards", "applied")}
+                for rank in range(world)
+            ]
+    return results
+
+
+def reference_grads(spec: ModelSpec, c: Candidate) -> dict[str, torch.Tensor]:
+    """The unparallelized model, same per-block initialisation, the mean loss over the candidate's micro-batches."""
+    model = build_blocks(spec).model
+    inputs, targets = make_batch(spec, c.global_batch_size)
+    k = c.n_microbatches
+    if isinstance(inputs, dict):
+        pieces = [dict(zip(inputs, parts)) for parts in zip(*(t.chunk(k) for t in inputs.values()))]
+        outputs = [model(**x).logits for x in pieces]
+    else:
+        outputs = [model(x) for x in inputs.chunk(k)]
+    loss = sum(spec.loss_fn(out, y) for out, y in zip(outputs, targets.chunk(k))) / k
+    loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def gathered(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Whole gradients by name over all ranks; the tp ranks of a stage must agree on every one."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(ranks):
+        for name, grad in result["grads"].items():
+            if name in merged:
+                torch.testing.assert_close(grad, merged[name], rtol=1e-6, atol=1e-8, msg=f"{name} on rank {rank}")
+            else:
+                merged[name] = grad
+    return merged
+
+
+def assert_grads_match(spec: ModelSpec, c: Candidate, ranks: list[dict[str, Any]]) -> None:
+    got = gathered(ranks)
+    want = reference_grads(spec, c)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", list(LLAMA_LAYOUTS))
+def test_llama_with_its_own_plan_gets_the_reference_gradients(specs, runs, name):
+    """pp 1 x tp 2 and pp 2 x tp 2 under three schedules: gradients (DTensor shards gathered) equal the model's own
+    forward; each tp rank holds half of every projection and of the embedding and head, and the norms whole."""
+    spec, c = specs[name], LLAMA_LAYOUTS[name]
+    assert_grads_match(spec, c, runs[name])
+    for result in runs[name]:
+        shards = result["shards"]
+        for param, (shape, kind) in shards.items():
+            if "norm" in param:
+                assert kind != "DTensor" and shape == (64,), param
+            else:
+                assert kind == "DTensor", param
+        q = [shape for param, (shape, _) in shards.items() if param.endswith("q_proj.weight")]
+        down = [shape for param, (shape, _) in shards.items() if param.endswith("down_proj.weight")]
+        assert all(shape == (32, 64) for shape in q) and all(shape == (64, 64) for shape in down)
+        if "model.embed_tokens.weight" in shards:
+            assert shards["model.embed_tokens.weight"][0] == (256, 64)  # vocabulary-parallel: 512 / 2 rows
+    applied = {m for result in runs[name] for m in result["applied"]["modules"]}
+    assert len(applied) == 1 + 4 * 7 + 1  # embedding, 7 projections in each of 4 layers, head
+
+
+@needs_transformers
+def test_per_head_norms_get_their_gradients_summed_over_tp(specs, runs):
+    """Qwen3's q_norm / k_norm (replicated_with_grad_allreduce) see only a rank's heads: without the sum over the tp
+    group their gradients would be half of the reference's."""
+    assert [r["applied"]["partial"] for r in runs["qwen3-tp2"]] == [4, 4]  # q_norm, k_norm in 2 layers
+    assert_grads_match(specs["qwen3-tp2"], candidate_of("qwen3-tp2", specs["qwen3-tp2"]), runs["qwen3-tp2"])
+
+
+@pytest.mark.parametrize("name", ["user-tp2", "user-pp2-tp2-1F1B"])
+def test_a_model_files_own_plan_with_torch_styles(specs, runs, name):
+    """TP_PLAN with a style name and a torch ParallelStyle, on an nn.Sequential, at pp 1 x tp 2 and pp 2 x tp 2
+    (1F1B): gradients equal the reference and the planned layers are sharded."""
+    spec = specs[name]
+    assert_grads_match(spec, candidate_of(name, spec), runs[name])
+    shards = runs[name][0]["shards"]
+    assert shards["1.up.weight"] == ((16, 16), "DTensor") and shards["1.down.weight"] == ((16, 16), "DTensor")
+    assert shards["1.norm.weight"] == ((16,), "Parameter") and shards["0.weight"] == ((16, 8), "Parameter")
