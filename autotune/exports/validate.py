@@ -352,15 +352,16 @@ def _deepspeed(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan
         started = not dist.is_initialized()
         if started:  # DeepSpeedConfig asks the mpu for the data-parallel size only inside a process group
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-            ds = DeepSpeedConfig(doc, mpu=_LayoutMpu(c.pipeline_degree, c.data_parallel_degree))
-        except (SystemExit, Exception) as exc:  # noqa: BLE001 - the trainer's checks raise assert, ValueError, ...
-            raise _Rejected(f"DeepSpeedConfig: {_refusal(output.getvalue(), exc)}") from None
-        try:
-            optimizer = _deepspeed_optimizer(ds)
-        except (SystemExit, Exception) as exc:  # noqa: BLE001 - NotImplementedError for a dtype mix it refuses
-            raise _Rejected(f"PipelineEngine's optimizer checks: {_refusal(output.getvalue(), exc)}") from None
+        try:  # the process group is gone afterwards, whatever the trainer's checks said
+            try:
+                deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+                ds = DeepSpeedConfig(doc, mpu=_LayoutMpu(c.pipeline_degree, c.data_parallel_degree))
+            except (SystemExit, Exception) as exc:  # noqa: BLE001 - the trainer's checks raise assert, ValueError
+                raise _Rejected(f"DeepSpeedConfig: {_refusal(output.getvalue(), exc)}") from None
+            try:
+                optimizer = _deepspeed_optimizer(ds)
+            except (SystemExit, Exception) as exc:  # noqa: BLE001 - NotImplementedError for a dtype mix it refuses
+                raise _Rejected(f"PipelineEngine's optimizer checks: {_refusal(output.getvalue(), exc)}") from None
         finally:
             if started and dist.is_initialized():
                 dist.destroy_process_group()
