@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import nn
 
-from autotune.errors import ModelFileError
+from autotune.errors import InvalidCandidateError, ModelFileError
 from autotune.models.blocks import BlockModel, describe
 from autotune.models.hf import is_transformers_model
 
@@ -182,6 +182,23 @@ def allowed_tp_degrees(source: ModelSpec | nn.Module | TensorParallelPlan, gpus_
     return tuple(d for d in range(1, top + 1) if max_tensor_parallel(source) % d == 0)
 
 
+def plan_for_degree(source: ModelSpec | nn.Module, degree: int) -> TensorParallelPlan:
+    """The model's plan, checked to allow tp `degree` (every constraint divisible by it); InvalidCandidateError
+    naming why not: the model has no plan (tp_plan_of's reason), or what the degree does not divide."""
+    plan, why = tp_plan_of(source)
+    if plan is None:
+        raise InvalidCandidateError(f"tensor_parallel_degree {degree} needs a tensor-parallel plan: {why}")
+    refusing = [f"{what} ({size})" for what, size in sorted(plan.constraints.items(), key=lambda item: item[1])
+                if size % degree]
+    if refusing:
+        allowed = ", ".join(str(d) for d in range(1, plan.max_degree + 1) if plan.max_degree % d == 0)
+        raise InvalidCandidateError(
+            f"tensor_parallel_degree {degree} does not divide the {refusing[0]} of {plan.source}; use one of "
+            f"{allowed}"
+        )
+    return plan
+
+
 def checked_plan(model: nn.Module, styles: Mapping[str, Style], *, source: str) -> TensorParallelPlan:
     """A plan checked against the model: every glob matches a module, string styles sit on an nn.Linear or
     nn.Embedding; what tp must divide is recorded, tied weights are left whole. Raises ModelFileError naming the
@@ -252,11 +269,13 @@ def reduce_partial_gradients(applied: AppliedTP, tp_group: Any) -> None:
     """Sum over the tp group the gradients each rank holds only its part of (replicated_with_grad_allreduce); once
     after the whole backward of a step (a sum of accumulated gradients is the accumulated sum)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     for p in applied.partial_gradients:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=tp_group)
+        # sharded over dp as well (FSDP2): every tp rank holds the same replica's shard of it
+        dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=tp_group)
 
 
 def to_torch_style(style: Style) -> ParallelStyle | None:

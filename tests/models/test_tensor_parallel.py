@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.errors import ModelFileError
+from autotune.errors import InvalidCandidateError, ModelFileError
 from autotune.model_file import load_model_file
 from autotune.models.tensor_parallel import (
     allowed_tp_degrees,
     checked_plan,
     matches,
     max_tensor_parallel,
+    plan_for_degree,
     to_torch_style,
     tp_plan_of,
 )
@@ -112,6 +113,19 @@ def test_a_model_without_a_plan_says_why():
     assert max_tensor_parallel(load_model_file(RECIPES / "hf_gpt2.py")) == 1
     plan, why = tp_plan_of(load_model_file(RECIPES / "mlp.py"))
     assert plan is None and "define TP_PLAN" in why
+
+
+def test_a_degree_the_plan_cannot_take_is_refused_in_one_line(tmp_path):
+    """What the runtime and `trial --tensor-parallel` ask before any rank starts: no plan, or a degree a sharded size
+    does not divide."""
+    with pytest.raises(InvalidCandidateError, match=r"degree 2 needs a tensor-parallel plan: .*TP_PLAN"):
+        plan_for_degree(load_model_file(RECIPES / "mlp.py"), 2)
+    spec = load_model_file(model_file(tmp_path, 'TP_PLAN = {"*.up": "colwise", "*.down": "rowwise"}', heads=6,
+                                      wide=24))
+    assert plan_for_degree(spec, 3).max_degree == 6
+    with pytest.raises(InvalidCandidateError, match=r"does not divide the attention heads \(6\) of the model file's "
+                                                    r"TP_PLAN; use one of 1, 2, 3, 6"):
+        plan_for_degree(spec, 4)
 
 
 @needs_transformers
