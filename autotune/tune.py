@@ -100,6 +100,9 @@ class TuneRequest:
     PRECISION, else bf16 on cuda, fp32 on cpu)."""
     data_parallel_modes: tuple[DataParallelMode, ...] = DATA_PARALLEL_MODES
     """How replicas may hold their stages, searched where dp > 1."""
+    tensor_parallel_degrees: tuple[int, ...] | None = None
+    """tp degrees to search; None: every one the model's tensor-parallel plan allows that divides the GPUs and fits a
+    node (search_tp_degrees). A degree the model cannot take is refused (InvalidCandidateError)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +268,7 @@ def tune(
         every_block=request.profile_every_block, memory_limit_bytes=limit,
     )
     incumbent = _incumbent(request, spec, reporter)
+    tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)
     precision = cast(Precision, request.precision or default_precision(device, spec.precision))
     link = None
     if request.inter_node_link is not None:
@@ -290,6 +294,7 @@ def tune(
         wire_dtypes=request.wire_dtypes,
         precision=precision,
         data_parallel_modes=request.data_parallel_modes,
+        tensor_parallel_degrees=tp_degrees,
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
         gpus_per_node=request.gpus_per_node,
@@ -354,6 +359,27 @@ def tune(
         report_dir=report_dir,
         worker=options.worker or "",
     )
+
+
+def search_tp_degrees(
+    spec: ModelSpec, gpus: int, gpus_per_node: int | None, asked: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """The tp degrees a search of `gpus` ranks asks (layouts.tensor_parallel_degrees): those the model's plan allows
+    (models.allowed_tp_degrees; a model without a plan: 1 only), or the `asked` ones, each checked against the plan
+    (models.plan_for_degree: InvalidCandidateError naming what refuses it) and the ranks (UsageError)."""
+    from autotune.layouts import tensor_parallel_degrees
+    from autotune.models import allowed_tp_degrees, plan_for_degree
+
+    node = gpus_per_node or gpus
+    if asked is None:
+        return tensor_parallel_degrees(gpus, allowed_tp_degrees(spec, node), gpus_per_node)
+    for tp in asked:
+        if tp > 1:
+            plan_for_degree(spec, tp)
+        if tp < 1 or gpus % tp or node % tp:
+            raise UsageError(f"tensor-parallel degree {tp} does not divide the {node} GPUs of a node; use a divisor "
+                             f"of {node}")
+    return tuple(sorted(set(asked)))
 
 
 def _check_outputs(request: TuneRequest) -> None:
