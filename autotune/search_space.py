@@ -63,10 +63,10 @@ class SearchSpace:
     Parameters: layout ("pp2xdp1", "pp1xdp1xtp2"); schedule_<layout> (the schedules that run there);
     n_microbatches_<layout>_<schedule> (the counts that schedule accepts there); with more than one stage, split base
     (balanced | uniform) and one shift per stage boundary in [-max_shift, max_shift] layers; activation
-    checkpointing; with pp > 1, wire dtype; where the layout spans nodes with pp > 1 and dp > 1, rank_order; with
-    dp > 1 and more than one way to hold the replicas, data_parallel (replicate | shard | shard-reshard:
-    layouts.data_parallel_choices). The precision is the search's,
-    not a parameter (the profile was measured at it)."""
+    checkpointing; with pp > 1 and fp32 compute, wire dtype; where the layout spans nodes with pp > 1 and dp > 1,
+    rank_order; with dp > 1 and more than one way to hold the replicas, data_parallel (replicate | shard |
+    shard-reshard: layouts.data_parallel_choices). The precision is the search's, not a parameter (the profile was
+    measured at it)."""
 
     def __init__(self, profile: Profile, options: SpaceOptions) -> None:
         self.profile = profile
@@ -122,10 +122,13 @@ class SearchSpace:
             order = cast(RankOrder, trial.suggest_categorical("rank_order", list(RANK_ORDERS)))
         mode, reshard = self._data_parallel(trial, dp)
         wire: WireDtype = "float32"
-        if pp > 1:
+        if self._asks_wire(pp):
             wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
         elif "float32" not in self.options.wire_dtypes:
-            raise InvalidCandidateError("at pp = 1 no activation crosses a rank boundary: only float32 applies")
+            raise InvalidCandidateError(
+                "no wire dtype to choose here (pp = 1: nothing crosses a rank; bf16 compute: activations cross as "
+                "bfloat16 already): only float32 applies"
+            )
         candidate = Candidate(
             schedule=schedule,
             pipeline_degree=pp,
@@ -144,6 +147,11 @@ class SearchSpace:
         candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
         candidate.validate(self.n_layers)
         return candidate
+
+    def _asks_wire(self, pp: int) -> bool:
+        """The wire dtype is a parameter: activations cross ranks (pp > 1) in float32 unless cast (fp32 compute;
+        under bf16 compute they cross as bfloat16 already)."""
+        return pp > 1 and self.options.precision == "fp32"
 
     def data_parallel_choices(self, dp: int) -> list[DataParallelChoice]:
         """How dp replicas may hold their stages in this search (layouts.data_parallel_choices)."""
@@ -181,8 +189,8 @@ class SearchSpace:
             (pp, dp, tp) not in self.layouts
             or candidate.n_microbatches not in valid.get(candidate.schedule, [])
             or candidate.activation_checkpointing not in self.options.checkpointing
-            or (pp > 1 and candidate.wire_dtype not in self.options.wire_dtypes)
-            or (pp == 1 and candidate.wire_dtype != "float32")
+            or (self._asks_wire(pp) and candidate.wire_dtype not in self.options.wire_dtypes)
+            or (not self._asks_wire(pp) and candidate.wire_dtype != "float32")
             or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp, tp))
             or candidate.precision != self.options.precision
             or (candidate.data_parallel_mode, candidate.reshard_after_forward) not in self.data_parallel_choices(dp)
@@ -195,7 +203,7 @@ class SearchSpace:
             f"n_microbatches_{layout}_{candidate.schedule.value}": candidate.n_microbatches,
             "activation_checkpointing": candidate.activation_checkpointing,
         }
-        if pp > 1:
+        if self._asks_wire(pp):
             params["wire_dtype"] = candidate.wire_dtype
         if self.orders_matter(pp, dp, tp):
             params["rank_order"] = candidate.rank_order
