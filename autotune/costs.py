@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.candidate import PRECISIONS, Precision
 from autotune.errors import UsageError
 
 PROFILE_VERSION = 1
@@ -40,6 +41,9 @@ class LayerCost:
     forward_ms."""
     parameter_groups: int = 0
     """Modules holding parameters of their own (see LayerProfile.parameter_groups)."""
+    autocast_copy_bytes: int = 0
+    """bf16: the bfloat16 copies torch.autocast makes of the layer's parameters in one forward, which that forward's
+    graph keeps until its backward (not part of saved_bytes); 0 in fp32."""
 
     @property
     def backward_ms(self) -> float:
@@ -68,6 +72,10 @@ class LayerProfile:
     parameter_groups: int | None = None
     """Modules in the layer that hold parameters of their own: torch's split backward (W) runs one autograd pass per
     such group, and under activation checkpointing each pass recomputes the stage. None: 1 if it has parameters."""
+    autocast_copy_bytes: int = 0
+    """bf16 profiles: bytes of the bfloat16 copies torch.autocast made of the layer's parameters for one forward
+    (matmul and convolution weights; autograd saves them for the backward), kept out of saved_bytes because only
+    the autocast runtime (replicate) makes them: a sharded bf16 stage computes on bfloat16 parameters already."""
 
 
 def shared_copy_bytes(shared: Sequence[tuple[Sequence[int], int]], start: int, stop: int) -> int:
@@ -128,8 +136,13 @@ class Profile:
     infeasible_micro_batch_sizes: tuple[int, ...] = ()
     """Sizes the profiler was asked for that ran out of device memory (or past --memory-limit) for a block on its
     own, increasing: no candidate can use them or anything larger. Not in micro_batch_sizes."""
+    precision: Precision = "fp32"
+    """What it was measured in (Precision): times, saved-activation and output bytes are bf16's in a bf16 profile.
+    parameter_bytes stay the float32 master weights' either way. Profiles saved before it was recorded: fp32."""
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"profile precision {self.precision!r} is not one of fp32, bf16; profile the model again")
         sizes = self.micro_batch_sizes
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise UsageError(f"profile micro-batch sizes must be distinct, increasing and >= 1, got {list(sizes)}")
@@ -206,6 +219,7 @@ class Profile:
                     parameter_groups=(
                         int(layer.parameter_bytes > 0) if layer.parameter_groups is None else layer.parameter_groups
                     ),
+                    autocast_copy_bytes=layer.autocast_copy_bytes,
                 )
             )
         return costs
@@ -231,9 +245,10 @@ class Profile:
         names: Sequence[str] | None = None,
         optimizer_step_ms: float = 0.0,
         device: str = "cpu",
+        precision: Precision = "fp32",
     ) -> Profile:
         """A one-size profile from given costs (tests, benchmarks, what-if studies): other sizes scale in
-        proportion, as one size says nothing about a fixed per-micro-batch cost."""
+        proportion, as one size says nothing about a fixed per-micro-batch cost. precision: what the costs are of."""
         return cls(
             micro_batch_sizes=(micro_batch_size,),
             layers=tuple(
@@ -246,12 +261,14 @@ class Profile:
                     saved_bytes=(c.saved_bytes,),
                     output_bytes=(c.output_bytes,),
                     parameter_groups=c.parameter_groups or None,
+                    autocast_copy_bytes=c.autocast_copy_bytes,
                 )
                 for i, c in enumerate(costs)
             ),
             input_bytes=(input_bytes,),
             optimizer_step_ms=optimizer_step_ms,
             device=device,
+            precision=precision,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +276,7 @@ class Profile:
             "version": PROFILE_VERSION,
             "model": self.model,
             "device": self.device,
+            "precision": self.precision,
             "batch_size": self.batch_size,
             "repeats": self.repeats,
             "torch_version": self.torch_version,
@@ -280,6 +298,7 @@ class Profile:
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
                  "parameter_groups": layer.parameter_groups,
+                 **({"autocast_copy_bytes": layer.autocast_copy_bytes} if layer.autocast_copy_bytes else {}),
                  **{field: list(getattr(layer, field)) for field in _SERIES}}
                 for layer in self.layers
             ],
@@ -306,6 +325,7 @@ class Profile:
                         parameter_groups=(
                             None if layer.get("parameter_groups") is None else int(layer["parameter_groups"])
                         ),
+                        autocast_copy_bytes=int(layer.get("autocast_copy_bytes", 0)),
                     )
                     for layer in data["layers"]
                 ),
@@ -326,6 +346,7 @@ class Profile:
                     None if data.get("optimizer_peak_bytes") is None else int(data["optimizer_peak_bytes"])
                 ),
                 device=str(data.get("device", "cpu")),
+                precision=data.get("precision", "fp32"),  # saved before precision was recorded: fp32
                 model=str(data.get("model", "")),
                 batch_size=None if data.get("batch_size") is None else int(data["batch_size"]),
                 repeats=int(data.get("repeats", 0)),

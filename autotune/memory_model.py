@@ -3,6 +3,9 @@
 count the same bytes.
 
     parameters, their gradients, optimizer state   parameter_bytes x (2 + optimizer_state_ratio)   always
+                                                    (sharded: the parameter and optimizer-state      always
+                                                    shards, x (1 + ratio) / dp; the gradient shards, reduce ->
+                                                    / dp, from the reduce-scatter)                   optimizer
     receive buffers                                 n_microbatches x (stage input + output grad)     always
     the global batch's inputs                       n_microbatches x the model input                 always
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
@@ -15,6 +18,25 @@ count the same bytes.
     checkpointed backward                           the stage's saved activations, rebuilt for one micro-batch
     optimizer step                                  its temporaries (optimizer_step_bytes)           after the
                                                     + split schedules' input gradients (on buffers)  pipeline
+    bf16, replicated (torch.autocast)               the bfloat16 copies of the stage's weights each  per in-flight
+                                                    forward casts and its graph keeps (profiled)     micro-batch
+    sharded (FSDP2 fully_shard over dp)             the unsharded working copy, in the param dtype   gathered ->
+                                                    (bf16: 2 B per parameter, fp32: 4 B)             resharded
+                                                    the unsharded float32 gradients                  1st backward
+                                                                                                     -> reduce
+                                                    a unit's reduce-scatter input (float32)          the reduce
+                                                    a unit's all-gather input (its shard)            a gather
+
+Sharded, torch's pipeline stage runs every backward without gradient sync and without resharding after it
+(stage.backward_maybe_with_nosync) and reduce-scatters once after the stage's last backward (perform_reduce_grad,
+which also reshards). So the stage's gradients accumulate unsharded, in float32 (MixedPrecisionPolicy's reduce
+dtype) from its first backward to the reduce-scatter, and its parameters, once gathered by a backward, stay
+gathered until the next forward (reshard_after_forward: each FSDP unit lets go of its parameters after its own
+forward) or, without resharding after forward, until the step's reduce-scatter. A forward that gathers under
+reshard_after_forward holds two units at a time (the one computing and the next, prefetched). The reduce works unit
+by unit (FSDPParamGroup.post_backward: reshard the unit, copy its gradients into the reduce-scatter's flat input,
+let them go), so it holds one unit's input on top at most, less that unit's working copy. Each block is an FSDP
+unit (as the runtime shards a stage), the stage's largest standing for any.
 
 Sent tensors: torch's send works hold their tensor until they are waited, and ScheduleGPipe and the runtime of the
 multi-stage schedules (_PipelineScheduleRuntime) wait for every send only when the pipeline ends; Schedule1F1B
@@ -40,13 +62,75 @@ from autotune.schedules import Schedule
 
 
 def wire_factor(candidate: Candidate) -> float:
-    """Bytes of a tensor sent between stages per byte of its float32 original: 0.5 for a bfloat16 wire."""
-    return 0.5 if candidate.wire_dtype == "bfloat16" else 1.0
+    """Bytes of a tensor sent between stages per byte of the profile's: 0.5 for a bfloat16 wire in fp32. A bf16
+    profile measured the tensors autocast makes (bfloat16 where a matmul made them): sent as they are."""
+    return 0.5 if candidate.wire_dtype == "bfloat16" and candidate.precision == "fp32" else 1.0
 
 
-def parameter_memory_bytes(parameter_bytes: float, optimizer_state_ratio: float) -> float:
-    """Parameters, their gradients and the optimizer state (optimizer_state_ratio x the parameters; AdamW: 2)."""
-    return parameter_bytes * (2 + optimizer_state_ratio)
+def param_dtype_factor(candidate: Candidate) -> float:
+    """Bytes of a parameter's compute copy per byte of its float32 master: 0.5 in bf16."""
+    return 0.5 if candidate.precision == "bf16" else 1.0
+
+
+def dp_shards(candidate: Candidate) -> int:
+    """What the float32 state (parameters, gradients, optimizer state) is split into per rank: dp when sharded."""
+    return candidate.data_parallel_degree if candidate.sharded else 1
+
+
+def parameter_memory_bytes(parameter_bytes: float, optimizer_state_ratio: float, shards: int = 1) -> float:
+    """What a stage holds for the whole step: its parameters, their gradients and the optimizer state
+    (optimizer_state_ratio x the parameters; AdamW: 2), float32. Sharded over `shards` ranks (dp_shards > 1): the
+    parameter and optimizer-state shards only; the gradients are unsharded until the stage's reduce-scatter
+    (unsharded_gradient_bytes) and sharded after it, until the optimizer step (gradient_shard_bytes: the runtime
+    sets them to None before each step)."""
+    if shards == 1:
+        return parameter_bytes * (2 + optimizer_state_ratio)
+    return parameter_bytes * (1 + optimizer_state_ratio) / shards
+
+
+def gradient_shard_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: the stage's float32 gradient shards, from its reduce-scatter to the optimizer step; 0 replicated
+    (counted with the parameters)."""
+    return parameter_bytes / candidate.data_parallel_degree if candidate.sharded else 0.0
+
+
+def working_copy_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: the unsharded parameters FSDP2 gathers for compute, in the param dtype (param_dtype_factor); 0
+    replicated (the parameters themselves are computed on)."""
+    return parameter_bytes * param_dtype_factor(candidate) if candidate.sharded else 0.0
+
+
+def gather_buffer_bytes(unit_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: an all-gather's input while it runs, the rank's shard of one FSDP unit (unit_bytes of float32
+    parameters) copied in the param dtype."""
+    if not candidate.sharded:
+        return 0.0
+    return unit_bytes * param_dtype_factor(candidate) / candidate.data_parallel_degree
+
+
+def reduce_buffer_bytes(unit_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: a reduce-scatter's flat input, one FSDP unit's gradients in float32 (the reduce dtype)."""
+    return float(unit_bytes) if candidate.sharded else 0.0
+
+
+def unsharded_gradient_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
+    """Sharded: the stage's gradients as torch's pipeline stage accumulates them, unsharded and float32 (the reduce
+    dtype), from its first backward to its reduce-scatter. 0 replicated (counted with the parameters)."""
+    return float(parameter_bytes) if candidate.sharded else 0.0
+
+
+def weight_gradient_factor(candidate: Candidate) -> float:
+    """Bytes of a backward's fresh weight gradient per float32 parameter byte: 0.5 for a sharded bf16 stage (the
+    gradient of a bfloat16 working copy, accumulated into the float32 one), 1 otherwise (autocast keeps the
+    parameters, so their gradients, float32)."""
+    return 0.5 if candidate.sharded and candidate.precision == "bf16" else 1.0
+
+
+def autocast_copy_bytes(copies: int, *, candidate: Candidate) -> int:
+    """What the profiled autocast weight copies (costs.LayerCost.autocast_copy_bytes) cost this candidate per
+    forward: all of them when bf16 runs under torch.autocast (replicated), none sharded (FSDP2 gathers bfloat16
+    parameters, nothing to cast) or in fp32."""
+    return copies if candidate.precision == "bf16" and not candidate.sharded else 0
 
 
 def receive_buffer_bytes(stage_in: int, stage_out: int, *, candidate: Candidate, first: bool, last: bool) -> float:
@@ -85,14 +169,18 @@ def stage_memory_bytes(
 ) -> float:
     """One stage alone at its worst: its parameter memory, receive buffers, `in_flight` micro-batches held, what its
     sends keep, and one checkpointed backward's rebuilt activations (the planner's per-stage cap; the simulator's
-    per-rank peak walks the actions instead, and adds the batch and each backward's temporaries)."""
+    per-rank peak walks the actions instead, and adds the batch and each backward's temporaries). Sharded: its
+    float32 parameter and optimizer-state shards, the gathered working copy and the unsharded gradients. `saved`
+    includes the autocast weight copies where they count (autocast_copy_bytes)."""
     held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
     sent = 0.0
     if sends_kept_to_the_end(candidate.schedule):  # outputs of finished micro-batches, gradients sent back
         out, grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         sent = max(0, candidate.n_microbatches - in_flight) * out + candidate.n_microbatches * grad
     return (
-        parameter_memory_bytes(parameter_bytes, optimizer_state_ratio)
+        parameter_memory_bytes(parameter_bytes, optimizer_state_ratio, dp_shards(candidate))
+        + working_copy_bytes(parameter_bytes, candidate=candidate)
+        + unsharded_gradient_bytes(parameter_bytes, candidate=candidate)
         + in_flight * held
         + sent
         + recompute_bytes(saved, candidate=candidate)

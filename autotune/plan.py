@@ -10,11 +10,11 @@ from itertools import accumulate
 from typing import Any
 
 from autotune.action_graph import graph_source
-from autotune.candidate import Candidate, pipeline_layouts, uniform_split
+from autotune.candidate import DATA_PARALLEL_MODES, Candidate, DataParallelMode, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
-from autotune.layouts import layout_choices
-from autotune.memory_model import stage_memory_bytes
+from autotune.layouts import data_parallel_choices, layout_choices
+from autotune.memory_model import autocast_copy_bytes, stage_memory_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
@@ -61,8 +61,13 @@ class PlannedCandidate:
 
     def to_dict(self) -> dict[str, Any]:
         ranked = self.ranked_throughput_samples_per_s
+        c = self.candidate
         return {
-            **self.candidate.to_dict(),
+            **c.to_dict(),
+            # always, so a ranking of replicate and shard layouts reads the same way down every row
+            "precision": c.precision,
+            "data_parallel_mode": c.data_parallel_mode,
+            "fsdp_reshard_after_forward": c.reshard_after_forward,
             "predicted_step_time_ms": self.estimate.step_time_ms,
             "predicted_throughput_samples_per_s": self.estimate.throughput_samples_per_s,
             "predicted_bubble_fraction": self.estimate.bubble_fraction,
@@ -88,6 +93,7 @@ def plan(
     prune_within: float | None = 0.25,
     layouts: Iterable[tuple[int, int]] | None = None,
     gpus_per_node: int | None = None,
+    data_parallel_modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES,
 ) -> list[PlannedCandidate]:
     """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
     fastest first, candidates over the memory limit last.
@@ -106,7 +112,13 @@ def plan(
     gpus_per_node: the ranks span nodes of this many (gpus / gpus_per_node of them). Sends between stages on
     different nodes and all-reduces over nodes then take the inter-node link (link.across_nodes()), and each point
     with a pipeline and replicas over several nodes is planned in both rank orders (placement.RankOrder): pipelines
-    inside nodes, or each stage's replicas inside nodes. None: one machine."""
+    inside nodes, or each stage's replicas inside nodes. None: one machine.
+
+    data_parallel_modes: how the replicas of a layout with dp > 1 may hold their stages, each a point of its own
+    (layouts.data_parallel_choices): replicate, and shard (FSDP2) keeping the stages gathered for the step or
+    resharding after every forward; pp = 1 x shard is pure FSDP. Resharding does the same work plus all-gathers,
+    so it is planned only where keeping the stages gathered does not fit as it is (it can only save memory).
+    Candidates train in the profile's precision (its times and bytes are that precision's)."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
@@ -118,8 +130,12 @@ def plan(
     chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
     link = link or LinkModel.for_device(profile.device)
     chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, profile.n_layers)
+    modes = list(data_parallel_modes)
+    unknown = [m for m in modes if m not in DATA_PARALLEL_MODES]
+    if unknown or not modes:
+        raise UsageError(f"data-parallel modes {unknown or modes} are not a choice of {', '.join(DATA_PARALLEL_MODES)}")
     costs_at: dict[int, _Costs] = {}
-    points = _points(profile, gpus, batch_size, chosen, chosen_layouts, link, gpus_per_node, costs_at)
+    points = _points(profile, gpus, batch_size, chosen, chosen_layouts, link, gpus_per_node, costs_at, modes)
     planned = _simulated(points, costs_at, memory_limit_bytes, prune_within)
     ranked = _even_first(planned.values())
     return ranked[:top] if top is not None else ranked
@@ -134,9 +150,10 @@ def _points(
     link: LinkModel,
     gpus_per_node: int | None,
     costs_at: dict[int, _Costs],
+    modes: list[DataParallelMode],
 ) -> list[_Point]:
-    """One point per valid (layout, schedule, B/M) of the layout space, their costs per micro-batch size filled in
-    costs_at; an InvalidCandidateError that says what would run when there is none."""
+    """One point per valid (layout, data-parallel choice, schedule, B/M) of the layout space, their costs per
+    micro-batch size filled in costs_at; an InvalidCandidateError that says what would run when there is none."""
     n_layers = profile.n_layers
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
@@ -151,10 +168,15 @@ def _points(
                 costs = costs_at.get(micro) or costs_at.setdefault(
                     micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
                 )
-                point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
-                               batch_size=batch_size)
-                if point.first:
-                    points.append(point)
+                keep: _Point | None = None
+                for mode, reshard in data_parallel_choices(dp, modes):
+                    point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
+                                   batch_size=batch_size, mode=mode, reshard=reshard,
+                                   keep_twin=keep if reshard else None)
+                    if mode == "shard" and not reshard:
+                        keep = point
+                    if point.first:
+                        points.append(point)
     if points:
         return points
     if profile.infeasible_micro_batch_sizes:
@@ -194,13 +216,14 @@ def _simulated(
     with ahead:
         for i, point in enumerate(ordered):
             limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-            if point.bound > limit:
+            if point.bound > limit or point.dominated():
                 pruned += 1
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their
             # simulations and splits are memoized (_Costs.simulate, _Point), so the ranking is the one without it.
             if not ready(point):
-                spare = (p for p in ordered[i + 1:] if not order_from_torch(p.schedule) and p.bound <= limit)
+                spare = (p for p in ordered[i + 1:]
+                         if not order_from_torch(p.schedule) and p.bound <= limit and p.keep_twin is None)
                 while not ready(point):
                     later = next(spare, None)
                     if later is None:
@@ -249,7 +272,7 @@ def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
 def _configuration(c: Candidate) -> tuple[Any, ...]:
     """A candidate without its split."""
     return (c.pipeline_degree, c.data_parallel_degree, c.schedule, c.n_microbatches, c.activation_checkpointing,
-            c.wire_dtype, c.n_stages)
+            c.wire_dtype, c.n_stages, c.precision, c.data_parallel_mode, c.reshard_after_forward)
 
 
 def _unevenness(c: Candidate) -> int:
@@ -342,6 +365,8 @@ class _Costs:
         self.time = layer_times(self.layers)
         self.time_checkpointed = layer_times(self.layers, checkpointing=True)
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
+        self.copies_prefix = list(accumulate((c.autocast_copy_bytes for c in self.layers), initial=0))
+        self.precision = profile.precision
         self.param_prefix = list(accumulate((c.parameter_bytes for c in self.layers), initial=0))
         self.shared = profile.shared_parameters
         self._balanced = splits if splits is not None else {}
@@ -402,7 +427,8 @@ class _Costs:
             return stage_memory_bytes(
                 parameter_bytes=self.param_prefix[stop] - self.param_prefix[start]
                 + shared_copy_bytes(self.shared, start, stop),
-                saved=self.saved_prefix[stop] - self.saved_prefix[start],
+                saved=self.saved_prefix[stop] - self.saved_prefix[start] + autocast_copy_bytes(
+                    self.copies_prefix[stop] - self.copies_prefix[start], candidate=candidate),
                 stage_in=self.input_bytes if start == 0 else self.layers[start - 1].output_bytes,
                 stage_out=self.layers[stop - 1].output_bytes,
                 in_flight=in_flight[stage],
@@ -416,13 +442,20 @@ class _Costs:
 
 
 class _Point:
-    """One (layout, schedule, n_microbatches): its first candidates and a lower bound on their step time."""
+    """One (layout, data-parallel choice, schedule, n_microbatches): its first candidates and a lower bound on
+    their step time."""
 
     def __init__(
-        self, *, costs: _Costs, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, batch_size: int
+        self, *, costs: _Costs, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, batch_size: int,
+        mode: DataParallelMode = "replicate", reshard: bool = False, keep_twin: _Point | None = None,
     ) -> None:
         self.costs, self.schedule, self.pp, self.dp, self.m = costs, schedule, pp, dp, m
         self.n_stages, self.batch_size = n_stages, batch_size
+        self.mode, self.reshard = mode, reshard
+        self.keep_twin = keep_twin
+        """Resharding after forward: the same point keeping its stages gathered (evaluated first: same bound)."""
+        self.fits_as_is: bool | None = None
+        """After evaluate(): whether a first candidate (no memory-aware split, no checkpointing) fits."""
         n_layers = len(costs.layers)
         balanced = costs.balanced(schedule, pp, n_stages)
         # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
@@ -434,11 +467,17 @@ class _Point:
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
         self._memory_splits: dict[tuple[bool, int], tuple[int, ...] | None] = {}  # evaluate()'s, memoized
 
+    def dominated(self) -> bool:
+        """Resharding after forward does the same work as keeping the stages gathered, plus all-gathers: never
+        faster, it can only save memory. Not worth simulating where the kept twin fits as it is."""
+        return self.keep_twin is not None and bool(self.keep_twin.fits_as_is)
+
     def make(self, split: tuple[int, ...], checkpointing: bool = False, order: RankOrder = "pp-inner") -> Candidate:
         return Candidate(
             schedule=self.schedule, pipeline_degree=self.pp, data_parallel_degree=self.dp,
             global_batch_size=self.batch_size, n_microbatches=self.m, layers_per_stage=split,
-            activation_checkpointing=checkpointing, rank_order=order,
+            activation_checkpointing=checkpointing, rank_order=order, precision=self.costs.precision,
+            data_parallel_mode=self.mode, reshard_after_forward=self.reshard,
         )
 
     def evaluate(self, memory_limit_bytes: int | None, limit_ms: float) -> list[PlannedCandidate]:
@@ -446,7 +485,8 @@ class _Point:
         activation checkpointing (skipping any whose lower bound is over limit_ms)."""
         costs = self.costs
         results = [PlannedCandidate(candidate=c, estimate=costs.simulate(c, memory_limit_bytes)) for c in self.first]
-        if memory_limit_bytes is None or any(r.estimate.feasible for r in results):
+        self.fits_as_is = memory_limit_bytes is None or any(r.estimate.feasible for r in results)
+        if self.fits_as_is:
             return results
         n_layers = len(costs.layers)
         for checkpointing in (False, True):

@@ -4,6 +4,7 @@ micro-batch sizes; blocks that are the same measured once. Nothing needs the who
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import statistics
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autotune.candidate import PRECISIONS, Precision
 from autotune.costs import LayerProfile, Profile
 from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
@@ -61,6 +63,7 @@ def profile_model(
     progress: ProgressFn | None = None,
     every_block: bool = False,
     memory_limit_bytes: int | None = None,
+    precision: Precision = "fp32",
 ) -> Profile:
     """Measure every block on its own (a one-block stage, as a pipeline stage runs it) at each micro-batch size.
 
@@ -80,9 +83,15 @@ def profile_model(
     Out of memory (a CUDA allocation, or on CPU the live-tensor tracker passing memory_limit_bytes) at a size makes
     that size and the larger ones infeasible (Profile.infeasible_micro_batch_sizes); at every size, or for a block's
     parameters, gradients and optimizer state alone, it raises InfeasibleError. On CPU torch runs one thread (one
-    thread per rank is the stand-in); the caller's thread count is restored afterwards."""
+    thread per rank is the stand-in); the caller's thread count is restored afterwards.
+
+    precision bf16 runs each block's forward and the loss under torch.autocast(bfloat16), as the replicate runtime
+    trains, so times, saved-activation and output bytes are bf16's; the bfloat16 copies autocast makes of the
+    block's weights (saved for the backward) are counted apart (LayerProfile.autocast_copy_bytes)."""
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision fp32|bf16")
     sizes = sorted(set(micro_batch_sizes)) if micro_batch_sizes else default_micro_batch_sizes(batch_size)
     if not micro_batch_sizes and spec.has_batchnorm and len(sizes) > 1:
         sizes = [m for m in sizes if m > 1]  # BatchNorm cannot train on one sample
@@ -102,7 +111,8 @@ def profile_model(
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_bytes / total), torch.device(device))
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
-        walk = _Walk(spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress)
+        walk = _Walk(spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
+                     autocast=precision == "bf16")
         measured = walk.run(every_block=every_block)
         sizes = walk.sizes
     finally:
@@ -131,6 +141,7 @@ def profile_model(
                 saved_bytes=tuple(saved[i][k] for k in at),
                 output_bytes=tuple(r.sizes[m].output_bytes for m in sizes),
                 parameter_groups=r.parameter_groups,
+                autocast_copy_bytes=r.sizes[sizes[0]].autocast_copy_bytes,
             )
             for i, r in enumerate(measured)
         ),
@@ -150,6 +161,7 @@ def profile_model(
         torch_version=torch.__version__,
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
         infeasible_micro_batch_sizes=tuple(walk.infeasible),
+        precision=precision,
     )
 
 
@@ -201,6 +213,8 @@ class _SizeResult:
     """Of saved_bytes, the block's input storages."""
     saved_output_bytes: int = 0
     """Of saved_bytes, the block's output storages."""
+    autocast_copy_bytes: int = 0
+    """The bfloat16 copies of the block's parameters autocast made and autograd saved (not in saved_bytes)."""
     output_bytes: int = 0
     loss_forward_ms: float = 0.0
     loss_backward_ms: float = 0.0
@@ -237,7 +251,10 @@ class _Walk:
         clock: _Clock,
         memory_limit_bytes: int | None,
         progress: ProgressFn | None,
+        *,
+        autocast: bool = False,
     ) -> None:
+        self.autocast = autocast
         self.spec, self.sizes, self.device, self.repeats, self.clock = spec, list(sizes), device, repeats, clock
         self.limit = memory_limit_bytes
         self.progress = progress
@@ -305,7 +322,7 @@ class _Walk:
         try:
             stage = skeleton.stage(index, index + 1).to(self.device)
             stage.train()
-            unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1)
+            unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1, autocast=self.autocast)
             own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
             optimizer_ms, state_bytes, peak_bytes, grouped = self._optimizer(index, own, unit)
             samples: dict[int, _SizeSamples] = {}
@@ -383,7 +400,12 @@ class _Walk:
     def _loss(self, unit: _Unit, m: int) -> Callable[[Any], torch.Tensor]:
         if unit.last:
             targets = self.targets[m]
-            return lambda output: self.spec.loss_fn(output, targets)
+
+            def loss(output: Any) -> torch.Tensor:
+                with unit.precision():
+                    return self.spec.loss_fn(output, targets)
+
+            return loss
         return _Surrogate()
 
     def _drop_from(self, m: int, index: int, exc: BaseException) -> None:
@@ -402,13 +424,22 @@ class _Walk:
 
 
 class _Unit:
-    """One block as a one-block stage on the device: what the hooks time."""
+    """One block as a one-block stage on the device: what the hooks time. autocast: its forward runs under
+    torch.autocast(bfloat16) (bf16 precision)."""
 
-    def __init__(self, module: nn.Module, block: nn.Module, *, last: bool) -> None:
-        self.module, self.block, self.last = module, block, last
+    def __init__(self, module: nn.Module, block: nn.Module, *, last: bool, autocast: bool = False) -> None:
+        self.module, self.block, self.last, self.autocast = module, block, last, autocast
 
     def __call__(self, args: tuple[torch.Tensor, ...], side: dict[str, Any]) -> Any:
-        return self.module(*args, **side)
+        with self.precision():
+            return self.module(*args, **side)
+
+    def precision(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's precision: autocast to bfloat16, or nothing."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        device = next((p.device.type for p in self.module.parameters()), "cpu")
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -525,8 +556,8 @@ class _SizeSamples:
 
             with LiveTensorBytes(limit_bytes=track_limit):
                 self._pass(full=True)
-        self.saved, self.loss_saved, self.output_bytes, self.saved_input, self.saved_output, output = _saved_bytes(
-            unit, (self.args, self.side), loss)
+        (self.saved, self.loss_saved, self.output_bytes, self.saved_input, self.saved_output, self.copies,
+         output) = _saved_bytes(unit, (self.args, self.side), loss)
         self.outputs = tuple(t.detach() for t in _flat(output))
         del output  # and with it the pass's graph
         self.forward: list[float] = []
@@ -576,6 +607,7 @@ class _SizeSamples:
             saved_bytes=self.saved,
             saved_input_bytes=self.saved_input,
             saved_output_bytes=self.saved_output,
+            autocast_copy_bytes=self.copies,
             output_bytes=self.output_bytes,
             loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
             loss_backward_ms=statistics.median(self.loss_backward) if last else 0.0,
@@ -605,7 +637,11 @@ def _unit_pass(
     stage; the loss (or the stand-in for the rest of the model) stays outside."""
     start = clock.mark()
     args, side = inputs
-    output = checkpoint(unit.module, *args, use_reentrant=False, **side) if checkpointed else unit(args, side)
+    if checkpointed:
+        with unit.precision():  # the recompute runs in the forward's autocast state (torch.utils.checkpoint)
+            output = checkpoint(unit.module, *args, use_reentrant=False, **side)
+    else:
+        output = unit(args, side)
     middle = clock.mark()
     loss = loss_fn(output)
     if loss.requires_grad:
@@ -716,21 +752,24 @@ def _post_hook(marks: dict[str, Any], clock: _Clock) -> Any:
 
 def _saved_bytes(
     unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]], loss_fn: Callable[[Any], torch.Tensor]
-) -> tuple[int, int, int, int, int, Any]:
+) -> tuple[int, int, int, int, int, int, Any]:
     """Bytes autograd saves for backward in the block (a storage counted once; parameters and views of them are
     skipped) and in the loss after it; the block's output bytes; of the block's saved bytes, those of its input
-    storages and of its output storages; and the output."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in unit.parameters()}
+    storages and of its output storages; the bytes of the parameter copies autocast made that were saved (not in
+    the block's saved bytes); and the output."""
+    parameters = unit.parameters()
+    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+    parameter_ids = {id(p) for p in parameters}
     seen: dict[int, int] = {}
-    saved = [0, 0]  # the block, the loss
+    saved = [0, 0, 0]  # the block, the loss, autocast's parameter copies
     current = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in parameter_storages and ptr not in seen:
-            seen[ptr] = current[0]
-            saved[current[0]] += storage.nbytes()
+            seen[ptr] = 2 if _is_parameter_cast(tensor, parameter_ids) else current[0]
+            saved[seen[ptr]] += storage.nbytes()
         return tensor
 
     args, side = inputs
@@ -744,7 +783,31 @@ def _saved_bytes(
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(nbytes for ptr, nbytes in storages.items() if seen.get(ptr) == 0)
 
-    return saved[0], saved[1], _nbytes(output), own(list(args)), own(_flat(output)), output
+    return saved[0], saved[1], _nbytes(output), own(list(args)), own(_flat(output)), saved[2], output
+
+
+_VIEW_NODES = frozenset({
+    "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "ReshapeAliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0",
+})
+
+
+def _is_parameter_cast(tensor: torch.Tensor, parameter_ids: set[int]) -> bool:
+    """Whether the tensor is (a view of) a dtype copy of one of the parameters: what autocast saves of a weight
+    (Linear: its bfloat16 copy, transposed). Followed through the autograd graph: views, then the copy (ToCopy),
+    then the parameter's AccumulateGrad."""
+    node = tensor.grad_fn
+    for _ in range(len(_VIEW_NODES) + 1):
+        if node is None:
+            return False
+        name = node.name()
+        if name.startswith("ToCopyBackward"):
+            source = node.next_functions[0][0] if node.next_functions else None
+            return id(getattr(source, "variable", None)) in parameter_ids
+        if name not in _VIEW_NODES or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
 
 
 def _profile_optimizer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
@@ -12,19 +13,28 @@ from autotune.candidate import Candidate
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import UsageError
 from autotune.memory_model import (
+    autocast_copy_bytes,
     batch_bytes,
+    dp_shards,
     first_layer_batch_view_bytes,
+    gather_buffer_bytes,
+    gradient_shard_bytes,
     held_per_microbatch,
     layer_backward_bytes,
     loss_backward_bytes,
     optimizer_step_bytes,
+    param_dtype_factor,
     parameter_memory_bytes,
     receive_buffer_bytes,
     recompute_bytes,
+    reduce_buffer_bytes,
     sends_kept_to_the_end,
     sent_bytes,
     split_kept_bytes,
+    unsharded_gradient_bytes,
+    weight_gradient_factor,
     wire_factor,
+    working_copy_bytes,
 )
 from autotune.placement import crossing_boundaries, dp_nodes
 from autotune.schedules import SCHEDULES, Action, ActionKind, Schedule, stage_ranks
@@ -82,18 +92,34 @@ class LinkModel:
         return (self.latency_s + nbytes / self.bandwidth_bytes_per_s) * 1e3 if nbytes > 0 else 0.0
 
     def allreduce_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
-        """All-reduce of nbytes over world_size ranks. On one node a ring: 2(d-1) steps of nbytes/d each. Over
-        n_nodes (k = world_size / n_nodes ranks each), hierarchically, as NCCL does: reduce-scatter and all-gather
-        inside each node (a ring of k), and a ring all-reduce of the 1/k shard across the nodes on the inter-node
-        link."""
+        """All-reduce of nbytes over world_size ranks: a reduce-scatter, then an all-gather (ring_ms, 2 passes).
+        On one node a ring: 2(d-1) steps of nbytes/d each. Over n_nodes (k = world_size / n_nodes ranks each),
+        hierarchically, as NCCL does: reduce-scatter and all-gather inside each node (a ring of k), and a ring
+        all-reduce of the 1/k shard across the nodes on the inter-node link."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=2)
+
+    def all_gather_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
+        """All-gather of a tensor of nbytes (whole, gathered) from world_size equal shards: half an all-reduce
+        (ring_ms, 1 pass): FSDP2's unshard."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=1)
+
+    def reduce_scatter_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
+        """Reduce-scatter of nbytes (whole, before scattering) into world_size shards: the other half of an
+        all-reduce (ring_ms, 1 pass): FSDP2's gradient reduction."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=1)
+
+    def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: int) -> float:
+        """`passes` ring passes over nbytes (1: reduce-scatter or all-gather, 2: all-reduce), each d-1 steps of
+        nbytes/d on one node; over nodes, the passes inside each node's ring of k plus those of the 1/k shard across
+        the nodes on the inter-node link."""
         if world_size <= 1 or nbytes <= 0:
             return 0.0
         if n_nodes <= 1:
-            steps = 2 * (world_size - 1)
+            steps = passes * (world_size - 1)
             return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
         k = max(1, world_size // n_nodes)
-        inside = self.allreduce_ms(nbytes, k) if k > 1 else 0.0
-        return inside + self.across_nodes().allreduce_ms(nbytes / k, n_nodes)
+        inside = self.ring_ms(nbytes, k, passes=passes) if k > 1 else 0.0
+        return inside + self.across_nodes().ring_ms(nbytes / k, n_nodes, passes=passes)
 
     def across_nodes(self) -> LinkModel:
         """The link between ranks on different nodes (this one where no inter-node figures are set)."""
@@ -166,7 +192,11 @@ class Estimate:
     optimizer_ms: float
     """The slowest rank's optimizer step."""
     allreduce_ms: float
-    """The slowest rank's data-parallel gradient all-reduce (0 with dp = 1)."""
+    """The slowest rank's data-parallel gradient all-reduce (0 with dp = 1, and sharded)."""
+    gather_ms: float = 0.0
+    """Sharded: the slowest rank's FSDP2 all-gathers of the step, hidden behind compute or not (0 otherwise)."""
+    reduce_scatter_ms: float = 0.0
+    """Sharded: the slowest rank's gradient reduce-scatters, one per stage after its last backward (0 otherwise)."""
     memory_limit_bytes: int | None = None
     """The limit feasible was judged against."""
     timeline: tuple[TimelineEvent, ...] = ()
@@ -182,6 +212,8 @@ class Estimate:
             "pipeline_time_ms": self.pipeline_time_ms,
             "optimizer_ms": self.optimizer_ms,
             "allreduce_ms": self.allreduce_ms,
+            "gather_ms": self.gather_ms,
+            "reduce_scatter_ms": self.reduce_scatter_ms,
             "memory_limit_bytes": self.memory_limit_bytes,
             "timeline": [
                 {"rank": e.rank, "stage": e.stage, "kind": e.kind, "microbatch": e.microbatch,
@@ -209,8 +241,17 @@ def simulate(
     checkpointing B and I also pay one forward. `actions` replaces the schedule's own lists (custom schedules).
     gpus_per_node: the ranks fill nodes of this many (candidate.rank_order says how); a send between stages on
     different nodes, and the all-reduce of a data-parallel group spread over nodes, use link.across_nodes(). None:
-    one node."""
+    one node.
+
+    Sharded candidates (FSDP2) gather each stage's parameters and reduce-scatter its gradients over dp (on the
+    link dp spans, as the replicate all-reduce): see _shard_walk for when. The profile must be of the candidate's
+    precision: its times and bytes are that precision's."""
     candidate.validate(profile.n_layers)
+    if candidate.precision != profile.precision:
+        raise UsageError(
+            f"the profile was measured in {profile.precision} but the candidate trains in {candidate.precision}; "
+            f"profile again with --precision {candidate.precision} (or plan in {profile.precision})"
+        )
     link = link or LinkModel.for_device(profile.device)
     costs = profile.layer_costs(candidate.micro_batch_size)
     return simulate_costs(
@@ -322,6 +363,10 @@ def simulate_costs(
     dur = list(map(duration.__getitem__, plan.slot))
     xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
     _add_rank_side_costs(dur, plan, stages, link)
+    gather_ms = reduce_scatter_ms = [0.0] * candidate.pipeline_degree
+    walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
+    if walk is not None:
+        gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
     prev, dep, own = plan.prev, plan.dep, plan.own
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
@@ -387,18 +432,23 @@ def simulate_costs(
     rank_params = [0] * pp
     for s, r in enumerate(plan.stage_rank):
         rank_params[r] += stages.parameter_bytes[s]
-    optimizer_ms = [p * optimizer_ms_per_byte for p in rank_params]
-    allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
-    if SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
+    shards = dp_shards(candidate)
+    optimizer_ms = [p / shards * optimizer_ms_per_byte for p in rank_params]  # sharded: AdamW on its shards
+    if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
+        allreduce_ms = [0.0] * pp
+        sync_end = rank_end
+    elif SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
+        allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
         sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
     else:
         dp = candidate.data_parallel_degree
-        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end,
-                                        lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) for p in rank_params]
+        bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
     step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
-                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor)
+                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
     timeline: tuple[TimelineEvent, ...] = ()
     if with_timeline:
@@ -416,6 +466,8 @@ def simulate_costs(
         pipeline_time_ms=pipeline_ms,
         optimizer_ms=max(optimizer_ms),
         allreduce_ms=max(allreduce_ms),
+        gather_ms=max(gather_ms),
+        reduce_scatter_ms=max(reduce_scatter_ms),
         memory_limit_bytes=memory_limit_bytes,
         timeline=timeline,
     )
@@ -469,7 +521,8 @@ def step_time_lower_bound(
     its optimizer step. Its last backward (B, or I where backwards split) is one of stage s, after which that
     micro-batch's backwards through the stages below s still run, then the optimizer step of stage 0's rank.
     These head and tail terms are the pipeline's fill and drain: (pp - 1)(f + b) for 1F1B, 1/v of it interleaved.
-    Split backwards are counted as one action (the lower overhead); transfers, messages and all-reduces as free."""
+    Split backwards are counted as one action (the lower overhead); transfers, messages and all-reduces (sharded:
+    all-gathers and reduce-scatters) as free; a sharded rank steps its optimizer over its shards (1/dp)."""
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
     ranks = stage_ranks(candidate.schedule, candidate.pipeline_degree, candidate.n_stages)
     m = candidate.n_microbatches
@@ -485,7 +538,8 @@ def step_time_lower_bound(
         before_last[r] += m * (stages.forward[s] + chain[s])  # what must run before the rank's last backward
         params[r] += stages.parameter_bytes[s]
         lowest[r] = min(lowest[r], s)
-    optimizer = [p * optimizer_ms_per_byte for p in params]
+    shards = dp_shards(candidate)
+    optimizer = [p / shards * optimizer_ms_per_byte for p in params]
     last = optimizer[ranks[0]]
     return max(
         max(forward_below[s] + b + o for s, b, o in zip(lowest, busy, optimizer)),
@@ -542,6 +596,22 @@ class _StageCosts:
     """What the loss saved (part of held_bytes, the last stage only): an I lets go of it."""
     largest_layer_bytes: list[int]
     """Parameter bytes of the stage's largest layer."""
+    largest_grad_bytes: list[int]
+    """A W's fresh weight gradients at the stage's largest layer (memory_model.weight_gradient_factor)."""
+    working_copy_bytes: list[int]
+    """Sharded: the stage's gathered parameters (memory_model.working_copy_bytes); 0 replicated."""
+    gather_unit_bytes: list[int]
+    """Sharded: the largest layer's share of the working copy: an FSDP2 unit, gathered with nothing to hide it."""
+    forward_copy_bytes: list[int]
+    """Sharded with reshard_after_forward: what a forward that gathers holds at once (two units, the one computing
+    and the next, prefetched); 0 otherwise."""
+    gather_buffer_bytes: list[int]
+    """Sharded: an all-gather's input while the stage gathers (memory_model.gather_buffer_bytes)."""
+    reduce_buffer_bytes: list[int]
+    """Sharded: what a unit's reduce adds at most: its reduce-scatter input (memory_model.reduce_buffer_bytes) less
+    its working copy, which FSDP2 lets go of first (FSDPParamGroup.post_backward reshards, then reduces)."""
+    unsharded_grad_bytes: list[int]
+    """Sharded: the stage's unsharded float32 gradients (memory_model.unsharded_gradient_bytes)."""
 
 
 def _stage_costs(
@@ -574,6 +644,10 @@ def _stage_costs(
     backward_weight_ms = [c.backward_weight_ms for c in costs]
     saved_bytes = [c.saved_bytes for c in costs]
     parameter_bytes = [c.parameter_bytes for c in costs]
+    copies = [c.autocast_copy_bytes for c in costs]
+    grad_factor = weight_gradient_factor(candidate)  # fresh weight gradients, per float32 parameter byte
+    grad_bytes = parameter_bytes if grad_factor == 1.0 else [int(p * grad_factor) for p in parameter_bytes]
+    param_factor = param_dtype_factor(candidate)
 
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
@@ -583,7 +657,7 @@ def _stage_costs(
         backward_weight = sum(backward_weight_ms[a:b])
         stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
         stage_out = costs[b - 1].output_bytes
-        saved = int(sum(saved_bytes[a:b]))
+        saved = int(sum(saved_bytes[a:b])) + autocast_copy_bytes(sum(copies[a:b]), candidate=candidate)
         result["forward"].append(forward + overhead)
         result["backward"].append(backward_input + backward_weight + recompute + overhead)
         if s == 0:
@@ -623,14 +697,27 @@ def _stage_costs(
         result["sent_grad_bytes"].append(int(sent_grad))
         layer_in = [stage_in] + [costs[i].output_bytes for i in range(a, b - 1)]
         layer_out = [c.output_bytes for c in costs[a:b]]
-        result["largest_layer_bytes"].append(max(parameter_bytes[a:b]))
+        largest = max(parameter_bytes[a:b])
+        result["largest_layer_bytes"].append(largest)
+        result["largest_grad_bytes"].append(int(largest * grad_factor))
         result["split_kept_bytes"].append(split_kept_bytes(saved_bytes[a:b], layer_in, first=first))
         result["loss_backward_bytes"].append(loss_backward_bytes(stage_out) if last else 0)
         for key, weights in (("backward_bytes", True), ("first_backward_bytes", False)):
-            backward = layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, first=first, last=last,
+            backward = layer_backward_bytes(grad_bytes[a:b], layer_in, layer_out, first=first, last=last,
                                             weights=weights)
             result[key].append(int(backward))
-        result["parameter_bytes"].append(int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b))
+        stage_parameters = int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b)
+        result["parameter_bytes"].append(stage_parameters)
+        sharded = candidate.sharded
+        copy = int(working_copy_bytes(stage_parameters, candidate=candidate))
+        result["working_copy_bytes"].append(copy)
+        result["gather_unit_bytes"].append(int(min(largest, stage_parameters) * param_factor) if sharded else 0)
+        two_units = int(min(2 * largest, stage_parameters) * param_factor)
+        result["forward_copy_bytes"].append(two_units if sharded and candidate.reshard_after_forward else 0)
+        result["gather_buffer_bytes"].append(int(gather_buffer_bytes(largest, candidate=candidate)))
+        unit_copy = working_copy_bytes(largest, candidate=candidate)
+        result["reduce_buffer_bytes"].append(int(reduce_buffer_bytes(largest, candidate=candidate) - unit_copy))
+        result["unsharded_grad_bytes"].append(int(unsharded_gradient_bytes(stage_parameters, candidate=candidate)))
     return _StageCosts(**result)
 
 
@@ -656,6 +743,80 @@ def _add_rank_side_costs(dur: list[float], plan: ActionGraph, stages: _StageCost
                     live -= held[plan.stage[a]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class _ShardWalk:
+    """Per action of a sharded candidate, what FSDP2 does around it under torch's pipeline stage (memory_model's
+    docstring says why):
+
+        gathers      its stage's parameters are all-gathered before it: the stage's first F of the step, and
+                     with reshard_after_forward every F, and every B, I or W after an F, of the stage (the runtime
+                     gathers before a W too: compat.unshard_before_split_backward)
+        reshards     the working copy is let go of after it: an F with reshard_after_forward, or the stage's last
+                     backward (its gradients' reduce-scatter reshards)
+        reduces      the stage's last backward (B, I or W): the gradients' reduce-scatter follows it
+        first_grad   the stage's first backward making weight gradients (B, or W): they start to accumulate
+    """
+
+    gathers: list[bool]
+    reshards: list[bool]
+    reduces: list[bool]
+    first_grad: list[bool]
+
+
+@functools.lru_cache(maxsize=64)  # the planner simulates many candidates per graph (hashing one is ~1 ms)
+def _shard_walk(plan: ActionGraph, reshard_after_forward: bool) -> _ShardWalk:
+    n = len(plan.kind)
+    gathers, reshards, reduces, first_grad = [False] * n, [False] * n, [False] * n, [False] * n
+    last_backward: dict[int, int] = {}
+    for a in range(n):  # per stage, index order is time order (a stage lives on one rank)
+        if plan.kind[a] != "F":
+            last_backward[plan.stage[a]] = a
+    gathered: set[int] = set()
+    graded: set[int] = set()
+    for a in range(n):
+        s, kind = plan.stage[a], plan.kind[a]
+        if s not in gathered:
+            gathers[a] = True
+            gathered.add(s)
+        if kind in ("B", "W") and s not in graded:
+            first_grad[a] = True
+            graded.add(s)
+        if kind == "F" and reshard_after_forward:
+            reshards[a] = True
+            gathered.discard(s)
+        if last_backward[s] == a:
+            reduces[a] = reshards[a] = True
+            gathered.discard(s)
+    return _ShardWalk(gathers=gathers, reshards=reshards, reduces=reduces, first_grad=first_grad)
+
+
+def _add_shard_costs(
+    dur: list[float], plan: ActionGraph, stages: _StageCosts, walk: _ShardWalk, candidate: Candidate,
+    link: LinkModel, n_nodes: int,
+) -> tuple[list[float], list[float]]:
+    """What sharding adds to a rank's actions, on the link the dp group spans (n_nodes nodes): per gather, one
+    FSDP2 unit's all-gather (the largest layer's) that nothing hides, and the rest of the stage's as far as the
+    action's compute does not hide it (FSDP2 gathers the next unit while one computes); after the stage's last
+    backward, the reduce-scatter of its float32 gradients, which the rank waits for (torch's perform_reduce_grad
+    ends with FSDP's final callback, joining the reduce-scatter stream). Returns, per rank, the all-gather and the
+    reduce-scatter time of the step (hidden or not)."""
+    dp = candidate.data_parallel_degree
+    unit = [link.all_gather_ms(b, dp, n_nodes) for b in stages.gather_unit_bytes]
+    rest = [link.all_gather_ms(c - b, dp, n_nodes) for c, b in zip(stages.working_copy_bytes,
+                                                                     stages.gather_unit_bytes)]
+    reduce = [link.reduce_scatter_ms(g, dp, n_nodes) for g in stages.unsharded_grad_bytes]
+    gather_ms = [0.0] * candidate.pipeline_degree
+    reduce_ms = [0.0] * candidate.pipeline_degree
+    for a, s in enumerate(plan.stage):
+        if walk.gathers[a]:
+            dur[a] += unit[s] + max(0.0, rest[s] - dur[a])
+            gather_ms[plan.rank[a]] += unit[s] + rest[s]
+        if walk.reduces[a]:
+            dur[a] += reduce[s]
+            reduce_ms[plan.rank[a]] += reduce[s]
+    return gather_ms, reduce_ms
+
+
 def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
     """Optimizer-step time per parameter byte: the profile's timed step, else the link model's throughput."""
     if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
@@ -665,7 +826,7 @@ def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
 
 def _peak_memory(
     plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0,
-    batch: int = 0, *, per_tensor: bool = False,
+    batch: int = 0, *, per_tensor: bool = False, shard: _ShardWalk | None = None,
 ) -> list[int]:
     """Walk each rank's actions in order (a rank runs one at a time, so list order is time order), with
     h = held, o = its output part, g = the input gradient sent back, r = recompute, t = the backward's temporaries
@@ -684,8 +845,24 @@ def _peak_memory(
     gradient linger until the next backward. Then the optimizer step, once the pipeline is done: its temporaries
     (step_ratio x the rank's parameter bytes; per_tensor: step_ratio x all parameter bytes x the rank's largest layer
     over the model's, memory_model.optimizer_step_bytes) and the input gradients the I actions left on the receive
-    buffers, on top of the static memory (parameters, gradients, optimizer state, receive buffers, the batch)."""
+    buffers, on top of the static memory (parameters, gradients, optimizer state, receive buffers, the batch).
+
+    Sharded (shard: when FSDP2 gathers, reshards and reduces, _ShardWalk), with c = the stage's working copy, u = its
+    unsharded gradients, a = a unit's all-gather input, e = a unit's reduce-scatter input less its working copy (let
+    go of first), f = a resharding forward's two units:
+
+        kept gathered, the stage's first F: (+a, transient) +c
+        resharding, an F: (+f, transient; + a if it gathers), and -c first if a backward left the stage gathered
+        resharding, a backward that gathers: (+f + a, transient) +c after it (FSDP2 gathers unit by unit as the
+        backward goes, and keeps them)
+        the first backward making weight gradients: +u after it (they accumulate as the activations go)
+        the last backward: (+e, transient) -u -c +u/dp (the gradient shards, kept to the optimizer step)
+
+    and the static memory holds the parameter and optimizer-state shards (memory_model.parameter_memory_bytes);
+    the optimizer step's temporaries are the shards' too (/ dp)."""
     peaks = []
+    shards = dp_shards(candidate)
+    resharding = candidate.reshard_after_forward
     stage_of, kind_of, held, recompute = plan.stage, plan.kind, stages.held_bytes, stages.recompute_bytes
     out, grad = stages.output_held_bytes, stages.sent_grad_bytes
     last = candidate.n_stages - 1
@@ -702,22 +879,44 @@ def _peak_memory(
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
         static = batch + sum(
-            parameter_memory_bytes(stages.parameter_bytes[s], state_ratio) + stages.receive_buffer_bytes[s]
+            parameter_memory_bytes(stages.parameter_bytes[s], state_ratio, shards) + stages.receive_buffer_bytes[s]
             for s in rank_stages
         )
         live = peak = linger = on_buffers = 0
         started: set[int] = set()  # stages whose weight gradients exist (a backward touching weights ran)
+        holding: set[int] = set()  # sharded: stages whose working copy is gathered
+        grad_shards = 0  # sharded: the gradient shards of the stages reduced so far
         for a in ids:
             s, kind = stage_of[a], kind_of[a]
             stays = out[s] if s != last else 0  # the output a send keeps after the backward
+            during = new = 0  # sharded: what this action alone holds on top; what it leaves (gathered, gradients)
+            if shard is not None:
+                if resharding and kind == "F":
+                    if s in holding:  # a backward left it gathered: the forward lets go of each unit after it
+                        live -= stages.working_copy_bytes[s]
+                        holding.discard(s)
+                        during = stages.forward_copy_bytes[s]
+                    elif shard.gathers[a]:
+                        during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
+                elif shard.gathers[a]:
+                    if kind == "F":  # kept gathered: the first forward gathers the stage for the step
+                        peak = max(peak, live + stages.gather_buffer_bytes[s])
+                        live += stages.working_copy_bytes[s]
+                    else:  # resharding: a backward gathers unit by unit as it goes, and keeps them
+                        during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
+                        new = stages.working_copy_bytes[s]
+                    holding.add(s)
+                if shard.first_grad[a]:  # they accumulate layer by layer as the activations go
+                    new += stages.unsharded_grad_bytes[s]
             if kind == "F":
                 live += held[s]
-                peak = max(peak, live)
+                if live + during > peak:  # (not max(): this loop runs once per action of every simulated candidate)
+                    peak = live + during
                 continue
             temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
             loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
             if kind == "B":
-                peak = max(peak, live + max(loss, recompute[s] + temp))
+                peak = max(peak, live + during + max(loss, recompute[s] + temp))
                 started.add(s)
                 live -= held[s] - stays
                 if kept:
@@ -727,19 +926,29 @@ def _peak_memory(
                     linger = stays + grad[s]
             elif kind == "I":
                 k = stages.split_kept_bytes[s]
-                peak = max(peak, live + max(loss, recompute[s] + max(temp, k + grad[s])))
+                peak = max(peak, live + during + max(loss, recompute[s] + max(temp, k + grad[s])))
                 live += recompute[s] + grad[s] + k - stages.loss_saved_bytes[s]
                 on_buffers += grad[s]
             else:  # W: weight gradients only (the first stage's W runs its whole backward)
                 if s != 0:
-                    temp = stages.largest_layer_bytes[s] if s in started else 0
-                peak = max(peak, live + temp)
+                    temp = stages.largest_grad_bytes[s] if s in started else 0
+                peak = max(peak, live + during + temp)
                 started.add(s)
                 live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
-            peak = max(peak, live)
+            live += new
+            if live > peak:
+                peak = live
+            if shard is not None and shard.reduces[a]:
+                peak = max(peak, live + stages.reduce_buffer_bytes[s])  # a unit's reduce-scatter input
+                shard_of = int(gradient_shard_bytes(stages.parameter_bytes[s], candidate=candidate))
+                live += shard_of - stages.unsharded_grad_bytes[s]
+                grad_shards += shard_of
+                if s in holding:
+                    live -= stages.working_copy_bytes[s]
+                    holding.discard(s)
         step = optimizer_step_bytes(
             step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,
             [stages.largest_layer_bytes[s] for s in rank_stages], stages.largest_layer_bytes, per_tensor=per_tensor,
-        ) + on_buffers
+        ) / shards + on_buffers + grad_shards
         peaks.append(int(static + max(peak, step)))
     return peaks

@@ -182,12 +182,15 @@ def load_and_profile(
     gpus: int | None = None,
     every_block: bool = False,
     memory_limit_bytes: int | None = None,
+    precision: Precision | None = None,
 ) -> tuple[ModelSpec, Profile]:
     """Load and check the model file, then profile it: (spec, profile). A BatchNorm in a block is told to the
     reporter (its statistics are per micro-batch under pipelining). check_timeout_s bounds the loading and the check
     forward (HangError naming timeout_flag when they do not return in time); None: unbounded. gpus: profile (by
     default) only micro-batch sizes up to the largest a candidate over that many ranks can use. every_block and
-    memory_limit_bytes: see profile_model (the limit binds the profiler as it binds trials)."""
+    memory_limit_bytes: see profile_model (the limit binds the profiler as it binds trials). precision: what to
+    measure in; None: devices.default_precision (the model file's PRECISION, else bf16 on cuda, fp32 on cpu)."""
+    from autotune.devices import default_precision
     from autotune.model_file import check_model, load_model_file
     from autotune.plan import largest_micro_batch
     from autotune.profiling import default_micro_batch_sizes, profile_model
@@ -210,6 +213,7 @@ def load_and_profile(
             progress=progress,
             every_block=every_block,
             memory_limit_bytes=memory_limit_bytes,
+            precision=cast(Precision, precision or default_precision(device, spec.precision)),
         )
     if profile.infeasible_micro_batch_sizes:
         reporter.warning(infeasible_sizes_warning(profile))
@@ -240,7 +244,7 @@ def tune(
 ) -> TuneOutcome:
     """Profile, plan, search, keep or replace the config at request.output, write the report (module docstring).
     runner: how a trial runs (default: real multi-process runs; tests pass a simulation)."""
-    from autotune.devices import cpu_oversubscription, default_precision, device_memory_bytes, resolve_device
+    from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.graph_cache import planning
     from autotune.plan import ensure_feasible, plan
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
@@ -265,11 +269,11 @@ def tune(
     spec, profile = load_and_profile(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
         timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
-        every_block=request.profile_every_block, memory_limit_bytes=limit,
+        every_block=request.profile_every_block, memory_limit_bytes=limit, precision=request.precision,
     )
     incumbent = _incumbent(request, spec, reporter)
     tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)
-    precision = cast(Precision, request.precision or default_precision(device, spec.precision))
+    precision = profile.precision  # request.precision, else devices.default_precision: what the profile measured
     link = None
     if request.inter_node_link is not None:
         from autotune.simulate import LinkModel
@@ -279,7 +283,7 @@ def tune(
                                                                inter_bandwidth_bytes_per_s=bandwidth)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
-                       gpus_per_node=request.gpus_per_node, link=link)
+                       gpus_per_node=request.gpus_per_node, link=link, data_parallel_modes=request.data_parallel_modes)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,

@@ -10,6 +10,7 @@ import typer
 from autotune.cli.app import EXIT_CODES_HELP, app, console, err_console, errors_to_exit_codes, print_json
 from autotune.cli.options import (
     BatchOpt,
+    DataParallelOpt,
     DeviceChoice,
     DeviceOpt,
     EveryBlockOpt,
@@ -17,8 +18,10 @@ from autotune.cli.options import (
     MemoryOpt,
     MicroBatchOpt,
     ModelArg,
+    PrecisionOpt,
     RepeatsOpt,
     SplitAtOpt,
+    parse_data_parallel,
     parse_sizes,
     parse_split_at,
 )
@@ -36,6 +39,7 @@ def profile_command(
     split_at: SplitAtOpt = None,
     memory_limit: MemoryOpt = None,
     every_block: EveryBlockOpt = False,
+    precision: PrecisionOpt = None,
     json_output: JsonOpt = False,
     output: Annotated[
         Path | None,
@@ -46,7 +50,8 @@ def profile_command(
     saved-activation, output and parameter bytes (one thread on CPU, like one rank). Blocks run one at a time on
     the device, each as its own stage: the model never needs to fit there. Blocks that are the same are measured
     once (`--profile-every-block` measures all). A micro-batch size that runs out of memory (`--memory-limit`
-    binds the profiler as it binds trials) is left out and said so.
+    binds the profiler as it binds trials) is left out and said so. `--precision bf16` measures each block under
+    torch.autocast(bfloat16): bf16's times and activation bytes.
 
     `--output profile.json` saves it, so `autotune plan --profile profile.json --nodes N --gpus-per-node G` can plan
     a cluster run anywhere, without the model or its hardware.
@@ -63,6 +68,7 @@ def profile_command(
             model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
             reporter=TerminalReporter(), split_at=parse_split_at(split_at), every_block=every_block,
             memory_limit_bytes=parse_size(memory_limit) if memory_limit else None,
+            precision=precision.value if precision else None,
         )
         if output is not None:
             from autotune.files import atomic_write_json
@@ -93,6 +99,8 @@ def plan_command(
     device: DeviceOpt = DeviceChoice.auto,
     split_at: SplitAtOpt = None,
     every_block: EveryBlockOpt = False,
+    precision: PrecisionOpt = None,
+    data_parallel: DataParallelOpt = "replicate,shard",
     json_output: JsonOpt = False,
     profile_path: Annotated[
         Path | None,
@@ -119,10 +127,16 @@ def plan_command(
 
     Layouts: every pp x dp = N that the model and batch allow, pp = 1 (plain data parallelism) included; B/M and M
     are per replica. Activation checkpointing is ranked beside the rest: the fastest candidates also appear with it.
+    Replicas (dp > 1) either replicate their stages or shard them with FSDP2, keeping each stage gathered for the
+    step (`shard`) or resharding after every forward (`shard/rs`, planned where keeping them does not fit: it only
+    saves memory): pp 1 x shard is pure FSDP, so the ranking answers "pipeline or FSDP?" (`--data-parallel
+    replicate` leaves shard out). Candidates train in the profile's precision
+    (`--precision`; with `--profile`, the profile's, and another is refused).
 
     `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus
-    predicted_step_time_ms, predicted_throughput_samples_per_s, predicted_peak_memory_bytes (one per pipeline rank;
-    every replica holds the same), feasible, and ranked_throughput_samples_per_s: the speed it is ranked by. A more
+    precision, data_parallel_mode, fsdp_reshard_after_forward, predicted_step_time_ms,
+    predicted_throughput_samples_per_s, predicted_peak_memory_bytes (one per pipeline rank; every replica holds the
+    same), feasible, and ranked_throughput_samples_per_s: the speed it is ranked by. A more
     even split predicted within 3 % of its configuration's fastest is ranked at that speed and says so in
     ranked_as (a `*` in the table), so it may stand above a slightly faster candidate.
 
@@ -140,6 +154,7 @@ def plan_command(
         from autotune.units import parse_size
 
         gpus, per_node = _ranks(gpus, nodes, gpus_per_node)
+        modes = parse_data_parallel(data_parallel)
         limit = parse_size(memory_limit) if memory_limit else None
         if profile_path is not None:
             from autotune.costs import load_profile
@@ -147,6 +162,12 @@ def plan_command(
             if model is not None:
                 raise UsageError("pass either a model file or --profile, not both")
             profile = load_profile(profile_path)
+            if precision is not None and precision.value != profile.precision:
+                raise UsageError(
+                    f"{profile_path} was profiled in {profile.precision}, not {precision.value}; profile again with "
+                    f"`autotune profile ... --precision {precision.value} --output {profile_path}` (or drop "
+                    f"--precision to plan in {profile.precision})"
+                )
             batch_size = batch_size or profile.batch_size
             if batch_size is None:
                 raise UsageError(f"{profile_path} does not say its batch size; pass --batch-size")
@@ -162,14 +183,14 @@ def plan_command(
             _, profile = load_and_profile(
                 model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
                 reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus, every_block=every_block,
-                memory_limit_bytes=limit,
+                memory_limit_bytes=limit, precision=precision.value if precision else None,
             )
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
         from autotune.graph_cache import planning
 
         with err_console.status(f"planning {gpus} ranks..."), planning():
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
-                           gpus_per_node=per_node)
+                           gpus_per_node=per_node, data_parallel_modes=modes)
         ensure_feasible(planned)
         shown = planned[:top]
         if json_output:
@@ -285,7 +306,9 @@ def render_plan(
 
     from autotune.units import format_bytes
 
-    title = f"plan: {gpus} ranks, batch {batch_size}" + (f", limit {format_bytes(limit)}/rank" if limit else "")
+    precision = planned[0].candidate.precision if planned else "fp32"
+    title = f"plan: {gpus} ranks, batch {batch_size}, {precision}" + (
+        f", limit {format_bytes(limit)}/rank" if limit else "")
     table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # ten columns in 80
     columns = ("#", "pp×dp", "schedule", "B/M", "M", "split", "step ms", "samples/s", "bubble", "peak mem")
     for column in columns:
@@ -302,7 +325,7 @@ def render_plan(
         peak = format_bytes(max(e.peak_memory_bytes))  # the fullest rank; the limit is in the title
         table.add_row(
             str(i),
-            f"{c.pipeline_degree}×{c.data_parallel_degree}",
+            f"{c.pipeline_degree}×{c.data_parallel_degree}" + _data_parallel_label(c),
             c.schedule.value + (" +ckpt" if c.activation_checkpointing else "")
             + (" dp-inner" if c.rank_order == "dp-inner" else ""),
             str(c.n_microbatches),
@@ -322,6 +345,12 @@ def render_plan(
             "ranked at that split's speed (the profile's noise cannot tell them apart; `--json` names the split).",
             highlight=False,
         )
+    if any(p.candidate.sharded for p in planned):
+        console.print(
+            "shard: FSDP2 over the dp replicas, each stage gathered for the step; shard/rs: resharded after every "
+            "forward and gathered again (less memory, more all-gathers).",
+            highlight=False,
+        )
     lo, hi = recommended
     span = f"{lo}" if lo == hi else f"{lo} to {hi}"
     console.print(
@@ -330,3 +359,10 @@ def render_plan(
         highlight=False,
     )
 
+
+
+def _data_parallel_label(c: Any) -> str:
+    """ shard or shard/rs after pp×dp for sharded candidates; nothing for replicas."""
+    if not c.sharded:
+        return ""
+    return " shard/rs" if c.reshard_after_forward else " shard"

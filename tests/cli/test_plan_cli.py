@@ -178,6 +178,30 @@ def test_profile_output_then_plan_from_it_over_nodes_without_the_model(model, tm
     table = invoke("plan", "--profile", saved, "--nodes", 2, "--gpus-per-node", 2, "--inter-node-bandwidth", 0.5)
     assert table.exit_code == 0, table.output
     assert "2 nodes of 2; inter-node link assumed 0.5 GB/s" in " ".join(table.stdout.split())
+    # replicate and shard side by side, in the profile's precision (fp32 on cpu); another precision is refused
+    # (no memory limit on cpu: keeping the stages gathered fits, so resharding after forward is not planned)
+    every = json.loads(invoke("plan", "--profile", saved, "--gpus", 4, "--json", "--top", 1000).stdout)
+    assert {(e["data_parallel_mode"], e["fsdp_reshard_after_forward"]) for e in every
+            if e["data_parallel_degree"] > 1} == {("replicate", False), ("shard", False)}
+    assert {e["precision"] for e in every} == {"fp32"}
+    only = json.loads(invoke("plan", "--profile", saved, "--gpus", 4, "--json", "--top", 1000,
+                             "--data-parallel", "replicate").stdout)
+    assert {e["data_parallel_mode"] for e in only} == {"replicate"}
+    refused = invoke("plan", "--profile", saved, "--gpus", 4, "--precision", "bf16")
+    assert refused.exit_code == 2, refused.output
+    assert f"{saved} was profiled in fp32, not bf16; profile again with" in " ".join(refused.stderr.split())
+
+
+def test_profile_in_bf16_then_plan_in_bf16(model, tmp_path):
+    saved = tmp_path / "bf16.json"
+    result = invoke("profile", model, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--precision", "bf16",
+                    "-M", 4, "--output", saved)
+    assert result.exit_code == 0, result.output
+    assert json.loads(saved.read_text())["precision"] == "bf16"
+    planned = json.loads(invoke("plan", "--profile", saved, "--gpus", 2, "--json", "--precision", "bf16").stdout)
+    assert planned and {e["precision"] for e in planned} == {"bf16"}
+    table = invoke("plan", "--profile", saved, "--gpus", 2)
+    assert "plan: 2 ranks, batch 8, bf16" in " ".join(table.stdout.split())
 
 
 @pytest.mark.parametrize(

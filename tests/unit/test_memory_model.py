@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autotune.candidate import Candidate
 from autotune.costs import LayerCost, Profile
 from autotune.memory_model import (
+    autocast_copy_bytes,
     batch_bytes,
+    dp_shards,
+    gather_buffer_bytes,
+    gradient_shard_bytes,
     held_per_microbatch,
     layer_backward_bytes,
     loss_backward_bytes,
     optimizer_step_bytes,
+    parameter_memory_bytes,
     receive_buffer_bytes,
+    reduce_buffer_bytes,
     sends_kept_to_the_end,
     sent_bytes,
     split_kept_bytes,
     stage_memory_bytes,
+    unsharded_gradient_bytes,
+    weight_gradient_factor,
+    wire_factor,
+    working_copy_bytes,
 )
 from autotune.plan import _Costs
 from autotune.schedules import Schedule
@@ -139,3 +151,100 @@ def test_every_rank_keeps_its_sends_under_a_multi_stage_schedule():
                   layers_per_stage=(1, 1, 1, 1))
     peak = simulate(FOUR_SENDERS, c, link=LINK, with_timeline=False).peak_memory_bytes[1]
     assert 32 * 1000 + 16 * 1000 <= peak <= 32 * 1000 + 16 * 1000 + 2 * 1000
+
+
+# --- sharded (FSDP2) and bf16 --------------------------------------------------------------------------------------
+
+
+def test_rules_of_sharding_and_bf16():
+    """Bytes per float32 parameter byte: FSDP2 keeps the float32 parameter and AdamW shards (1 + 2) over dp for the
+    step, gathers a working copy in the param dtype (bf16: half), accumulates float32 gradients unsharded and keeps
+    their shards from the reduce-scatter to the optimizer step; autocast (replicated bf16) casts weight copies
+    instead, and a bf16 profile's tensors travel as they are."""
+    shard = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=4, global_batch_size=8,
+                      n_microbatches=2, layers_per_stage=(2,), precision="bf16", data_parallel_mode="shard",
+                      wire_dtype="bfloat16")
+    assert dp_shards(shard) == 4
+    assert parameter_memory_bytes(8000, 2.0, dp_shards(shard)) == 6000  # 12 B per parameter over 4 ranks: 3 B
+    assert gradient_shard_bytes(8000, candidate=shard) == 2000
+    assert working_copy_bytes(8000, candidate=shard) == 4000  # bf16: 2 of 4 B
+    assert unsharded_gradient_bytes(8000, candidate=shard) == 8000  # float32, the reduce dtype
+    assert gather_buffer_bytes(4000, candidate=shard) == 500  # one unit's shard, in bf16
+    assert reduce_buffer_bytes(4000, candidate=shard) == 4000  # one unit's gradients, float32
+    assert weight_gradient_factor(shard) == 0.5
+    assert autocast_copy_bytes(300, candidate=shard) == 0  # bf16 parameters: nothing to cast
+    assert wire_factor(shard) == 1.0  # a bf16 profile measured what autocast made: sent as it is
+    fp32_shard = dataclasses.replace(shard, precision="fp32")
+    assert working_copy_bytes(8000, candidate=fp32_shard) == 8000 and weight_gradient_factor(fp32_shard) == 1.0
+    assert wire_factor(fp32_shard) == 0.5
+    replicated = dataclasses.replace(shard, data_parallel_mode="replicate")
+    assert dp_shards(replicated) == 1 and parameter_memory_bytes(8000, 2.0, dp_shards(replicated)) == 32000
+    assert gradient_shard_bytes(8000, candidate=replicated) == 0
+    assert working_copy_bytes(8000, candidate=replicated) == unsharded_gradient_bytes(8000, candidate=replicated) == 0
+    assert gather_buffer_bytes(4000, candidate=replicated) == reduce_buffer_bytes(4000, candidate=replicated) == 0
+    assert autocast_copy_bytes(300, candidate=replicated) == 300 and weight_gradient_factor(replicated) == 1.0
+    assert autocast_copy_bytes(300, candidate=dataclasses.replace(replicated, precision="fp32")) == 0
+
+
+SHARD_TWO_LAYERS = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=1.0, saved_bytes=1000,
+                              output_bytes=100, parameter_bytes=4000, autocast_copy_bytes=1500)] * 2
+
+
+def _one_stage(schedule: Schedule, precision: str = "fp32", **extra) -> tuple[Profile, Candidate]:
+    profile = Profile.from_layer_costs(SHARD_TWO_LAYERS, micro_batch_size=1, input_bytes=50, precision=precision)
+    c = Candidate(schedule=schedule, pipeline_degree=1, data_parallel_degree=4, global_batch_size=8,
+                  n_microbatches=2, layers_per_stage=(2,), precision=precision, **extra)
+    return profile, c
+
+
+@pytest.mark.parametrize(
+    "schedule, reshard, peak",
+    [(Schedule.GPIPE, False, 22250), (Schedule.ONE_F_ONE_B, False, 22250), (Schedule.GPIPE, True, 22250),
+     (Schedule.ONE_F_ONE_B, True, 23250)],
+)
+def test_one_sharded_stage_peaks_as_walked_by_hand(schedule, reshard, peak):
+    """pp 1 x dp 4, two layers of 4000 parameter bytes (P = 8000), 2 micro-batches of 1000 + 1000 saved, output 100,
+    input 50 (a view of the batch: 2050 held per micro-batch). Static: the batch 100 + the parameter and AdamW
+    shards P x 3 / 4 = 6100 (the gradient shards, P / 4, only from the reduce-scatter to the optimizer step).
+    c = u = 8000: the working copy and the unsharded float32 gradients, which accumulate as a backward frees the
+    activations (there at its end, not with the loss's gradients at its start).
+
+        GPipe, kept  F0 (gathers)  F1        B0 (1st)                 B1 (last)                   reduce
+        live         c+2050        c+4100    c+4100 -> c+u+2050       c+u+2050 -> c+u             -> P/4
+        peak         10050         12100     12100 + 200 (the loss's) 18050 + 4200 = 22250         16000 + 0
+
+    (B1's 4200: a layer's fresh weight gradients 4000 + its input and output gradients; a unit's reduce-scatter
+    input, 4000 float32, comes after its 4000 of working copy are let go of.) 1F1B (F0 B0 F1 B1) peaks at B1 too.
+    Resharding after forward, a forward holds two units (8000, here the stage) and a unit's all-gather input (1000)
+    while it runs; a backward gathers the stage again, kept after it. GPipe: B0 gathers, B1 finds it gathered:
+    22250 again. 1F1B: F1 lets go of what B0 gathered, so B1 gathers once more, 10050 + 8000 + 1000 + 4200 = 23250
+    (two layers: resharding saves nothing here). Replicated: 100 + 4P + 2050 + 4200."""
+    profile, c = _one_stage(schedule, data_parallel_mode="shard", reshard_after_forward=reshard)
+    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (6100 + peak,)
+    replicated = dataclasses.replace(c, data_parallel_mode="replicate", reshard_after_forward=False)
+    assert simulate(profile, replicated, link=LINK, with_timeline=False).peak_memory_bytes == (100 + 32000 + 6250,)
+
+
+def test_bf16_shards_gather_half_copies_and_autocast_keeps_a_copy_per_micro_batch_in_flight():
+    """bf16, the same stage. Sharded: c = 4000 (bf16 copy), u = 8000 (float32), and the second backward's fresh
+    weight gradients are bf16 (2000 + 200 of input and output gradients): c + u + 2050 + 2200 at B1. Replicated
+    under autocast: each forward's graph keeps its weight copies (2 x 1500 per micro-batch), freed by its backward:
+    GPipe holds both micro-batches' at B0."""
+    profile, c = _one_stage(Schedule.GPIPE, "bf16", data_parallel_mode="shard")
+    first, second = 4000 + 4100 + 200, 4000 + 8000 + 2050 + 2200
+    assert simulate(profile, c, link=LINK, with_timeline=False).peak_memory_bytes == (6100 + max(first, second),)
+    assert second > first
+    replicated = dataclasses.replace(c, data_parallel_mode="replicate")
+    held = 2050 + 3000
+    # B0: both held + the loss's 200; B1: one held + 4200
+    assert simulate(profile, replicated, link=LINK, with_timeline=False).peak_memory_bytes == (
+        100 + 32000 + max(2 * held + 200, held + 4200),)
+
+
+def test_the_planner_caps_sharded_stages_with_the_same_terms():
+    profile, c = _one_stage(Schedule.GPIPE, "bf16", data_parallel_mode="shard")
+    stage_memory = _Costs(profile, 1, LINK).stage_memory(c)
+    assert stage_memory(0, 0, 2) == pytest.approx(6000 + 4000 + 8000 + 2 * (2000 + 100))  # shards, copy, grads, held
+    replicated = dataclasses.replace(c, data_parallel_mode="replicate")
+    stage_memory = _Costs(profile, 1, LINK).stage_memory(replicated)
+    assert stage_memory(0, 0, 2) == pytest.approx(32000 + 2 * (2000 + 3000 + 100))  # autocast copies per in flight

@@ -322,3 +322,36 @@ def make_batch(batch_size):
 def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.reshape(-1, 128), targets.reshape(-1))
 """
+
+
+def test_bf16_profiles_under_autocast_and_counts_its_weight_copies_apart(model_file):
+    """The model of test_saved_and_output_bytes_are_exact under torch.autocast(bfloat16): every tensor a Linear
+    makes is bfloat16, so outputs and what is saved halve; the first Linear saves its input's bfloat16 copy; the
+    others save their input and the bfloat16 copy of their weight (16 x 16 and 16 x 4 elements), which is counted
+    apart (a sharded stage computes on bfloat16 parameters: nothing to cast)."""
+    profile = profile_model(load_model_file(model_file()), batch_size=4, micro_batch_sizes=[4], repeats=1,
+                            precision="bf16")
+    m = 4
+    assert profile.precision == "bf16"
+    assert [layer.output_bytes for layer in profile.layers] == [(m * 16 * 2,), (m * 16 * 2,), (m * 16 * 2,),
+                                                                 (m * 4 * 2,)]
+    assert [layer.saved_bytes for layer in profile.layers] == [(m * 8 * 2,), (m * 16 * 2,), (0,), (m * 16 * 2,)]
+    assert [layer.autocast_copy_bytes for layer in profile.layers] == [0, 0, 16 * 16 * 2, 16 * 4 * 2]
+    assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 16 + 16) * 4,
+                                                                    (16 * 4 + 4) * 4]  # float32 master weights
+    assert profile.layer_costs(4)[2].autocast_copy_bytes == 16 * 16 * 2
+    again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again == profile
+
+
+def test_profiles_saved_before_precision_load_as_fp32():
+    layer = LayerProfile(name="x", parameter_bytes=8, forward_ms=(2.0,), backward_input_ms=(1.0,),
+                         backward_weight_ms=(1.0,), saved_bytes=(10,), output_bytes=(10,))
+    saved = Profile(micro_batch_sizes=(4,), layers=(layer,), input_bytes=(10,)).to_dict()
+    del saved["precision"]
+    old = Profile.from_dict(saved)
+    assert old.precision == "fp32" and old.layers[0].autocast_copy_bytes == 0
+    with pytest.raises(UsageError, match="profile precision 'fp16' is not one of fp32, bf16"):
+        Profile.from_dict({**saved, "precision": "fp16"})
+    with pytest.raises(UsageError, match="precision 'fp16' is not one of fp32, bf16; pass --precision"):
+        profile_model(None, batch_size=4, precision="fp16")  # type: ignore[arg-type]

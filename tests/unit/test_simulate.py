@@ -451,3 +451,62 @@ def test_a_graph_whose_worker_ends_without_it_is_built_here(tmp_path):
 
     quit_early = subprocess.Popen([sys.executable, "-c", "pass"])
     assert graph_cache._await_ahead(tmp_path / "never.pickle", quit_early) is None
+
+
+# --- sharded (FSDP2) -----------------------------------------------------------------------------------------------
+
+
+def test_all_gather_and_reduce_scatter_are_the_halves_of_the_all_reduce():
+    """A ring of 4 on one node: 3 steps of a quarter each (8 MB at 1 GB/s: 3 x 2 ms); over 2 nodes of 2, a ring of 2
+    inside (1 step of 4 MB: 4 ms) and one of the half across, on the inter-node link (1 step of 2 MB at 0.5 GB/s)."""
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     inter_node_bandwidth_bytes_per_s=0.5e9)
+    assert link.all_gather_ms(8e6, 4) == link.reduce_scatter_ms(8e6, 4) == pytest.approx(6.0)
+    assert link.allreduce_ms(8e6, 4) == pytest.approx(12.0)
+    assert link.all_gather_ms(8e6, 4, n_nodes=2) == pytest.approx(4.0 + 4.0)
+    assert link.allreduce_ms(8e6, 4, n_nodes=2) == pytest.approx(2 * link.reduce_scatter_ms(8e6, 4, n_nodes=2))
+    assert link.all_gather_ms(8e6, 1) == link.reduce_scatter_ms(0, 4) == 0.0
+
+
+WIRE_1GBS = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0,
+                      optimizer_bytes_per_s=1e12)
+
+
+@pytest.mark.parametrize(
+    "precision, reshard, gathers, step",
+    [
+        # keep: F0 gathers (unit 2 ms exposed, the rest 2 ms behind F's 2 ms of compute), B1 reduces (4 ms)
+        ("fp32", False, [True, False, False, False], (2 + 2) + 4 + 2 + (4 + 4)),
+        # reshard: F0 gathers, B0 gathers again (2 ms exposed, the rest behind its 4 ms); F1 finds it gathered (a
+        # backward leaves it so) and reshards it after, so B1 gathers once more
+        ("fp32", True, [True, True, False, True], (2 + 2) + (4 + 2) + 2 + (4 + 2 + 4)),
+        # bf16: half the bytes to gather (1 ms a unit), the same float32 gradients to reduce
+        ("bf16", False, [True, False, False, False], (2 + 1) + 4 + 2 + (4 + 4)),
+    ],
+)
+def test_sharded_step_time_adds_the_gathers_compute_cannot_hide_and_the_reduce_scatter(precision, reshard, gathers,
+                                                                                      step):
+    """pp 1 x dp 2, 1F1B over 2 micro-batches (F0 B0 F1 B1), two layers of 4 MB each: F 2 ms, B 4 ms. An all-gather
+    over 2 ranks moves half its bytes (a 4 MB unit: 2 ms at 1 GB/s); the reduce-scatter of the stage's 8 MB of
+    float32 gradients 4 ms; AdamW steps over the rank's half of the parameters."""
+    prof = Profile.from_layer_costs([layer(f=1.0, b=1.0, w=1.0, params=4_000_000)] * 2, precision=precision)
+    c = candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2, precision=precision, data_parallel_mode="shard",
+                  reshard_after_forward=reshard)
+    est = simulate(prof, c, link=WIRE_1GBS)
+    optimizer = 8e6 / 2 / 1e12 * 1e3
+    assert est.step_time_ms == pytest.approx(step + optimizer)
+    assert est.optimizer_ms == pytest.approx(optimizer)
+    per_gather = 4.0 if precision == "fp32" else 2.0  # the whole stage's gather time, hidden or not
+    assert est.gather_ms == pytest.approx(per_gather * sum(gathers))
+    assert est.reduce_scatter_ms == pytest.approx(4.0) and est.allreduce_ms == 0.0
+    assert step_time_lower_bound(prof.layer_costs(1), c, input_bytes=0, optimizer_ms_per_byte=1e3 / 1e12,
+                                 link=WIRE_1GBS) <= est.step_time_ms
+
+
+def test_a_replicated_candidate_all_reduces_and_a_profile_of_another_precision_is_refused():
+    prof = Profile.from_layer_costs([layer(f=1.0, b=1.0, w=1.0, params=4_000_000)] * 2)
+    replicated = simulate(prof, candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2), link=WIRE_1GBS)
+    assert replicated.allreduce_ms == pytest.approx(8.0) and replicated.gather_ms == replicated.reduce_scatter_ms == 0
+    with pytest.raises(UsageError, match="profile was measured in fp32 but the candidate trains in bf16; profile "
+                                         "again with --precision bf16"):
+        simulate(prof, candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2, precision="bf16"))
