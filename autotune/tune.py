@@ -283,7 +283,8 @@ def tune(
                                                                inter_bandwidth_bytes_per_s=bandwidth)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
-                       gpus_per_node=request.gpus_per_node, link=link, data_parallel_modes=request.data_parallel_modes)
+                       gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
+                       data_parallel_modes=request.data_parallel_modes)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,

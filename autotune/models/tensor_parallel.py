@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from autotune.costs import TensorParallelLayer
     from autotune.model_file import ModelSpec
 
 StyleName = Literal[
@@ -263,6 +264,57 @@ def apply_tp(blocks: BlockModel, start: int, stop: int, plan: TensorParallelPlan
             parallelize_module(module, tp_mesh, torch_style)
             done.append(name)
     return AppliedTP(modules=tuple(done), partial_gradients=tuple(partial))
+
+
+def tp_layer_terms(spec: ModelSpec) -> tuple[TensorParallelLayer, ...]:
+    """Per block of the model (as build_model() cuts it), what its plan shards and the collectives torch's styles
+    run per micro-batch (costs.TensorParallelLayer), for the profile: () for a model without a plan.
+
+        colwise (output sharded)        backward: an all-reduce of its input's gradient (the input is replicated)
+        colwise, output gathered        forward: an all-gather of its output; backward: as colwise
+        rowwise, embedding_rowwise      forward: an all-reduce of its output (the partial sums)
+        rowwise_split_input             forward: as rowwise; backward: its input's gradient made whole (counted as an
+                                        all-reduce)
+        torch ColwiseParallel / RowwiseParallel objects likewise; other styles: nothing counted"""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from autotune.costs import TensorParallelLayer
+    from autotune.model_file import build_skeleton
+
+    plan, _ = tp_plan_of(spec)
+    if plan is None:
+        return ()
+    skeleton = build_skeleton(spec)
+    left_whole = {entry.split(" ")[0] for entry in plan.left_whole}
+    modules = [(name, module) for name, module in skeleton.model.named_modules() if name and name not in left_whole]
+    terms = []
+    for block_name in skeleton.names:
+        inside = block_name.split("+")
+        sharded = forward = backward = gathers = 0
+        for name, module in modules:
+            if not any(name == b or name.startswith(b + ".") for b in inside):
+                continue
+            style = next((s for glob, s in plan.styles.items() if matches(name, glob)), None)
+            if style is None or style in ("replicate", PARTIAL_GRADIENT):
+                continue
+            colwise = style in COLWISE or isinstance(style, ColwiseParallel)
+            rowwise = style in ROWWISE or isinstance(style, RowwiseParallel)
+            if not (colwise or rowwise):
+                continue
+            sharded += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            if colwise:
+                backward += 1
+                output = getattr(style, "output_layouts", None)
+                gathered = style in ("colwise_gather_output", "colwise_rep") or isinstance(output, Replicate) or (
+                    isinstance(output, tuple) and any(isinstance(o, Replicate) for o in output))
+                gathers += int(gathered)
+            else:
+                forward += 1
+                backward += int(style in ("rowwise_split_input", "rowwise_rep"))
+        terms.append(TensorParallelLayer(sharded_parameter_bytes=sharded, forward_all_reduces=forward,
+                                         backward_all_reduces=backward, forward_all_gathers=gathers))
+    return tuple(terms)
 
 
 def reduce_partial_gradients(applied: AppliedTP, tp_group: Any) -> None:

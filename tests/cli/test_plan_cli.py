@@ -91,7 +91,7 @@ def test_plan_more_ranks_than_layers_uses_data_parallel_replicas(model):
 def test_plan_table_shows_the_layout(model):
     result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--top", 50)
     assert result.exit_code == 0, result.output
-    assert "pp×dp" in result.stdout and "2×1" in result.stdout and "1×2" in result.stdout
+    assert "pp×dp×tp" in result.stdout and "2×1×1" in result.stdout and "1×2×1" in result.stdout
 
 
 def test_auto_device_without_cuda_says_to_pass_cpu(model, monkeypatch):

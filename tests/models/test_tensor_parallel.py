@@ -223,3 +223,25 @@ def test_style_names_become_torchs_styles():
     mine = RowwiseParallel()
     copied = to_torch_style(mine)
     assert copied is not mine and copied.src_data_rank is None and mine.src_data_rank == 0
+
+
+@needs_transformers
+def test_the_profile_records_what_the_llama_plan_shards_and_its_collectives():
+    """Per block of the recipe (embedding, 4 decoder layers, norm + head): the sharded parameter bytes (not the
+    norms) and the collectives torch's styles run per micro-batch, as counted on real ranks (a wrapped
+    functional collective): the vocabulary-parallel embedding's forward all-reduce; o_proj's and down_proj's
+    forward all-reduces and q, k, v, gate, up's backward ones; the head's gathered logits and its input gradient."""
+    from autotune.models.tensor_parallel import tp_layer_terms
+
+    spec = load_model_file(RECIPES / "hf_llama.py")
+    terms = [(t.sharded_parameter_bytes, t.forward_all_reduces, t.backward_all_reduces, t.forward_all_gathers)
+             for t in tp_layer_terms(spec)]
+    layer = 4 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k, v, o, gate, up, down (no bias)
+    assert terms == [(4 * 512 * 64, 1, 0, 0), *[(layer, 2, 5, 0)] * 4, (4 * 512 * 64, 0, 1, 1)]
+    assert [spec.parameter_bytes[i] - terms[i][0] for i in range(6)] == [0, 512, 512, 512, 512, 256]  # the norms
+
+
+def test_a_model_without_a_plan_records_no_terms():
+    from autotune.models.tensor_parallel import tp_layer_terms
+
+    assert tp_layer_terms(load_model_file(RECIPES / "mlp.py")) == ()
