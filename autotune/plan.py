@@ -221,11 +221,14 @@ def _simulated(
     prune_within: float | None,
 ) -> dict[str, PlannedCandidate]:
     """The points simulated cheapest lower bound first, pruned against the best feasible step so far, then the
-    checkpointed twins of the fastest; torch's orders built ahead by the edge's graph source while it works."""
+    checkpointed twins of the fastest; torch's orders built ahead by the edge's graph source while it works. The
+    cheapest point of each tensor-parallel degree is never pruned: the ranking says what each degree would do (the
+    search seeds the best tp candidate, the report compares it), however far behind it is."""
     planned: dict[str, PlannedCandidate] = {}
     best: list[float] = []  # the best feasible step time so far, once there is one
     pruned = 0
     ordered = sorted(points, key=lambda p: p.bound)
+    kept = {id(next(p for p in ordered if p.costs.tp == tp)) for tp in {p.costs.tp for p in ordered}}
     source = graph_source()  # the edge's store of graphs (graph_cache.planning), if any
 
     def ready(point: _Point) -> bool:
@@ -235,7 +238,7 @@ def _simulated(
     with ahead:
         for i, point in enumerate(ordered):
             limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-            if point.bound > limit or point.dominated():
+            if (point.bound > limit and id(point) not in kept) or point.dominated():
                 pruned += 1
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their

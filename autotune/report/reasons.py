@@ -140,8 +140,8 @@ def _layout_bullet(c: Candidate, estimate: Estimate) -> str | None:
     """The data-parallel replicas and their all-reduce; tensor parallelism inside the stages."""
     tp = c.tensor_parallel_degree
     inside = (f" Each stage is split over {tp} consecutive ranks with the model's tensor-parallel plan (its "
-              f"projections sharded, two all-reduces of the activations per block and direction on the intra-node "
-              f"link).") if tp > 1 else ""
+              f"projections sharded, all-reduces of the activations in each block on the intra-node link: the "
+              f"simulator charges {estimate.tensor_parallel_ms:.1f} ms of the step for them).") if tp > 1 else ""
     if c.data_parallel_degree == 1:
         return f"**Layout**: pp x dp x tp = {c.pipeline_degree} x 1 x {tp}.{inside}" if tp > 1 else None
     return (

@@ -123,15 +123,15 @@ def test_a_tp_step_is_half_the_compute_plus_its_collectives():
 def test_the_planner_ranks_tp_layouts_beside_pp_and_dp():
     """2 GPUs: under a limit that only tp 2 fits (it halves parameters, their state and the block's activations;
     FSDP's replicas gather whole stages) pp 1 x tp 2 ranks first; without a limit, at 1 ms a collective, it ranks
-    behind the replicas; tp 1 predictions are the same with or without tp in the plan."""
+    behind the replicas, but is still ranked (each degree's cheapest point escapes the planner's pruning); tp 1
+    predictions are the same with or without tp in the plan."""
     p = profile()
     cheap = replace(LINK, tensor_parallel_overhead_ms=0.0)
     with_tp = plan(p, gpus=2, batch_size=4, memory_limit_bytes=12_000, link=cheap, tensor_parallel_degrees=(1, 2))
     best = with_tp[0]
     assert (best.candidate.tensor_parallel_degree, best.candidate.world_size, best.estimate.feasible) == (2, 2, True)
     assert all(x.candidate.tensor_parallel_degree == 2 for x in with_tp if x.estimate.feasible)
-    costly = plan(p, gpus=2, batch_size=4, memory_limit_bytes=None, link=LINK, tensor_parallel_degrees=(1, 2),
-                  prune_within=None)
+    costly = plan(p, gpus=2, batch_size=4, memory_limit_bytes=None, link=LINK, tensor_parallel_degrees=(1, 2))
     assert costly[0].candidate.tensor_parallel_degree == 1
     assert any(x.candidate.tensor_parallel_degree == 2 for x in costly)
     without = {x.candidate.key: x.estimate
