@@ -453,3 +453,15 @@ def test_tensor_parallel_layouts_are_asked_beside_the_others_by_their_own_name()
     assert candidate.world_size == 2 and candidate.parallelism == "tensor parallel"
     assert space.params_for(candidate) == params
     assert SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32)).params_for(candidate) is None
+
+
+def test_the_planners_best_tp_candidate_is_seeded_and_run(spec, tmp_path):
+    """Tensor parallel is a kind of parallelism of its own: the planner ranks tp 2 (each degree's cheapest point is
+    simulated however slow) and the search runs its best, even predicted slower than the prune margin allows."""
+    p = profile()
+    runner = SimulatedRunner()
+    opts = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1, prune_margin=0.0, tensor_parallel_degrees=(1, 2))
+    planned = plan(p, gpus=2, batch_size=32, memory_limit_bytes=None, tensor_parallel_degrees=(1, 2))
+    assert any(x.candidate.tensor_parallel_degree == 2 for x in planned)
+    run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner)
+    assert any(c.tensor_parallel_degree == 2 for c in runner.calls)
