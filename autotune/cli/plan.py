@@ -209,6 +209,8 @@ def plan_command(
             print_json([p.to_dict() for p in shown])
         else:
             render_plan(shown, recommended_microbatch_range(planned), limit, gpus, batch_size)
+            for line in tensor_parallel_lines(planned):
+                console.print(line, highlight=False)
             link_nodes = per_node or gpus
             if link is not None and link.inter_node_bandwidth_bytes_per_s and link.inter_node_latency_s is not None:
                 console.print(
@@ -227,6 +229,25 @@ def _profile_tp_degrees(asked: tuple[int, ...] | None, gpus: int, per_node: int 
             raise UsageError(f"--tensor-parallel {tp} does not divide the {node} GPUs of a node; use a divisor of "
                              f"{node}")
     return asked or (1,)
+
+
+def tensor_parallel_lines(planned: list[Any]) -> list[str]:
+    """Per tp degree > 1 that was planned: its best candidate against the best overall, and what its collectives
+    cost (why it ranks where it does)."""
+    if not planned:
+        return []
+    pool = [p for p in planned if p.estimate.feasible] or planned
+    top = pool[0].estimate
+    lines = []
+    for tp in sorted({p.candidate.tensor_parallel_degree for p in pool} - {1}):
+        best = next(p for p in pool if p.candidate.tensor_parallel_degree == tp)
+        e = best.estimate
+        lines.append(
+            f"tensor parallel {tp}: best {best.candidate.key} at {e.step_time_ms:.1f} ms per step "
+            f"({e.step_time_ms / top.step_time_ms:.2f}x the best), of which {e.tensor_parallel_ms:.1f} ms are its tp "
+            f"collectives on the slowest rank"
+        )
+    return lines
 
 
 def _ranks(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
