@@ -32,7 +32,7 @@ import functools
 import importlib
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -323,6 +323,43 @@ TORCH_DISTRIBUTED_PATH = "torch/distributed"
 
 TORCH_PATH = "/torch/"
 """In a stack frame's file name: the frame is inside torch."""
+
+
+_FSDP_STORAGE_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fsdp_param",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+)
+"""Where FSDP2 calls alloc_storage / free_storage by module-level name (torch 2.11-2.14)."""
+
+
+@contextlib.contextmanager
+def fsdp_storage_resizes(on_resize: Callable[[torch.Tensor, int], None]) -> Iterator[None]:
+    """FSDP2 gathers a unit's parameters into storages it keeps and resizes in place (alloc_storage / free_storage:
+    UntypedStorage.resize_, which no TorchDispatchMode sees). While active, each such resize also calls
+    on_resize(tensor, its storage's new byte count). A torch without these names: nothing is followed."""
+    patches = []
+    for name in _FSDP_STORAGE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for fn_name in ("alloc_storage", "free_storage"):
+            original = getattr(module, fn_name, None)
+            if original is not None:
+                patches.append(mock.patch.object(module, fn_name, _following(original, on_resize)))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _following(original: Callable[[torch.Tensor], None],
+               on_resize: Callable[[torch.Tensor, int], None]) -> Callable[[torch.Tensor], None]:
+    def resize(tensor: torch.Tensor) -> None:
+        original(tensor)
+        on_resize(tensor, tensor.untyped_storage().nbytes())
+
+    return resize
 
 
 def give_shards_storage(module: torch.nn.Module, device: torch.device) -> None:

@@ -64,6 +64,7 @@ def profile_model(
     every_block: bool = False,
     memory_limit_bytes: int | None = None,
     precision: Precision = "fp32",
+    state_shards: int = 1,
 ) -> Profile:
     """Measure every block on its own (a one-block stage, as a pipeline stage runs it) at each micro-batch size.
 
@@ -82,7 +83,9 @@ def profile_model(
 
     Out of memory (a CUDA allocation, or on CPU the live-tensor tracker passing memory_limit_bytes) at a size makes
     that size and the larger ones infeasible (Profile.infeasible_micro_batch_sizes); at every size, or for a block's
-    parameters, gradients and optimizer state alone, it raises InfeasibleError. On CPU torch runs one thread (one
+    parameters, gradients and optimizer state alone, it raises InfeasibleError; state_shards: the most ways sharded
+    data parallelism may split that state (the GPUs, when shard layouts are planned): the block's state then needs to
+    fit under memory_limit_bytes x state_shards. On CPU torch runs one thread (one
     thread per rank is the stand-in); the caller's thread count is restored afterwards.
 
     precision bf16 runs each block's forward and the loss under torch.autocast(bfloat16), as the replicate runtime
@@ -112,7 +115,7 @@ def profile_model(
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
         walk = _Walk(spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
-                     autocast=precision == "bf16")
+                     autocast=precision == "bf16", state_shards=state_shards)
         measured = walk.run(every_block=every_block)
         sizes = walk.sizes
     finally:
@@ -266,8 +269,10 @@ class _Walk:
         progress: ProgressFn | None,
         *,
         autocast: bool = False,
+        state_shards: int = 1,
     ) -> None:
         self.autocast = autocast
+        self.state_shards = max(1, state_shards)
         self.spec, self.sizes, self.device, self.repeats, self.clock = spec, list(sizes), device, repeats, clock
         self.limit = memory_limit_bytes
         self.progress = progress
@@ -384,17 +389,23 @@ class _Walk:
         memory limit on CPU, the block's parameters, gradients and state must fit under it (on CUDA the allocator
         enforces it)."""
         try:
+            limit = self.limit * self.state_shards if self.limit is not None else None
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
-                                      limit=self.limit if self.device.type == "cpu" else None)
+                                      limit=limit if self.device.type == "cpu" else None)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
             needed = requested_bytes(exc)
             at_least = f" (at least {format_bytes(needed)} counted)" if needed else ""
+            shards = (f", even sharded over {self.state_shards} replicas" if self.state_shards > 1 else
+                      "; no pipeline split can hold it")
+            fix = ("more GPUs to shard over, a device with more memory or a lighter optimizer" if self.state_shards > 1
+                   else "sharded data parallelism (--data-parallel shard, with more GPUs), a device with more memory "
+                        "or a lighter optimizer")
             raise InfeasibleError(
                 f"{self.spec.path}: block {self.spec.describe_layer(index)} alone needs more memory for its "
-                f"parameters, gradients and optimizer state{at_least} than the device has{self._limit_text()}; no "
-                f"pipeline split can hold it: use a device with more memory or a lighter optimizer"
+                f"parameters, gradients and optimizer state{at_least} than the device has{self._limit_text()}"
+                f"{shards}: use {fix}"
             ) from exc
 
     def _inputs(

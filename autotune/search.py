@@ -486,7 +486,7 @@ class _Engine:
         bound = self.options.trial_timeout_s or trial_timeout_s(options, self.estimate(candidate).step_time_ms / 1000)
         options = replace(options, timeout_s=bound)
         try:
-            with Heartbeat(self.shared.storage, trial_id(self.shared.storage.rdb, self.study, trial)):
+            with Heartbeat(self.shared.storage, trial_id(self.shared.storage.optuna, self.study, trial)):
                 measurement = self.runner(self.spec, candidate, options)
         except KeyboardInterrupt:
             self._tell(trial, "interrupted", "stopped by Ctrl-C", phase=phase)
@@ -594,7 +594,7 @@ def load_search(
     `config` (the config being reported on), else the median over every run of the study."""
     opened = open_storage(storage)
     try:
-        study = optuna.load_study(study_name=study_name, storage=opened.rdb)
+        study = optuna.load_study(study_name=study_name, storage=opened.optuna)
     except KeyError:
         raise UsageError(f"no study {study_name!r} in {opened.masked}; check --storage and --study-name") from None
     except Exception as exc:  # noqa: BLE001 - the database went away between opening and reading: the user's

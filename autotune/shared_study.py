@@ -20,7 +20,6 @@ from autotune.candidate import Measurement
 from autotune.errors import UsageError
 from autotune.records import Entry, TrialRecord, TrialState, WorkerRuns, remeasured_by, workers_of
 from autotune.study_storage import (
-    GRACE_PERIOD_S,
     LAUNCHED,
     MEASUREMENT,
     OWNER,
@@ -79,9 +78,8 @@ class SharedStudy:
         if time.monotonic() - self._reaped_at >= REAP_EVERY_S:
             # After a storage outage every search's beats lapsed alike: trust none for a grace period, until the
             # live ones have beaten again.
-            grace = float(self.storage.rdb.grace_period or GRACE_PERIOD_S)
-            reap_stale(self.study, stale_after_s=self.stale_after_s,
-                       heartbeats=not self.storage.outage.failed_within(grace))
+            reap_stale(self.storage, self.study, stale_after_s=self.stale_after_s,
+                       heartbeats=not self.storage.outage.failed_within(self.storage.grace_period_s))
             self._reaped_at = time.monotonic()
         live: dict[int, tuple[TrialRecord, Measurement | None]] = {}
         for frozen in self.study.get_trials(deepcopy=False, states=tuple(_STATES)):
@@ -130,7 +128,7 @@ class SharedStudy:
 
 def check_study_name(storage: StudyStorage, name: str, *, resume: bool) -> None:
     """Refuse, before any work, a new search on a study name in use (without resume: a name reused by mistake)."""
-    if not resume and name in optuna.study.get_all_study_names(storage.rdb):
+    if not resume and name in optuna.study.get_all_study_names(storage.optuna):
         raise UsageError(_EXISTS.format(name=name, storage=storage.masked))
 
 
@@ -158,10 +156,10 @@ def open_shared_study(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     owner = Owner.this_process(worker)
     with storage.lock(f"study:{name}"):
-        exists = name in optuna.study.get_all_study_names(storage.rdb)
+        exists = name in optuna.study.get_all_study_names(storage.optuna)
         if exists and not resume:
             raise UsageError(_EXISTS.format(name=name, storage=storage.masked))
-        study = optuna.create_study(study_name=name, storage=storage.rdb, direction="maximize", load_if_exists=True)
+        study = optuna.create_study(study_name=name, storage=storage.optuna, direction="maximize", load_if_exists=True)
         if exists:
             _check_setup(study, setup, profile, name)
         index = _register(study, owner)

@@ -1,17 +1,20 @@
 """Riding out a storage that blinks: a server restart, a failover or a dropped connection under a running search.
 
-    RetryingRDBStorage ── each call ──▶ Outage.call ──┬─ answers ──────────────────────────▶ result
-                                                      └─ transient error: back off, try again ─┐
-                                                         (said once on stderr)  ◀──────────────┘
-                                                         past AUTOTUNE_STORAGE_RETRY_S ──▶ StorageUnavailableError
-                                                                                             (exit 4, resumable)
+    RetryingStorage ── each call ──▶ Outage.call ──┬─ answers ──────────────────────────▶ result
+                                                    └─ transient error: back off, try again ─┐
+                                                       (said once on stderr)  ◀──────────────┘
+                                                       past AUTOTUNE_STORAGE_RETRY_S ──▶ StorageUnavailableError
+                                                                                           (exit 4, resumable)
 
-A transient error is a lost or refused connection (SQLAlchemy's OperationalError / InterfaceError, an invalidated
-connection, Optuna's StorageInternalError around one); anything else (bad data, a bug) is raised at once. Retrying a
-call whose commit the server made but whose answer the outage lost is harmless for every call the search makes: user
-attributes are set again, a parameter twice is an IntegrityError Optuna ignores, and a trial already told its state
-is recognised (set_trial_state_values). The pooled connections are checked before use (SQLAlchemy's pool_pre_ping,
-set by open_storage), so a restarted server costs no failed call at all when the search was not mid-query.
+RetryingStorage is the storage object autotune hands Optuna: its public storage API (optuna.storages.BaseStorage),
+each call retried as a whole over what Optuna itself makes of the RDBStorage (with its cache of finished trials), so
+autotune names no private Optuna method. A transient error is a lost or refused connection (SQLAlchemy's
+OperationalError / InterfaceError, an invalidated connection, Optuna's StorageInternalError around one); anything
+else (bad data, a bug) is raised at once. Retrying a call whose commit the server made but whose answer the outage
+lost is harmless for every call the search makes: user attributes are set again, a parameter twice is an
+IntegrityError Optuna ignores, and a trial already told its state is recognised (set_trial_state_values). The pooled
+connections are checked before use (SQLAlchemy's pool_pre_ping, set by open_storage), so a restarted server costs no
+failed call at all when the search was not mid-query.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any, TypeVar
 
 import optuna
-from optuna.trial import TrialState
+from optuna.distributions import BaseDistribution
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import StorageUnavailableError, UsageError
 
@@ -139,39 +144,147 @@ class Outage:
         return self._since is not None or time.monotonic() - self._last_failure < seconds
 
 
-class RetryingRDBStorage(optuna.storages.RDBStorage):
-    """Optuna's RDBStorage, each call retried through an outage (Outage.call). Optuna wraps it in its cache layer
-    as any RDBStorage, and its heartbeats work unchanged."""
+class RetryingStorage(optuna.storages.BaseStorage):
+    """The storage object autotune hands Optuna (create_study, load_study): Optuna's public storage API, each call
+    forwarded to Optuna's own storage for the database and retried through an outage (Outage.call).
 
-    outage: Outage
+        RetryingStorage ──▶ Outage.call ──▶ backend = optuna.storages.get_storage(rdb) ──▶ rdb: RDBStorage
+        (public BaseStorage methods,        (what Optuna makes of an RDBStorage: its cache
+         the heartbeats autotune beats)      of finished trials, Optuna's heartbeat protocol)
 
-    def __init__(self, url: str, *, outage: Outage, **kwargs: Any) -> None:
+    Being a BaseStorage, it is used by Optuna as it is (not wrapped again); the backend keeps Optuna's cache, so
+    finished trials are read once (without it a 300-trial search spent 17x the CPU time in its storage, each re-read
+    of the study fetching every trial again; bench/storage_speed.py). get_storage is public (its docstring calls it
+    internal to Optuna); the tests would see it go. Optuna sees no heartbeat protocol on this object (that base class
+    lives in a private module): autotune beats (record_heartbeat) and fails stale trials (fail_stale_trials) itself,
+    through Optuna's public calls on the backend, by the database's clock as before."""
+
+    def __init__(self, rdb: optuna.storages.RDBStorage, *, outage: Outage) -> None:
+        self.rdb = rdb
+        """Optuna's RDBStorage of the database (its engine, heartbeat interval and grace period)."""
+        self.backend = optuna.storages.get_storage(rdb)
+        """What Optuna makes of rdb when handed it: every call goes there."""
         self.outage = outage
-        super().__init__(url, **kwargs)
+        self._heartbeat_studies: dict[str, optuna.Study] = {}
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return self.outage.call(fn)
+
+    # --- optuna.storages.BaseStorage --------------------------------------------------------------------------------
+
+    def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
+        return self._call(lambda: self.backend.create_new_study(directions, study_name))
+
+    def delete_study(self, study_id: int) -> None:
+        self._call(lambda: self.backend.delete_study(study_id))
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._call(lambda: self.backend.set_study_user_attr(study_id, key, value))
+
+    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._call(lambda: self.backend.set_study_system_attr(study_id, key, value))
+
+    def get_study_id_from_name(self, study_name: str) -> int:
+        return self._call(lambda: self.backend.get_study_id_from_name(study_name))
+
+    def get_study_name_from_id(self, study_id: int) -> str:
+        return self._call(lambda: self.backend.get_study_name_from_id(study_id))
+
+    def get_study_directions(self, study_id: int) -> list[StudyDirection]:
+        return self._call(lambda: self.backend.get_study_directions(study_id))
+
+    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._call(lambda: self.backend.get_study_user_attrs(study_id))
+
+    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._call(lambda: self.backend.get_study_system_attrs(study_id))
+
+    def get_all_studies(self) -> list[Any]:  # Optuna's FrozenStudy, which it does not export
+        return self._call(self.backend.get_all_studies)
+
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        return self._call(lambda: self.backend.create_new_trial(study_id, template_trial))
+
+    def set_trial_param(
+        self, trial_id: int, param_name: str, param_value_internal: float, distribution: BaseDistribution
+    ) -> None:
+        self._call(lambda: self.backend.set_trial_param(trial_id, param_name, param_value_internal, distribution))
+
+    def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
+        return self._call(lambda: self.backend.get_trial_id_from_study_id_trial_number(study_id, trial_number))
+
+    def get_trial_number_from_id(self, trial_id: int) -> int:
+        return self._call(lambda: self.backend.get_trial_number_from_id(trial_id))
+
+    def get_trial_param(self, trial_id: int, param_name: str) -> float:
+        return self._call(lambda: self.backend.get_trial_param(trial_id, param_name))
 
     def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
         tries = 0
-        base = optuna.storages.RDBStorage
 
         def once() -> bool:
             nonlocal tries
             tries += 1
             try:
-                return base.set_trial_state_values(self, trial_id, state, values)
+                return self.backend.set_trial_state_values(trial_id, state, values)
             except optuna.exceptions.UpdateFinishedTrialError:
                 # A try that the outage cut off may have committed: then the trial holds exactly what was asked.
                 if tries > 1 and state.is_finished():
-                    stored = base.get_trial(self, trial_id)
+                    stored = self.backend.get_trial(trial_id)
                     if stored.state == state and (values is None or list(stored.values or ()) == list(values)):
                         return True
                 raise
 
-        return self.outage.call(once)
+        return self._call(once)
+
+    def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
+        self._call(lambda: self.backend.set_trial_intermediate_value(trial_id, step, intermediate_value))
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._call(lambda: self.backend.set_trial_user_attr(trial_id, key, value))
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._call(lambda: self.backend.set_trial_system_attr(trial_id, key, value))
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        return self._call(lambda: self.backend.get_trial(trial_id))
+
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        return self._call(lambda: self.backend.get_all_trials(study_id, deepcopy=deepcopy, states=states))
+
+    def get_n_trials(self, study_id: int, state: tuple[TrialState, ...] | TrialState | None = None) -> int:
+        return self._call(lambda: self.backend.get_n_trials(study_id, state))
+
+    def get_best_trial(self, study_id: int) -> FrozenTrial:
+        return self._call(lambda: self.backend.get_best_trial(study_id))
+
+    def get_trial_params(self, trial_id: int) -> dict[str, Any]:
+        return self._call(lambda: self.backend.get_trial_params(trial_id))
+
+    def get_trial_user_attrs(self, trial_id: int) -> dict[str, Any]:
+        return self._call(lambda: self.backend.get_trial_user_attrs(trial_id))
+
+    def get_trial_system_attrs(self, trial_id: int) -> dict[str, Any]:
+        return self._call(lambda: self.backend.get_trial_system_attrs(trial_id))
+
+    def remove_session(self) -> None:
+        self.backend.remove_session()
+
+    def check_trial_is_updatable(self, trial_id: int, trial_state: TrialState) -> None:
+        self._call(lambda: self.backend.check_trial_is_updatable(trial_id, trial_state))
+
+    # --- heartbeats: beaten and checked by autotune (the search asks and tells; Optuna beats only in optimize) --------
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        """One heartbeat of a running trial, by the database's clock; retried through an outage."""
+        self._call(lambda: self.rdb.record_heartbeat(trial_id))
 
     def beat_once(self, trial_id: int) -> bool:
         """One heartbeat, not retried (the heartbeat thread tries again soon by itself): whether it went through."""
         try:
-            optuna.storages.RDBStorage.record_heartbeat(self, trial_id)
+            self.rdb.record_heartbeat(trial_id)
         except Exception as exc:  # noqa: BLE001 - a lost beat is what the grace period is for
             if is_transient(exc):
                 self.outage.failed(exc)
@@ -181,32 +294,19 @@ class RetryingRDBStorage(optuna.storages.RDBStorage):
         self.outage.answered()
         return True
 
+    def fail_stale_trials(self, study_name: str) -> None:
+        """Fail the study's RUNNING trials whose heartbeat is older than the grace period (by the database's clock):
+        Optuna's own check (optuna.storages.fail_stale_trials), on a view of the study over the backend, which
+        has Optuna's heartbeat protocol. Retried through an outage as a whole (a trial failed twice is skipped)."""
 
-def _retried(name: str) -> Callable[..., Any]:
-    method = getattr(optuna.storages.RDBStorage, name)
+        def once() -> None:
+            study = self._heartbeat_studies.get(study_name)
+            if study is None:
+                study = self._heartbeat_studies[study_name] = optuna.load_study(study_name=study_name,
+                                                                                storage=self.backend)
+            optuna.storages.fail_stale_trials(study)
 
-    def call(self: RetryingRDBStorage, *args: Any, **kwargs: Any) -> Any:
-        return self.outage.call(lambda: method(self, *args, **kwargs))
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = method.__doc__
-    return call
-
-
-# Every method that reads or writes the database, as Optuna's cache layer (optuna.storages._CachedStorage, which
-# wraps every RDBStorage) calls them: some are private there, the only private Optuna names autotune uses. A name
-# this Optuna lacks is left alone (its calls then go unretried) rather than breaking the import.
-_RETRIED = (
-    "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name",
-    "get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs",
-    "get_trial_user_attrs", "get_trial_system_attrs", "get_all_studies", "_create_new_trial", "_set_trial_param",
-    "get_trial_param", "get_trial_id_from_study_id_trial_number", "_get_best_trial_id", "set_trial_intermediate_value",
-    "set_trial_user_attr", "set_trial_system_attr", "get_trial", "_get_trials", "record_heartbeat",
-    "_get_stale_trial_ids",
-)
-for _name in _RETRIED:
-    if hasattr(optuna.storages.RDBStorage, _name):
-        setattr(RetryingRDBStorage, _name, _retried(_name))
+        self._call(once)
 
 
 def first_line(exc: BaseException) -> str:

@@ -2,9 +2,9 @@
 
     open_storage ──▶ StudyStorage        tables created under a cross-process lock (two first starts race on CREATE
                                          TYPE / CREATE TABLE otherwise), a connect timeout, errors as one line, every
-                                         call retried through an outage (autotune.storage_retry)
+                                         call retried through an outage (autotune.storage_retry.RetryingStorage)
     Heartbeat                            a running trial's beat (Optuna beats only inside Study.optimize; the search
-                                         asks and tells, so it beats itself)
+                                         asks and tells, so it beats itself, in Optuna's heartbeat table)
     reap_stale                           fail RUNNING trials whose owner is gone: its heartbeat lapsed, its process
                                          on this host is dead, or (no beat ever) it is older than any trial can be
     claim                                atomically: launch this candidate unless another trial runs or measured it
@@ -38,7 +38,7 @@ from autotune.errors import StorageError
 from autotune.masking import mask_url
 from autotune.records import Outcome, TrialRecord, TrialState
 from autotune.simulate import Estimate
-from autotune.storage_retry import Outage, RetryingRDBStorage, is_transient, retry_bound_s
+from autotune.storage_retry import Outage, RetryingStorage, is_transient, retry_bound_s
 from autotune.storage_retry import chain as _chain
 from autotune.storage_retry import first_line as _first_line
 
@@ -91,7 +91,6 @@ def trial_id(storage: optuna.storages.BaseStorage, study: optuna.Study, trial: o
                                                             trial.number)
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class Owner:
     """Who launched a trial: the search worker, its host and process."""
@@ -138,15 +137,19 @@ def default_worker() -> str:
 
 
 class StudyStorage:
-    """An opened storage: Optuna's RDBStorage, and a lock shared by every process that uses the same database."""
+    """An opened storage: the storage object to hand Optuna, and a lock shared by every process that uses the same
+    database."""
 
-    def __init__(self, url: str, rdb: RetryingRDBStorage, lock_engine: sqlalchemy.Engine | None) -> None:
+    def __init__(self, url: str, storage: RetryingStorage, lock_engine: sqlalchemy.Engine | None) -> None:
         self.url = url
         """The URL as given (with its password: never print it; `masked` is for showing)."""
         self.masked = mask_url(url)
-        self.rdb = rdb
-        self.outage = rdb.outage
-        """Whether the storage answers; every call through rdb and lock() is retried through an outage."""
+        self.optuna = storage
+        """What optuna.create_study / load_study get as their storage: Optuna's storage API, retried."""
+        self.outage = storage.outage
+        """Whether the storage answers; every call through `optuna` and lock() is retried through an outage."""
+        self.grace_period_s = float(storage.rdb.grace_period or GRACE_PERIOD_S)
+        """A trial whose heartbeat is this old is failed by whichever search looks first."""
         self._lock_engine = lock_engine
 
     @contextlib.contextmanager
@@ -159,7 +162,7 @@ class StudyStorage:
 
     def dispose(self) -> None:
         """Close the connections (the study stays)."""
-        self.rdb.engine.dispose()
+        self.optuna.rdb.engine.dispose()
         if self._lock_engine is not None:
             self._lock_engine.dispose()
 
@@ -179,9 +182,8 @@ def open_storage(
     not answer is retried for up to retry_s (default: $AUTOTUNE_STORAGE_RETRY_S, else 300 s), the outage told
     through say (default: a logged warning)."""
     outage = Outage(mask_url(url), bound_s=retry_bound_s() if retry_s is None else retry_s, say=say)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval is
-    # Optuna's heartbeats are meant for Study.optimize; the search asks and tells, and beats itself (Heartbeat).
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    # heartbeat_interval and fail_stale_trials are experimental in Optuna
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     try:
         backend = make_url(url).get_backend_name()
         engine_kwargs: dict[str, Any] = {}
@@ -195,19 +197,15 @@ def open_storage(
         elif backend == "sqlite":
             engine_kwargs = {"connect_args": {"timeout": 60}}  # wait this long on a database another search writes
         with storage_lock(url, "schema", engine=lock_engine):
-            rdb = RetryingRDBStorage(
-                url,
-                outage=outage,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval_s,
-                grace_period=grace_period_s,
+            rdb = optuna.storages.RDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s, grace_period=grace_period_s
             )
     except Exception as exc:  # noqa: BLE001 - mapped to the user's error when it is one, else re-raised
         error = storage_error(exc, url)
         if error is None:
             raise
         raise error from None
-    return StudyStorage(url, rdb, lock_engine)
+    return StudyStorage(url, RetryingStorage(rdb, outage=outage), lock_engine)
 
 
 def storage_error(exc: BaseException, url: str) -> StorageError | None:
@@ -316,7 +314,7 @@ def _close_quietly(conn: sqlalchemy.Connection) -> None:
 
 class Heartbeat:
     """Beats for one trial from a thread while it runs; the first beat is synchronous, because a RUNNING trial
-    without any beat is never found stale by Optuna. Use as a context manager."""
+    without any beat is never found stale. Use as a context manager."""
 
     def __init__(self, storage: StudyStorage, trial_id: int) -> None:
         self.storage, self.trial_id = storage, trial_id
@@ -324,7 +322,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Heartbeat:
-        self.storage.rdb.record_heartbeat(self.trial_id)  # retried through an outage
+        self.storage.optuna.record_heartbeat(self.trial_id)  # retried through an outage
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"autotune-heartbeat-{self.trial_id}")
         self._thread.start()
         return self
@@ -335,15 +333,17 @@ class Heartbeat:
             self._thread.join()
 
     def _run(self) -> None:
-        interval = self.storage.rdb.get_heartbeat_interval() or HEARTBEAT_INTERVAL_S
+        interval = self.storage.optuna.rdb.get_heartbeat_interval() or HEARTBEAT_INTERVAL_S
         wait = interval
         while not self._stop.wait(wait):
             # A beat an outage lost is tried again within a second: beat as soon as the storage is back, before
             # another search could find this trial's beat lapsed.
-            wait = interval if self.storage.rdb.beat_once(self.trial_id) else min(1.0, interval)
+            wait = interval if self.storage.optuna.beat_once(self.trial_id) else min(1.0, interval)
 
 
-def reap_stale(study: optuna.Study, *, stale_after_s: float, heartbeats: bool = True) -> list[int]:
+def reap_stale(
+    storage: StudyStorage, study: optuna.Study, *, stale_after_s: float, heartbeats: bool = True
+) -> list[int]:
     """Fail the study's RUNNING trials whose owner is gone; return their numbers. Gone: its heartbeat lapsed (by the
     database's clock, any host; only with heartbeats), or it ran on this host and its process is dead, or it never
     beat (not launched, or written by an autotune without heartbeats) and started more than stale_after_s ago. A
@@ -351,7 +351,7 @@ def reap_stale(study: optuna.Study, *, stale_after_s: float, heartbeats: bool = 
     answering."""
     before = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
     if heartbeats:
-        optuna.storages.fail_stale_trials(study)
+        storage.optuna.fail_stale_trials(study.study_name)
     now = time.time()
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         owner = Owner.from_attrs(frozen.user_attrs)

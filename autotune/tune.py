@@ -183,13 +183,15 @@ def load_and_profile(
     every_block: bool = False,
     memory_limit_bytes: int | None = None,
     precision: Precision | None = None,
+    state_shards: int = 1,
 ) -> tuple[ModelSpec, Profile]:
     """Load and check the model file, then profile it: (spec, profile). A BatchNorm in a block is told to the
     reporter (its statistics are per micro-batch under pipelining). check_timeout_s bounds the loading and the check
     forward (HangError naming timeout_flag when they do not return in time); None: unbounded. gpus: profile (by
     default) only micro-batch sizes up to the largest a candidate over that many ranks can use. every_block and
     memory_limit_bytes: see profile_model (the limit binds the profiler as it binds trials). precision: what to
-    measure in; None: devices.default_precision (the model file's PRECISION, else bf16 on cuda, fp32 on cpu)."""
+    measure in; None: devices.default_precision (the model file's PRECISION, else bf16 on cuda, fp32 on cpu).
+    state_shards: see profile_model (the GPUs, where shard layouts are searched or planned)."""
     from autotune.devices import default_precision
     from autotune.model_file import check_model, load_model_file
     from autotune.plan import largest_micro_batch
@@ -214,6 +216,7 @@ def load_and_profile(
             every_block=every_block,
             memory_limit_bytes=memory_limit_bytes,
             precision=cast(Precision, precision or default_precision(device, spec.precision)),
+            state_shards=state_shards,
         )
     if profile.infeasible_micro_batch_sizes:
         reporter.warning(infeasible_sizes_warning(profile))
@@ -270,6 +273,7 @@ def tune(
         request.model, request.batch_size, device, reporter=reporter, check_timeout_s=bound,
         timeout_flag="--trial-timeout", gpus=request.gpus, split_at=request.split_at,
         every_block=request.profile_every_block, memory_limit_bytes=limit, precision=request.precision,
+        state_shards=request.gpus if "shard" in request.data_parallel_modes else 1,
     )
     incumbent = _incumbent(request, spec, reporter)
     tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)

@@ -30,10 +30,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
-from autotune.candidate import DATA_PARALLEL_MODES, pipeline_layouts  # noqa: E402
+from autotune.candidate import DATA_PARALLEL_MODES, pipeline_layouts, stage_bounds  # noqa: E402
 from autotune.costs import LayerCost, Profile  # noqa: E402
 from autotune.graph_cache import planning  # noqa: E402
+from autotune.memory_model import (  # noqa: E402
+    dp_shards,
+    parameter_memory_bytes,
+    receive_buffer_bytes,
+    unsharded_gradient_bytes,
+    working_copy_bytes,
+)
 from autotune.plan import PlannedCandidate, plan  # noqa: E402
+from autotune.schedules import parse_schedule, stage_ranks  # noqa: E402
 from autotune.simulate import LinkModel  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 
@@ -105,8 +113,47 @@ def describe(p: PlannedCandidate) -> str:
     return f"{c.schedule.value}{extra}, B/M {c.n_microbatches}, M {c.micro_batch_size}"
 
 
-def per_layout(profile: Profile) -> list[list[object]]:
-    """Per pp x dp layout and data-parallel choice: the fastest feasible candidate, else the leanest."""
+def breakdown(profile: Profile, p: PlannedCandidate) -> list[object]:
+    """The fullest rank's peak beside the memory model's largest terms for the stages it holds: what the parameters
+    cost (float32 state, or sharded: the parameter and AdamW shards, the working copy and the unsharded gradients)
+    and the receive buffers. The terms need not peak together (resharding lets go of copies; with two stages per
+    rank, one stage's gradients may be reduced before the other's accumulate)."""
+    c, e = p.candidate, p.estimate
+    costs = profile.layer_costs(c.micro_batch_size)
+    rank = max(range(c.pipeline_degree), key=lambda r: e.peak_memory_bytes[r])
+    bounds = stage_bounds(c.layers_per_stage)
+    mine = [s for s, r in enumerate(stage_ranks(c.schedule, c.pipeline_degree, c.n_stages)) if r == rank]
+    params = sum(costs[i].parameter_bytes for s in mine for i in range(bounds[s], bounds[s + 1]))
+    receive = 0.0
+    for s in mine:
+        stage_in = profile.input_bytes_at(c.micro_batch_size) if s == 0 else costs[bounds[s] - 1].output_bytes
+        receive += receive_buffer_bytes(stage_in, costs[bounds[s + 1] - 1].output_bytes, candidate=c,
+                                        first=s == 0, last=s == c.n_stages - 1)
+    state = parameter_memory_bytes(params, profile.optimizer_state_ratio, dp_shards(c))
+    copy = working_copy_bytes(params, candidate=c)
+    grads = unsharded_gradient_bytes(params, candidate=c)
+    peak = e.peak_memory_bytes[rank]
+    return [f"{c.pipeline_degree}×{c.data_parallel_degree}", kind(p), describe(p), rank,
+            *(format_bytes(int(x)) for x in (params, state, copy, grads, receive, peak))]
+
+
+def busiest_rank_compute_s(profile: Profile, entry: dict[str, object]) -> float:
+    """The busiest pipeline rank's compute per step in a plan's JSON entry: its stages' forward and backward (and
+    recompute, checkpointed) for every micro-batch, nothing else."""
+    m, pp = int(entry["num_microbatches"]), int(entry["pipeline_degree"])  # type: ignore[call-overload]
+    split = [int(n) for n in entry["layers_per_stage"]]  # type: ignore[attr-defined]
+    costs = profile.layer_costs(int(entry["micro_batch_size"]))  # type: ignore[call-overload]
+    bounds = stage_bounds(split)
+    per_rank = [0.0] * pp
+    for s, r in enumerate(stage_ranks(parse_schedule(str(entry["schedule"])), pp, len(split))):
+        for c in costs[bounds[s]:bounds[s + 1]]:
+            per_rank[r] += c.forward_ms + c.backward_ms + (c.forward_ms if entry["activation_checkpointing"] else 0)
+    return max(per_rank) * m / 1e3
+
+
+def per_layout(profile: Profile, details: list[list[object]] | None = None) -> list[list[object]]:
+    """Per pp x dp layout and data-parallel choice: the fastest feasible candidate, else the leanest (and, into
+    details, where its fullest rank's memory goes)."""
     rows: list[list[object]] = []
     for pp, dp in pipeline_layouts(NODES * GPUS_PER_NODE, BATCH, profile.n_layers):
         started = time.perf_counter()
@@ -122,6 +169,8 @@ def per_layout(profile: Profile) -> list[list[object]]:
             feasible = [p for p in mine if p.estimate.feasible]
             best = feasible[0] if feasible else min(mine, key=lambda p: max(p.estimate.peak_memory_bytes))
             e = best.estimate
+            if details is not None:
+                details.append(breakdown(profile, best))
             rows.append([f"{pp}×{dp}", choice, "yes" if feasible else "no", describe(best),
                          round(e.step_time_ms / 1e3, 1), format_bytes(max(e.peak_memory_bytes)),
                          round(e.gather_ms / 1e3, 2), round(e.reduce_scatter_ms / 1e3, 2), round(took, 1)])
@@ -168,7 +217,8 @@ def main() -> None:
     profile = llama70b_profile(args.tflops)
     parameters = sum(c.parameter_bytes for c in profile.layer_costs(1)) // 4
     compute = pure_compute_s(profile)
-    rows = per_layout(profile)
+    details: list[list[object]] = []
+    rows = per_layout(profile, details)
     with tempfile.TemporaryDirectory() as tmp:
         profile_path = Path(tmp) / "llama70b.json"
         profile_path.write_text(json.dumps(profile.to_dict()))
@@ -185,6 +235,10 @@ def main() -> None:
         "Each layout and data-parallel choice: the fastest that fits, else the leanest (plan() per layout)":
             _results.markdown_table(["pp×dp", "data parallel", "fits 80 GiB", "schedule", "step s", "peak / rank",
                                      "all-gather s", "reduce-scatter s", "plan s"], rows),
+        "Where the fullest rank's memory goes (the same rows)": _results.markdown_table(
+            ["pp×dp", "data parallel", "schedule", "rank", "parameters (fp32)", "state (fp32: params, grads, "
+             "AdamW; sharded: param + AdamW shards)", "working copy (bf16)", "unsharded fp32 grads",
+             "receive buffers", "peak"], details),
         "The after plan's top 5": _results.markdown_table(
             ["#", "pp×dp", "data parallel", "schedule", "step s", "peak / rank"],
             [[i + 1, *cli_row("", e)[1:]] for i, e in enumerate(after)]),
@@ -200,8 +254,15 @@ def main() -> None:
         "the layout (this machine, shared). The sharded memory follows torch's pipeline stage: gradients accumulate "
         "unsharded in float32 until the stage's last backward (no reduce-scatter per micro-batch), and a stage a "
         "backward gathered stays gathered until the next forward (or the step's end without resharding).\n\n"
-        f"After-planner CLI wall time {after_s:.0f} s"
-        + (f"; before {before[1]:.0f} s." if before else ".")
+        f"The after plan's best, {after[0]['pipeline_degree']}×{after[0]['data_parallel_degree']}: its busiest "
+        f"rank computes {busiest_rank_compute_s(profile, after[0]):.1f} s per step (its stages' forward, backward "
+        "and recompute for every micro-batch), against the 34 s of a perfect spread: 82 layers do not split evenly "
+        "over its ranks, and full checkpointing adds a forward. What binds memory: for shard, the unsharded float32 "
+        "gradients (4 B per parameter of the rank's stages, as torch's pipeline stage defers the reduce-scatter to "
+        "the stage's last backward) and torch's receive buffers (one per micro-batch, in and out) before the "
+        "sharded state; so pp 8 x 8 shard, whose state is 13 GiB, needs 90 GiB.\n\n"
+        f"After-planner CLI wall time {after_s:.0f} s" + (f"; before {before[1]:.0f} s." if before else ".")
+        + " (This machine is shared: times are not benchmarks.)"
     )
     data = {"per_layout": rows, "after": after, "before": before[0] if before else None,
             "pure_compute_s": compute, "parameters": parameters, "tflops": args.tflops}

@@ -195,6 +195,7 @@ def plan_command(
                 model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
                 reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus, every_block=every_block,
                 memory_limit_bytes=limit, precision=precision.value if precision else None,
+                state_shards=gpus if "shard" in modes else 1,
             )
             tp_degrees = search_tp_degrees(spec, gpus, per_node, parse_degrees(tensor_parallel, "--tensor-parallel"))
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None

@@ -5,8 +5,9 @@ What the CPU tracker counts: the bytes of every tensor storage alive in the rank
 tracked step (parameters, gradients, optimizer state, the global batch, torch's receive buffers), plus every storage
 an operator creates during the step until it is freed (activations, gradients, temporaries, optimizer updates).
 Views and in-place results share their input's storage and are counted once. A DTensor (FSDP2's sharded parameters,
-gradients and optimizer state) counts as its local shard; FSDP2's gathered parameters and its all-gather and
-reduce-scatter buffers are plain tensors, counted while they live. Not counted: memory outside tensors
+gradients and optimizer state) counts as its local shard; FSDP2's all-gather and reduce-scatter buffers are plain
+tensors, counted while they live; its gathered parameters live in storages it resizes in place (no operator creates
+them), followed through compat.fsdp_storage_resizes. Not counted: memory outside tensors
 (Python objects, gloo's own buffers, allocator slack), so it reads lower than RSS but tracks what the GPU allocator
 would hold.
 """
@@ -26,6 +27,7 @@ from autotune.compat import (
     ALLOCATION_BYTES,
     OUT_OF_MEMORY_TEXT,
     TorchDispatchMode,
+    fsdp_storage_resizes,
     stored_tensors,
     tree_flatten,
     view_base,
@@ -59,7 +61,30 @@ class LiveTensorBytes(TorchDispatchMode):
             tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
         for tensor in tensors:
             self._track(tensor)
+        self._resizes = fsdp_storage_resizes(self.resized)
+        self._resizes.__enter__()
         return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(*exc)
+
+    def resized(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """A storage resized in place (FSDP2 gathering a unit's parameters, or freeing them): its new byte count."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key not in self._live:
+            self._live[key] = 0
+            weakref.finalize(storage, self._free, key)
+        self.live_bytes += nbytes - self._live[key]
+        self._live[key] = nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._new_peak()
+            if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+                raise MemoryLimitExceeded(self.live_bytes, self.limit_bytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

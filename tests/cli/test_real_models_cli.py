@@ -159,3 +159,21 @@ def test_a_loss_fn_that_cannot_work_says_what_it_receives(tmp_path):
     assert "llama_out.py" in text and "loss_fn raised AttributeError" in text
     assert "receives the model's output tensor (the logits) of shape (2, 32, 512)" in text
     assert "CausalLMOutputWithPast" in text
+
+
+@pytest.mark.dist
+def test_a_search_on_llama_answers_pipeline_or_fsdp_from_runs(tmp_path):
+    """Issue 23: on 2 ranks the search runs a pipeline (pp 2 x dp 1), plain data parallelism (pp 1 x dp 2
+    replicate) and pure FSDP (pp 1 x dp 2 shard), and its report compares their measured best."""
+    out, config = search("hf_llama", tmp_path, "--trials", "5", "--steps", "2", "--warmup", "1")
+    summary = json.loads(out.stdout)
+    assert config["precision"] == "fp32"  # the CPU stand-in's default
+    report = (tmp_path / "report" / "report.md").read_text()
+    section = report.split("## Pipeline or FSDP?")[1].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(" ★"): line.split("|") for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| parallelism")}
+    assert {"pipeline", "FSDP", "data parallel"} <= set(rows)
+    for kind in ("pipeline", "FSDP", "data parallel"):
+        assert float(rows[kind][3]) > 0, rows[kind]  # measured samples/s
+    assert "dp2-shard/" in rows["FSDP"][2] and "dp2/" in rows["data parallel"][2]
+    assert "was fastest" in section and summary["best"]["data_parallel_degree"] in (1, 2)

@@ -173,3 +173,25 @@ def test_trackers_see_a_dtensors_local_shard(tmp_path):
         assert SavedActivationBytes(exclude=[shard])._excluded == {shard.to_local().untyped_storage().data_ptr()}
     finally:
         dist.destroy_process_group()
+
+
+def test_tracker_follows_fsdp2s_storage_resizes():
+    """FSDP2 gathers a unit's parameters into storages it resizes in place (alloc_storage / free_storage), which no
+    operator creates: the tracker counts them from the resize to the free, at their size."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    gathered = torch.empty(1024)  # 4 KiB
+    _fsdp_param.free_storage(gathered)  # as FSDP2 keeps it between steps: no bytes
+    with LiveTensorBytes() as tracker:
+        start = tracker.live_bytes
+        _fsdp_param.alloc_storage(gathered)  # the all-gather's destination
+        assert tracker.live_bytes - start == 4096 and tracker.peak_bytes >= start + 4096
+        _fsdp_param.free_storage(gathered)  # reshard
+        assert tracker.live_bytes == start
+    _fsdp_param.alloc_storage(gathered)
+    assert gathered.untyped_storage().nbytes() == 4096  # outside a tracker the functions are torch's own again
+    _fsdp_param.free_storage(gathered)
+    with LiveTensorBytes() as probe:
+        base = probe.live_bytes
+    with LiveTensorBytes(limit_bytes=base + 1024), pytest.raises(MemoryLimitExceeded):
+        _fsdp_param.alloc_storage(gathered)  # a gathered unit past the limit: out of memory

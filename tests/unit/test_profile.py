@@ -282,7 +282,8 @@ def test_a_block_whose_training_state_alone_is_over_the_limit_is_infeasible(tmp_
 
     (tmp_path / "wide.py").write_text(WIDE)
     spec = load_model_file(tmp_path / "wide.py")
-    with pytest.raises(InfeasibleError, match=r"block 0 \(Linear\) alone needs more memory .*--memory-limit"):
+    with pytest.raises(InfeasibleError, match=r"block 0 \(Linear\) alone needs more memory .*--memory-limit.*"
+                                              r"sharded data parallelism \(--data-parallel shard"):
         profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1, memory_limit_bytes=2**20)
 
 

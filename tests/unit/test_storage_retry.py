@@ -82,7 +82,7 @@ def test_a_tell_whose_commit_went_through_but_whose_answer_was_lost_succeeds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", retry_s=60, say=lambda text: None)
-    study = optuna.create_study(storage=storage.rdb, direction="maximize")
+    study = optuna.create_study(storage=storage.optuna, direction="maximize")
     trial = study.ask()
     original = optuna.storages.RDBStorage.set_trial_state_values
     lost = [True]
@@ -99,9 +99,41 @@ def test_a_tell_whose_commit_went_through_but_whose_answer_was_lost_succeeds(
     assert not lost and study.trials[0].state == optuna.trial.TrialState.COMPLETE and study.trials[0].value == 1.5
 
 
+def test_a_write_is_retried_through_optunas_public_storage_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    said: list[str] = []
+    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", retry_s=60, say=said.append)
+    study = optuna.create_study(storage=storage.optuna, direction="maximize")
+    trial = study.ask()
+    original = optuna.storages.RDBStorage.set_trial_user_attr
+    failures = [_dropped(), _dropped()]
+
+    def blinking(self: object, trial_id: int, key: str, value: object) -> None:
+        if failures:
+            raise failures.pop()
+        original(self, trial_id, key, value)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_user_attr", blinking)
+    trial.set_user_attr("owner", {"worker": "w"})
+    assert not failures and study.trials[0].user_attrs == {"owner": {"worker": "w"}}
+    assert len(said) == 2 and "does not answer" in said[0] and "answers again" in said[1]
+
+
+def test_optuna_keeps_its_cache_of_finished_trials(tmp_path: Path) -> None:
+    # The search re-reads the study before each decision: without Optuna's cache each read fetches every trial
+    # again (bench/storage_speed.py: 17x the storage CPU time of a 300-trial search).
+    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", retry_s=60, say=lambda text: None)
+    study = optuna.create_study(storage=storage.optuna, direction="maximize")
+    study.tell(study.ask(), 1.0)
+    running = study.ask()
+    first, second = study.get_trials(deepcopy=False), study.get_trials(deepcopy=False)
+    assert first[0] is second[0]  # a finished trial: read once
+    running.set_user_attr("k", 1)
+    assert study.get_trials(deepcopy=False)[1].user_attrs == {"k": 1}  # a running one: read each time
+
+
 def test_a_claim_whose_lock_an_outage_dropped_is_decided_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", retry_s=60, say=lambda text: None)
-    study = optuna.create_study(storage=storage.rdb, direction="maximize")
+    study = optuna.create_study(storage=storage.optuna, direction="maximize")
     mine, theirs = study.ask(), study.ask()
     tries = []
 

@@ -105,7 +105,7 @@ def _create(url: str, barrier: multiprocessing.synchronize.Barrier, out: multipr
     try:
         barrier.wait()
         storage = open_storage(url)
-        optuna.create_study(study_name="S", storage=storage.rdb, load_if_exists=True).ask()
+        optuna.create_study(study_name="S", storage=storage.optuna, load_if_exists=True).ask()
         out.put("ok")
     except Exception as exc:  # noqa: BLE001 - the test reports it
         out.put(f"{type(exc).__name__}: {exc}"[:200])
@@ -127,7 +127,8 @@ def test_two_processes_create_one_study_at_once_on_a_fresh_database(shared_stora
 
 def _study(url: str, **kwargs: int) -> tuple[object, optuna.Study]:
     storage = open_storage(url, **kwargs)
-    return storage, optuna.create_study(study_name="S", storage=storage.rdb, direction="maximize", load_if_exists=True)
+    study = optuna.create_study(study_name="S", storage=storage.optuna, direction="maximize", load_if_exists=True)
+    return storage, study
 
 
 def test_claim_refuses_a_candidate_another_trial_runs_or_measured(shared_storage_url: str) -> None:
@@ -167,13 +168,13 @@ def test_a_trial_is_reaped_only_when_its_search_is_gone(tmp_path: Path) -> None:
     dead = running({"worker": "dead", "host": here, "pid": _dead_pid()}, launched=True)
     elsewhere = running({"worker": "far", "host": "another-host", "pid": 1}, launched=True)
     beating = running({"worker": "beat", "host": "another-host", "pid": 1}, launched=True)
-    storage.rdb.record_heartbeat(trial_id(storage.rdb, study, elsewhere))  # then it stops beating: its host died
-    assert reap_stale(study, stale_after_s=600) == [dead.number]  # its process is gone: no need to wait
-    with Heartbeat(storage, trial_id(storage.rdb, study, beating)):
+    storage.optuna.record_heartbeat(trial_id(storage.optuna, study, elsewhere))  # then it stops beating: its host died
+    assert reap_stale(storage, study, stale_after_s=600) == [dead.number]  # its process is gone: no need to wait
+    with Heartbeat(storage, trial_id(storage.optuna, study, beating)):
         reaped: list[int] = []
         deadline = time.monotonic() + 30  # past the grace period (SQLite's clock has 1 s steps)
         while time.monotonic() < deadline:  # polled: reaped as soon as the grace period is over
-            reaped = reap_stale(study, stale_after_s=600)
+            reaped = reap_stale(storage, study, stale_after_s=600)
             if reaped:
                 break
             time.sleep(0.1)
@@ -184,7 +185,7 @@ def test_a_trial_is_reaped_only_when_its_search_is_gone(tmp_path: Path) -> None:
     record = record_from_attrs(frozen.number, frozen.user_attrs, "fail")
     assert record.outcome == "interrupted" and "worker far" in record.reason and record.worker == "far"
     # a trial that never beat (not launched, or written before heartbeats) is failed once older than any trial
-    assert reap_stale(study, stale_after_s=0) == [live.number]
+    assert reap_stale(storage, study, stale_after_s=0) == [live.number]
 
 
 def test_owner_gone_only_for_a_dead_process_on_this_host() -> None:
