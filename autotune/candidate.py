@@ -23,10 +23,10 @@ DataParallelMode = Literal["replicate", "shard"]
 """replicate: each replica holds its whole stages (DistributedDataParallel). shard: FSDP2 (fully_shard) over the
 replicas: parameters, gradients and optimizer state split dp ways, gathered per stage for its compute."""
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
-PARALLELISMS = ("pipeline", "pipeline + FSDP", "FSDP", "data parallel", "one rank")
+PARALLELISMS = ("pipeline", "pipeline + FSDP", "tensor parallel", "FSDP", "data parallel", "one rank")
 """How a candidate spreads the model over the ranks, the question a user asks first (Candidate.parallelism): a
-pipeline (pp > 1) with replicated or FSDP-sharded replicas, or no pipeline at all (pp = 1) with sharded (FSDP) or
-replicated (DDP) replicas."""
+pipeline (pp > 1) with replicated or FSDP-sharded replicas, tensor parallelism (tp > 1, with or without a pipeline
+and replicas), or no pipeline at all (pp = 1) with sharded (FSDP) or replicated (DDP) replicas."""
 DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = ("replicate", "shard")
 
 
@@ -104,6 +104,8 @@ class Candidate:
     @property
     def parallelism(self) -> str:
         """Which of PARALLELISMS this candidate is: how it spreads the model over the ranks."""
+        if self.tensor_parallel_degree > 1:
+            return "tensor parallel"
         if self.pipeline_degree > 1:
             return "pipeline + FSDP" if self.sharded else "pipeline"
         if self.data_parallel_degree == 1:

@@ -78,6 +78,36 @@ class LayerProfile:
     the autocast runtime (replicate) makes them: a sharded bf16 stage computes on bfloat16 parameters already."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelLayer:
+    """What the model's tensor-parallel plan does to one layer (autotune.models.tensor_parallel.tp_layer_terms),
+    recorded by the profile so the simulator prices tp without the model file (autotune.tp_costs)."""
+
+    sharded_parameter_bytes: int
+    """Parameter bytes the plan splits over tp (the column- and row-wise projections, a vocabulary-parallel
+    embedding); the rest (norms, anything the plan leaves whole) stays whole on every tp rank."""
+    forward_all_reduces: int = 0
+    """All-reduces of the layer's output per micro-batch in forward (one per row-wise module or vocabulary-parallel
+    embedding)."""
+    backward_all_reduces: int = 0
+    """All-reduces of an input-sized gradient per micro-batch in backward (one per column-wise module reading a
+    replicated input: torch's DTensor makes each projection's input gradient whole by itself)."""
+    forward_all_gathers: int = 0
+    """All-gathers of the layer's output per micro-batch in forward (a column-wise module whose output is gathered:
+    a language model's head)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {"sharded_parameter_bytes": self.sharded_parameter_bytes,
+                "forward_all_reduces": self.forward_all_reduces,
+                "backward_all_reduces": self.backward_all_reduces,
+                "forward_all_gathers": self.forward_all_gathers}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorParallelLayer:
+        keys = ("sharded_parameter_bytes", "forward_all_reduces", "backward_all_reduces", "forward_all_gathers")
+        return cls(**{key: int(data.get(key, 0)) for key in keys})
+
+
 def shared_copy_bytes(shared: Sequence[tuple[Sequence[int], int]], start: int, stop: int) -> int:
     """Bytes of the shared parameters (layers holding each, its bytes) that layers [start, stop) hold while the
     parameter's first holder is elsewhere: that stage keeps a copy of its own."""
@@ -139,6 +169,10 @@ class Profile:
     precision: Precision = "fp32"
     """What it was measured in (Precision): times, saved-activation and output bytes are bf16's in a bf16 profile.
     parameter_bytes stay the float32 master weights' either way. Profiles saved before it was recorded: fp32."""
+    tensor_parallel_layers: tuple[TensorParallelLayer, ...] = ()
+    """Per layer, what the model's tensor-parallel plan shards and which collectives it adds (measured at tp 1, the
+    profile itself knows nothing of tp); () for a model without a plan, or a profile saved before it was recorded:
+    the simulator then assumes a transformer's pattern by position (autotune.tp_costs)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -159,6 +193,9 @@ class Profile:
             raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
         if set(self.infeasible_micro_batch_sizes) & set(sizes):
             raise UsageError("a micro-batch size cannot be both profiled and infeasible")
+        if self.tensor_parallel_layers and len(self.tensor_parallel_layers) != len(self.layers):
+            raise UsageError(f"a profile's tensor-parallel terms need one entry per layer ({len(self.layers)}), got "
+                             f"{len(self.tensor_parallel_layers)}; profile the model again")
 
     def fits_micro_batch(self, micro_batch_size: float) -> bool:
         """False when the profiler found micro-batches this large run out of memory on one block."""
@@ -231,6 +268,20 @@ class Profile:
             return 0
         return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_saved_bytes))
 
+    def loss_forward_ms_at(self, micro_batch_size: float) -> float:
+        """loss_fn's forward time for one micro-batch of size M (0 when not profiled), part of the last layer's
+        forward_ms in layer_costs."""
+        if not self.loss_forward_ms:
+            return 0.0
+        return _Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_forward_ms)
+
+    def loss_backward_ms_at(self, micro_batch_size: float) -> float:
+        """loss_fn's backward time for one micro-batch of size M (0 when not profiled), part of the last layer's
+        backward_input_ms in layer_costs."""
+        if not self.loss_backward_ms:
+            return 0.0
+        return _Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_backward_ms)
+
     def input_bytes_at(self, micro_batch_size: float) -> int:
         """Bytes of the model's input for one micro-batch of size M."""
         return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.input_bytes))
@@ -295,6 +346,8 @@ class Profile:
                 {"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.shared_parameters
             ],
             "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
+            **({"tensor_parallel_layers": [t.to_dict() for t in self.tensor_parallel_layers]}
+               if self.tensor_parallel_layers else {}),
             "layers": [
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
                  "parameter_groups": layer.parameter_groups,
@@ -352,6 +405,9 @@ class Profile:
                 repeats=int(data.get("repeats", 0)),
                 torch_version=str(data.get("torch_version", "")),
                 infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
+                tensor_parallel_layers=tuple(
+                    TensorParallelLayer.from_dict(t) for t in data.get("tensor_parallel_layers", ())
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"cannot read profile: {type(exc).__name__}: {exc}; profile the model again") from exc

@@ -1,7 +1,13 @@
-"""Pure: the layout space, defined once. Which pipeline x data-parallel layouts a run of `gpus` ranks over a model
-of `n_layers` blocks and a global batch allows, which schedules each layout runs, and which micro-batch counts (B/M
-per replica) each schedule accepts there. The planner, the search space and `largest_micro_batch` all ask it, so a
-new dimension of the space is taught here (and to the simulator and the runtime), nowhere else."""
+"""Pure: the layout space, defined once. Which pipeline x data-parallel (x tensor-parallel) layouts a run of `gpus`
+ranks over a model of `n_layers` blocks and a global batch allows, which schedules each layout runs, and which
+micro-batch counts (B/M per replica) each schedule accepts there. The planner, the search space and
+`largest_micro_batch` all ask it, so a new dimension of the space is taught here (and to the simulator and the
+runtime), nowhere else.
+
+Tensor parallelism splits each stage over tp consecutive ranks of one node, so a pp x dp x tp layout is a pp x dp
+layout of gpus / tp ranks: its schedules and micro-batch counts are those of (pp, dp) over gpus / tp
+(parallel_layout_choices). Which tp degrees a run may use is the model's (its plan: autotune.models.
+allowed_tp_degrees) and the machine's (tensor_parallel_degrees)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ Layout = tuple[int, int]
 """(pp, dp): pipeline degree, data-parallel degree."""
 LayoutChoices = dict[Layout, dict[Schedule, list[int]]]
 """Per layout, per schedule that runs there, the micro-batch counts it accepts, fewest first."""
+ParallelLayout = tuple[int, int, int]
+"""(pp, dp, tp): pipeline, data-parallel and tensor-parallel degrees; pp x dp x tp = gpus."""
+ParallelLayoutChoices = dict[ParallelLayout, dict[Schedule, list[int]]]
+"""Per pp x dp x tp layout, per schedule that runs there, the micro-batch counts it accepts, fewest first."""
 
 
 def layout_choices(
@@ -54,6 +64,42 @@ def layout_choices(
                 per_layout[schedule] = valid
         if per_layout:
             space[(pp, dp)] = per_layout
+    return space
+
+
+def tensor_parallel_degrees(gpus: int, allowed: Iterable[int], gpus_per_node: int | None = None) -> tuple[int, ...]:
+    """The tp degrees a run of `gpus` ranks may use, increasing: of the model's `allowed` ones (models.
+    allowed_tp_degrees: divisors of what its plan's heads and sharded sizes allow), those dividing the ranks and at
+    most the GPUs of one node (a tp group is consecutive ranks of one node; gpus_per_node None: one machine, all
+    `gpus`). Always includes 1."""
+    node = gpus if gpus_per_node is None else min(gpus, gpus_per_node)
+    return tuple(sorted({1} | {tp for tp in allowed if tp >= 1 and gpus % tp == 0 and tp <= node
+                               and (gpus_per_node is None or gpus_per_node % tp == 0)}))
+
+
+def parallel_layout_choices(
+    gpus: int,
+    batch_size: int,
+    n_layers: int,
+    *,
+    tp_degrees: Iterable[int] = (1,),
+    schedules: Iterable[Schedule | str] | None = None,
+    layouts: Iterable[Layout] | None = None,
+) -> ParallelLayoutChoices:
+    """layout_choices with tensor parallelism: for each tp degree (tensor_parallel_degrees; each must divide gpus),
+    the pp x dp layouts of gpus / tp ranks, keyed (pp, dp, tp), tp 1 first. Given `layouts` ((pp, dp) pairs covering
+    all gpus) are the tp 1 layouts only: a run asked for those layouts gets no tp."""
+    space: ParallelLayoutChoices = {}
+    chosen = list(schedules) if schedules is not None else None
+    for tp in sorted(set(tp_degrees)):
+        if tp < 1 or gpus % tp:
+            raise UsageError(f"tensor-parallel degree {tp} does not divide {gpus} GPUs; use a divisor of {gpus}")
+        if tp > 1 and layouts is not None:
+            continue
+        given = layouts if tp == 1 else None
+        for (pp, dp), per_schedule in layout_choices(gpus // tp, batch_size, n_layers, schedules=chosen,
+                                                     layouts=given).items():
+            space[(pp, dp, tp)] = per_schedule
     return space
 
 

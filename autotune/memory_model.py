@@ -10,6 +10,11 @@ count the same bytes.
     the global batch's inputs                       n_microbatches x the model input                 always
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
                                                     + the stage output torch keeps until the backward
+    tensor parallel (tp > 1, on each tp rank)       the plan's sharded parameters (their gradients   as above
+                                                    and state) / tp, the rest whole; saved
+                                                    activations: the hidden states a block saves
+                                                    (tp_saved_bytes) whole, the rest / tp; outputs,
+                                                    receive buffers, the batch and the loss whole
     sent tensors                                    each output sent on, each input gradient sent    F / B to the
                                                     back (torch waits for its sends at the end)      step's end
     one backward (transient)                        the loss's gradients (last stage: 2 x output),   during B / I
@@ -251,6 +256,28 @@ def batch_bytes(input_bytes: int, *, candidate: Candidate) -> int:
     """The global batch's inputs, which every rank of a trial holds for the whole step (targets are not profiled)."""
     return input_bytes * candidate.n_microbatches
 
+
+
+WHOLE_SAVED_PER_OUTPUT = 4
+"""Tensor parallel without sequence parallel: what a block saves whole on every tp rank, in units of its output (the
+hidden state): each norm's input and each normed input of the column-wise projections after it (two of each in a
+Llama or GPT block). Everything else it saves (queries, keys, values, attention's outputs, the MLP's hidden
+activations) is split over tp with the heads and the intermediate size."""
+
+
+def tp_parameter_bytes(parameter_bytes: float, sharded_bytes: float, tp: int) -> float:
+    """A layer's parameter bytes on one tp rank: the plan's sharded part / tp, the rest whole."""
+    sharded = min(sharded_bytes, parameter_bytes)
+    return parameter_bytes - sharded + sharded / tp
+
+
+def tp_saved_bytes(saved: int, output_bytes: int, *, sharded_fraction: float, tp: int) -> int:
+    """A layer's saved activations on one tp rank: up to WHOLE_SAVED_PER_OUTPUT x its output whole, the rest split
+    over tp in the proportion of the layer the plan shards (sharded_fraction of its parameter bytes: 0 leaves a layer
+    the plan does not touch whole). A head's saved logits (the loss's) are at most a few times its output: whole."""
+    whole = min(saved, WHOLE_SAVED_PER_OUTPUT * output_bytes)
+    split = (saved - whole) * sharded_fraction
+    return round(saved - split + split / tp)
 
 
 def optimizer_step_bytes(

@@ -13,7 +13,7 @@ from autotune.action_graph import graph_source
 from autotune.candidate import DATA_PARALLEL_MODES, Candidate, DataParallelMode, pipeline_layouts, uniform_split
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
-from autotune.layouts import data_parallel_choices, layout_choices
+from autotune.layouts import data_parallel_choices, layout_choices, parallel_layout_choices
 from autotune.memory_model import autocast_copy_bytes, stage_memory_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
@@ -32,6 +32,7 @@ from autotune.simulate import (
     simulate_costs,
     step_time_lower_bound,
 )
+from autotune.tp_costs import tensor_parallel_layer_costs
 from autotune.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class PlannedCandidate:
             "precision": c.precision,
             "data_parallel_mode": c.data_parallel_mode,
             "fsdp_reshard_after_forward": c.reshard_after_forward,
+            "tensor_parallel_degree": c.tensor_parallel_degree,
+            "predicted_tensor_parallel_ms": self.estimate.tensor_parallel_ms,
             "predicted_step_time_ms": self.estimate.step_time_ms,
             "predicted_throughput_samples_per_s": self.estimate.throughput_samples_per_s,
             "predicted_bubble_fraction": self.estimate.bubble_fraction,
@@ -94,6 +97,7 @@ def plan(
     layouts: Iterable[tuple[int, int]] | None = None,
     gpus_per_node: int | None = None,
     data_parallel_modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES,
+    tensor_parallel_degrees: Iterable[int] = (1,),
 ) -> list[PlannedCandidate]:
     """Valid (layout, schedule, n_microbatches) points with their balanced and uniform splits, simulated;
     fastest first, candidates over the memory limit last.
@@ -118,7 +122,11 @@ def plan(
     (layouts.data_parallel_choices): replicate, and shard (FSDP2) keeping the stages gathered for the step or
     resharding after every forward; pp = 1 x shard is pure FSDP. Resharding does the same work plus all-gathers,
     so it is planned only where keeping the stages gathered does not fit as it is (it can only save memory).
-    Candidates train in the profile's precision (its times and bytes are that precision's)."""
+    Candidates train in the profile's precision (its times and bytes are that precision's).
+
+    tensor_parallel_degrees: the tp degrees to plan (layouts.tensor_parallel_degrees: the model's plan allows them,
+    they divide the GPUs and fit a node); each tp > 1 adds the pp x dp layouts of gpus / tp ranks, simulated on one
+    tp rank's costs (autotune.tp_costs). Given `layouts` are tp 1's."""
     if gpus < 1 or batch_size < 1:
         raise UsageError(f"gpus and batch size must be at least 1, got {gpus} and {batch_size}")
     if top is not None and top < 1:
@@ -134,8 +142,12 @@ def plan(
     unknown = [m for m in modes if m not in DATA_PARALLEL_MODES]
     if unknown or not modes:
         raise UsageError(f"data-parallel modes {unknown or modes} are not a choice of {', '.join(DATA_PARALLEL_MODES)}")
-    costs_at: dict[int, _Costs] = {}
-    points = _points(profile, gpus, batch_size, chosen, chosen_layouts, link, gpus_per_node, costs_at, modes)
+    costs_at: dict[tuple[int, int], _Costs] = {}
+    tp_degrees = sorted(set(tensor_parallel_degrees))
+    if gpus_per_node is not None and any(gpus_per_node % tp for tp in tp_degrees):
+        raise UsageError(f"tensor-parallel degrees {tp_degrees} must divide the {gpus_per_node} GPUs of a node")
+    points = _points(profile, gpus, batch_size, chosen, chosen_layouts, link, gpus_per_node, costs_at, modes,
+                     tp_degrees, layouts_given=layouts is not None)
     planned = _simulated(points, costs_at, memory_limit_bytes, prune_within)
     ranked = _even_first(planned.values())
     return ranked[:top] if top is not None else ranked
@@ -149,24 +161,30 @@ def _points(
     layouts: list[tuple[int, int]],
     link: LinkModel,
     gpus_per_node: int | None,
-    costs_at: dict[int, _Costs],
+    costs_at: dict[tuple[int, int], _Costs],
     modes: list[DataParallelMode],
+    tp_degrees: Sequence[int] = (1,),
+    *,
+    layouts_given: bool = True,
 ) -> list[_Point]:
     """One point per valid (layout, data-parallel choice, schedule, B/M) of the layout space, their costs per
-    micro-batch size filled in costs_at; an InvalidCandidateError that says what would run when there is none."""
+    micro-batch size and tp degree filled in costs_at; an InvalidCandidateError that says what would run when there
+    is none."""
     n_layers = profile.n_layers
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}  # balanced splits, shared by micro-batch sizes
     points: list[_Point] = []
-    space = layout_choices(gpus, batch_size, n_layers, schedules=schedules, layouts=layouts)
-    for (pp, dp), per_schedule in space.items():
+    # given (pp, dp) layouts are tp 1's; otherwise every tp degree's pp x dp layouts of gpus / tp ranks
+    space = parallel_layout_choices(gpus, batch_size, n_layers, tp_degrees=tp_degrees, schedules=schedules,
+                                    layouts=layouts if layouts_given else None)
+    for (pp, dp, tp), per_schedule in space.items():
         for schedule, counts in per_schedule.items():
             n_stages = pp * default_stages_per_rank(schedule)
             for m in counts:
                 micro = batch_size // (m * dp)
                 if not profile.fits_micro_batch(micro):
                     continue  # a block alone ran out of memory at this micro-batch size while profiling
-                costs = costs_at.get(micro) or costs_at.setdefault(
-                    micro, _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node)
+                costs = costs_at.get((micro, tp)) or costs_at.setdefault(
+                    (micro, tp), _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node, tp=tp)
                 )
                 keep: _Point | None = None
                 for mode, reshard in data_parallel_choices(dp, modes):
@@ -199,14 +217,18 @@ def _points(
 
 
 def _simulated(
-    points: list[_Point], costs_at: dict[int, _Costs], memory_limit_bytes: int | None, prune_within: float | None
+    points: list[_Point], costs_at: dict[tuple[int, int], _Costs], memory_limit_bytes: int | None,
+    prune_within: float | None,
 ) -> dict[str, PlannedCandidate]:
     """The points simulated cheapest lower bound first, pruned against the best feasible step so far, then the
-    checkpointed twins of the fastest; torch's orders built ahead by the edge's graph source while it works."""
+    checkpointed twins of the fastest; torch's orders built ahead by the edge's graph source while it works. The
+    cheapest point of each tensor-parallel degree is never pruned: the ranking says what each degree would do (the
+    search seeds the best tp candidate, the report compares it), however far behind it is."""
     planned: dict[str, PlannedCandidate] = {}
     best: list[float] = []  # the best feasible step time so far, once there is one
     pruned = 0
     ordered = sorted(points, key=lambda p: p.bound)
+    kept = {id(next(p for p in ordered if p.costs.tp == tp)) for tp in {p.costs.tp for p in ordered}}
     source = graph_source()  # the edge's store of graphs (graph_cache.planning), if any
 
     def ready(point: _Point) -> bool:
@@ -216,7 +238,7 @@ def _simulated(
     with ahead:
         for i, point in enumerate(ordered):
             limit = best[0] * (1 + prune_within) if best and prune_within is not None else float("inf")
-            if point.bound > limit or point.dominated():
+            if (point.bound > limit and id(point) not in kept) or point.dominated():
                 pruned += 1
                 continue
             # While a worker still builds this point's torch order, evaluate later points that need none: their
@@ -272,7 +294,8 @@ def _even_first(planned: Iterable[PlannedCandidate]) -> list[PlannedCandidate]:
 def _configuration(c: Candidate) -> tuple[Any, ...]:
     """A candidate without its split."""
     return (c.pipeline_degree, c.data_parallel_degree, c.schedule, c.n_microbatches, c.activation_checkpointing,
-            c.wire_dtype, c.n_stages, c.precision, c.data_parallel_mode, c.reshard_after_forward)
+            c.wire_dtype, c.n_stages, c.precision, c.data_parallel_mode, c.reshard_after_forward,
+            c.tensor_parallel_degree)
 
 
 def _unevenness(c: Candidate) -> int:
@@ -324,7 +347,8 @@ def ensure_feasible(planned: Sequence[PlannedCandidate]) -> None:
 
 
 def _checkpointed_variants(
-    planned: Sequence[PlannedCandidate], costs_at: dict[int, _Costs], memory_limit_bytes: int | None, limit_ms: float
+    planned: Sequence[PlannedCandidate], costs_at: dict[tuple[int, int], _Costs], memory_limit_bytes: int | None,
+    limit_ms: float,
 ) -> list[PlannedCandidate]:
     """The checkpointed twins of the CHECKPOINTED_VARIANTS fastest candidates without checkpointing, fitting or not:
     the same split, and the split balanced for the recomputing backward. A twin whose lower bound is over limit_ms
@@ -335,7 +359,7 @@ def _checkpointed_variants(
     twins: list[PlannedCandidate] = []
     for p in plain[:CHECKPOINTED_VARIANTS]:
         c = p.candidate
-        costs = costs_at[c.micro_batch_size]
+        costs = costs_at[(c.micro_batch_size, c.tensor_parallel_degree)]
         balanced = costs.balanced(c.schedule, c.pipeline_degree, c.n_stages, checkpointing=True)
         for split in dict.fromkeys((c.layers_per_stage, balanced)):
             twin = replace(c, layers_per_stage=split, activation_checkpointing=True)
@@ -347,13 +371,18 @@ def _checkpointed_variants(
 
 
 class _Costs:
-    """Per-layer costs at one micro-batch size, with what every candidate at that size shares."""
+    """Per-layer costs at one micro-batch size on one rank of a tp group (tp_costs; tp 1: the profile's), with what
+    every candidate at that size and tp shares."""
 
     def __init__(
         self, profile: Profile, micro_batch_size: int, link: LinkModel,
         splits: dict[tuple[Any, ...], tuple[int, ...]] | None = None, *, gpus_per_node: int | None = None,
+        tp: int = 1,
     ) -> None:
-        self.layers: list[LayerCost] = profile.layer_costs(micro_batch_size)
+        tp_costs = tensor_parallel_layer_costs(profile, micro_batch_size, tp, link)
+        self.tp = tp
+        self.layers: list[LayerCost] = tp_costs.layers
+        self.collective_ms = tp_costs.collective_ms
         self.gpus_per_node = gpus_per_node
         self.input_bytes = profile.input_bytes_at(micro_batch_size)
         self.link = link
@@ -396,6 +425,7 @@ class _Costs:
             with_timeline=False,
             shared_parameters=self.shared,
             gpus_per_node=self.gpus_per_node,
+            collective_ms=self.collective_ms if self.tp > 1 else (),
         )
 
     def balanced(
@@ -460,8 +490,8 @@ class _Point:
         balanced = costs.balanced(schedule, pp, n_stages)
         # The balanced split, the most even one within noise of it (partition.evened), and the uniform one.
         splits = [balanced, evened(costs.time, balanced, schedule, pp), uniform_split(n_layers, n_stages)]
-        self.orders: tuple[RankOrder, ...] = RANK_ORDERS if order_matters(pp, dp, costs.gpus_per_node) else (
-            "pp-inner",)
+        per_node = costs.gpus_per_node // costs.tp if costs.gpus_per_node is not None else None  # grid of tp groups
+        self.orders: tuple[RankOrder, ...] = RANK_ORDERS if order_matters(pp, dp, per_node) else ("pp-inner",)
         self.first = [self.make(split, order=order) for i, split in enumerate(splits) if split not in splits[:i]
                       for order in self.orders]
         self.bound = min((costs.lower_bound(c) for c in self.first), default=float("inf"))
@@ -478,6 +508,7 @@ class _Point:
             global_batch_size=self.batch_size, n_microbatches=self.m, layers_per_stage=split,
             activation_checkpointing=checkpointing, rank_order=order, precision=self.costs.precision,
             data_parallel_mode=self.mode, reshard_after_forward=self.reshard,
+            tensor_parallel_degree=self.costs.tp,
         )
 
     def evaluate(self, memory_limit_bytes: int | None, limit_ms: float) -> list[PlannedCandidate]:

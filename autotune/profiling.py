@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.candidate import PRECISIONS, Precision
-from autotune.costs import LayerProfile, Profile
+from autotune.costs import LayerProfile, Profile, TensorParallelLayer
 from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
 from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
@@ -165,7 +165,20 @@ def profile_model(
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
         infeasible_micro_batch_sizes=tuple(walk.infeasible),
         precision=precision,
+        tensor_parallel_layers=_tensor_parallel_layers(spec),
     )
+
+
+def _tensor_parallel_layers(spec: ModelSpec) -> tuple[TensorParallelLayer, ...]:
+    """What the model's tensor-parallel plan does to each block (models.tensor_parallel.tp_layer_terms); () without
+    a plan, or with one that does not fit (the profile is still good for tp 1; a tp trial says what is wrong)."""
+    from autotune.models.tensor_parallel import tp_layer_terms
+
+    try:
+        return tp_layer_terms(spec)
+    except ModelFileError as exc:
+        logger.warning("no tensor-parallel terms in the profile: %s", exc)
+        return ()
 
 
 def _whole_step_peak(measured: Sequence[_BlockResult]) -> int:

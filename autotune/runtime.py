@@ -45,8 +45,10 @@ from autotune.model_file import (
 from autotune.models import shared_groups, shared_parameter_ranks
 from autotune.models.handoff import handoff
 from autotune.models.materialize import release
+from autotune.models.tensor_parallel import AppliedTP, apply_tp, plan_for_degree, reduce_partial_gradients
 from autotune.process_groups import (  # RankLayout, init_groups: part of this module's interface
     RankLayout,
+    device_mesh,
     dp_mesh,
     init_groups,
     new_group,
@@ -234,6 +236,11 @@ class RankPipeline:
     """make_batch's inputs -> (first stage's arguments, side inputs every stage gets); None: one tensor."""
     stages: list[PipelineStage] = field(default_factory=list)
     """torch's stage of each held stage, in stage_indices order (the schedule runs them)."""
+    tensor_parallel: AppliedTP = field(default_factory=AppliedTP)
+    """tp > 1: what the model's tensor-parallel plan did to this rank's stages (autotune.models.apply_tp): the
+    modules parallelized over tp_group, and the parameters whose gradients are summed over it after the backward."""
+    tp_group: dist.ProcessGroup | None = None
+    """The ranks holding the other shards of this rank's stages (tp > 1); None without tensor parallelism."""
 
     @property
     def holds_first(self) -> bool:
@@ -325,7 +332,11 @@ class RankPipeline:
         replicas: replicated, DistributedDataParallel averaged them over the replicas during the backward; sharded,
         FSDP2 did (reduce-scatter, in float32), except for the parameters it leaves whole (unsharded); the rest in
         one flat all-reduce over this rank's replicas. Sums of a tied parameter's shards are sums of its gradient:
-        both holders shard it alike (same shape, same replicas)."""
+        both holders shard it alike (same shape, same replicas). With tensor parallelism, the gradients each tp rank
+        holds only its part of (per-head norms) are summed over the tp group first; a DTensor's gradient is averaged
+        as its local shard (every replica holds the same shard of it)."""
+        if self.tp_group is not None:
+            reduce_partial_gradients(self.tensor_parallel, self.tp_group)
         for params, group in self.shared_groups:
             for p in params:
                 if p.grad is None:
@@ -338,8 +349,8 @@ class RankPipeline:
         mine = {id(p) for p in by_hand}
         for p in self.parameters():
             if p.grad is not None and id(p) not in mine:
-                p.grad.mul_(1.0 / self.candidate.n_microbatches)
-        grads = [p.grad for p in by_hand if p.grad is not None]
+                local_tensor(p.grad).mul_(1.0 / self.candidate.n_microbatches)
+        grads = [local_tensor(p.grad) for p in by_hand if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([grad.reshape(-1) for grad in grads])
@@ -396,14 +407,22 @@ def _load_state(
 @contextmanager
 def _renamed(modules: list[nn.Module], names: dict[int, str]) -> Iterator[None]:
     """Keep `names` (id(parameter) -> its name in the model) true across a block that replaces the modules'
-    parameters under the same names (fully_shard registers DTensors in place of the originals)."""
+    parameters under the same names (fully_shard registers DTensors in place of the originals). The originals are
+    kept alive until the new ones are named, and their entries dropped after: a freed original's id could be
+    reused by a new parameter, which would then take the original's name (seen with tensor parallelism's DTensors
+    replaced by FSDP2's)."""
     held = [{key: names[id(p)] for key, p in module.named_parameters(remove_duplicate=False) if id(p) in names}
             for module in modules]
+    originals = {id(p): p for module in modules for p in module.parameters()}
     yield
+    current = {id(p) for module in modules for p in module.parameters()}
+    for key in originals.keys() - current:
+        names.pop(key, None)
     for module, known in zip(modules, held):
         for key, p in module.named_parameters(remove_duplicate=False):
             if key in known:
                 names.setdefault(id(p), known[key])
+    del originals
 
 
 def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -433,6 +452,14 @@ def build_pipeline(
     FSDP2-sharded over dp_group on the meta device first, and only this rank's shards get storage and values
     (autotune.sharding); its bf16 is FSDP2's mixed precision, an unsharded one's torch.autocast (stage_boundary).
 
+    Tensor parallel (tensor_parallel_degree > 1): the model's plan (autotune.models.tensor_parallel) is applied to
+    each held stage over the "tp" dimension of the layout's DeviceMesh (process_groups.device_mesh) once its blocks
+    are materialised (sharded: still on the meta device, then FSDP2 shards over the mesh's "dp" dimension, as
+    torchtitan does: 2-D (dp, tp) parameters); the parameter names, the optimizer and load_state see the new
+    (DTensor) parameters. pp_group and dp_group default to the mesh's. A model without a plan, or a degree its plan
+    does not allow, is refused (InvalidCandidateError). No DistributedDataParallel with tp (the replicas' gradients
+    are averaged after the schedule).
+
     load_state(names) -> {name: tensor}: the state_dict names of the parameters and buffers this rank holds; every
     one must be returned (copied into the rank's tensors, cast to their dtype).
 
@@ -449,6 +476,12 @@ def build_pipeline(
         )
     bounds = stage_bounds(candidate.layers_per_stage)
     mine = [b for s in stage_indices for b in range(bounds[s], bounds[s + 1])]
+    tp_plan = plan_for_degree(spec, candidate.tensor_parallel_degree) if candidate.tensor_parallel_degree > 1 else None
+    mesh = device_mesh(layout) if tp_plan is not None else None
+    if mesh is not None:
+        pp_group = pp_group if pp_group is not None else mesh["pp"].get_group()
+        if dp_group is None and candidate.data_parallel_degree > 1:
+            dp_group = mesh["dp"].get_group()
     if candidate.sharded and dp_group is None:
         from autotune.errors import ConfigError
 
@@ -465,6 +498,11 @@ def build_pipeline(
         if not candidate.sharded:
             module.to(device)
         modules.append(module)
+    applied = AppliedTP()
+    if tp_plan is not None and mesh is not None:
+        blocks.shared_parameters()  # which parameters are tied, read (and kept) while the blocks hold the originals
+        for s in stage_indices:
+            applied += apply_tp(blocks, bounds[s], bounds[s + 1], tp_plan, mesh["tp"])
     names = {id(p): name for name, p in reversed(list(blocks.model.named_parameters(remove_duplicate=False)))}
     unsharded: list[nn.Parameter] = []
     if candidate.sharded:
@@ -473,11 +511,12 @@ def build_pipeline(
         blocks.shared_parameters()
         ignored = sharding.tied_on_rank(blocks.blocks, mine)
         unsharded = list(ignored)
-        mesh = dp_mesh(cast(dist.ProcessGroup, dp_group), device)
+        # with tp, FSDP2 needs the dp and tp meshes to be slices of one mesh (it combines them per parameter)
+        shard_mesh = mesh["dp"] if mesh is not None else dp_mesh(cast(dist.ProcessGroup, dp_group), device)
         with _renamed(modules, names):
             for s, module in zip(stage_indices, modules):
-                sharding.shard_stage(module, blocks.blocks[bounds[s]:bounds[s + 1]], mesh=mesh, candidate=candidate,
-                                     ignored=ignored)
+                sharding.shard_stage(module, blocks.blocks[bounds[s]:bounds[s + 1]], mesh=shard_mesh,
+                                     candidate=candidate, ignored=ignored)
         sharding.materialize_shards(spec, blocks.blocks, mine, modules, device=device, seed=SEED)
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
@@ -485,8 +524,9 @@ def build_pipeline(
     if load_state is not None:
         _load_state(spec, blocks.model, modules, load_state, names)
     del blocks
+    # DistributedDataParallel over DTensor parameters is untested: with tp the replicas average after the schedule
     replicated = (overlap_gradient_sync and dp_group is not None and not candidate.sharded
-                  and overlaps_gradient_sync(candidate, modules))
+                  and candidate.tensor_parallel_degree == 1 and overlaps_gradient_sync(candidate, modules))
     for s, module in zip(stage_indices, modules):
         submod = _replicate(module, dp_group, device) if replicated else module
         stage = compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group))
@@ -512,6 +552,8 @@ def build_pipeline(
         shared_groups=groups,
         split_inputs=split,
         stages=stages,
+        tensor_parallel=applied,
+        tp_group=mesh["tp"].get_group() if mesh is not None and tp_plan is not None else None,
     )
 
 
@@ -598,10 +640,12 @@ def _shared_groups(
     params_of = {id(p): p for block in blocks.blocks for p in block.parameters()}
     named = dict(blocks.model.named_parameters(remove_duplicate=False))
     mine: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
+    # one group per replica and tp rank (tensor parallelism leaves a tied parameter whole on every tp rank)
+    replicas = [(d, t) for d in range(candidate.data_parallel_degree) for t in range(candidate.tensor_parallel_degree)]
     for ranks in shared_groups(holders):
-        for d in range(candidate.data_parallel_degree):
-            group = new_group([layout.pipeline_ranks(d)[r] for r in ranks])
-            if d != layout.dp_rank or layout.pp_rank not in ranks:
+        for d, t in replicas:
+            group = new_group([layout.pipeline_ranks(d, t)[r] for r in ranks])
+            if (d, t) != (layout.dp_rank, layout.tp_rank) or layout.pp_rank not in ranks:
                 continue
             params: list[nn.Parameter] = []
             for parameter, held in zip(shared, holders):

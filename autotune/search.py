@@ -131,6 +131,9 @@ class SearchOptions:
     """More of what every search of the study must agree on (multi-node: nodes, gpus_per_node), stored with it."""
     gpus_per_node: int | None = None
     """Ranks per node when trials span nodes: estimates send crossing nodes over the link's inter-node entry."""
+    tensor_parallel_degrees: tuple[int, ...] = (1,)
+    """tp degrees to search (layouts.tensor_parallel_degrees: the model's plan allows them, they divide the GPUs and
+    fit a node); (1,): no tensor parallelism."""
 
 
 class SearchReporter(Protocol):
@@ -209,6 +212,9 @@ def run_search(
         **({"precision": options.precision} if options.precision != "fp32" else {}),
         **({"data_parallel_modes": list(options.data_parallel_modes)}
            if options.data_parallel_modes != DATA_PARALLEL_MODES else {}),
+        # added with tensor parallelism, likewise
+        **({"tensor_parallel_degrees": list(options.tensor_parallel_degrees)}
+           if options.tensor_parallel_degrees != (1,) else {}),
         **options.setup,
         **predict.setup_entries(),
     }
@@ -352,7 +358,8 @@ class _Engine:
         (phase "rank-order", not pruned by prediction): the planner chose its order by a link model, the search
         measures both. The planner's best of each kind of parallelism (pipeline, pipeline + FSDP, FSDP, data
         parallel) not among the seeds follows (phase "parallelism", not pruned by prediction unless it cannot fit):
-        the report answers "pipeline or FSDP?" from runs."""
+        the report answers "pipeline or FSDP?" from runs. Tensor parallel is such a kind too (any pp x dp with
+        tp > 1)."""
         seeds: list[tuple[Candidate, str]] = []
         if default is not None:
             seeds.append((default, "default"))
@@ -360,8 +367,8 @@ class _Engine:
             seeds.append((self.options.incumbent, "incumbent"))
         n_seeds = max(2, self.options.n_trials // 3)
         askable = [p.candidate for p in planned if p.estimate.feasible and self.space.params_for(p.candidate)]
-        spanning = next((c for c in askable if self.space.orders_matter(c.pipeline_degree, c.data_parallel_degree)),
-                        None)
+        spanning = next((c for c in askable if self.space.orders_matter(c.pipeline_degree, c.data_parallel_degree,
+                                                                         c.tensor_parallel_degree)), None)
         if spanning is not None:
             other: RankOrder = "dp-inner" if spanning.rank_order == "pp-inner" else "pp-inner"
             seeds += [(spanning, "rank-order"), (replace(spanning, rank_order=other), "rank-order")]

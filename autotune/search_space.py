@@ -5,7 +5,11 @@ Only combinations that can run are asked: the schedules a layout offers, and the
 accepts at that layout, are each a parameter of their own (Optuna's categorical choices cannot change between
 trials), so the sampler never spends a trial on an invalid one. Equivalent runs are asked once: at pp = 1 only 1F1B
 (not GPipe, the same run), no wire dtype (nothing crosses a rank) and no split; the rank order (pp-inner, dp-inner:
-autotune.placement) only where it changes what crosses nodes (a pipeline and replicas spanning nodes)."""
+autotune.placement) only where it changes what crosses nodes (a pipeline and replicas spanning nodes).
+
+Tensor parallelism is part of the layout: "pp1xdp1xtp2" beside "pp2xdp1" (a tp 1 layout keeps its name, so a study
+from before tp resumes), for the tp degrees the search allows (SpaceOptions.tensor_parallel_degrees: the model's plan
+and the node's size; layouts.parallel_layout_choices)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import optuna
 from autotune.candidate import Candidate, DataParallelMode, Precision, WireDtype, stage_bounds, uniform_split
 from autotune.costs import Profile
 from autotune.errors import InvalidCandidateError
-from autotune.layouts import DataParallelChoice, data_parallel_choices, layout_choices
+from autotune.layouts import DataParallelChoice, data_parallel_choices, parallel_layout_choices
 from autotune.partition import balanced_split
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import Schedule, default_stages_per_rank
@@ -49,25 +53,29 @@ class SpaceOptions(Protocol):
     def max_shift(self) -> int: ...
     @property
     def gpus_per_node(self) -> int | None: ...
+    @property
+    def tensor_parallel_degrees(self) -> tuple[int, ...]: ...
 
 
 class SearchSpace:
     """Maps Optuna parameters to candidates and back.
 
-    Parameters: layout ("pp2xdp1"); schedule_<layout> (the schedules that run there); n_microbatches_<layout>_<schedule>
-    (the counts that schedule accepts there); with more than one stage, split base (balanced | uniform) and one shift
-    per stage boundary in [-max_shift, max_shift] layers; activation checkpointing; with pp > 1 and fp32 compute, wire
-    dtype; where the layout spans nodes with pp > 1 and dp > 1, rank_order; with dp > 1 and more than one way to
-    hold the replicas, data_parallel (replicate | shard | shard-reshard: layouts.data_parallel_choices). The
-    precision is the search's, not a parameter (the profile was measured at it)."""
+    Parameters: layout ("pp2xdp1", "pp1xdp1xtp2"); schedule_<layout> (the schedules that run there);
+    n_microbatches_<layout>_<schedule> (the counts that schedule accepts there); with more than one stage, split base
+    (balanced | uniform) and one shift per stage boundary in [-max_shift, max_shift] layers; activation
+    checkpointing; with pp > 1 and fp32 compute, wire dtype; where the layout spans nodes with pp > 1 and dp > 1,
+    rank_order; with dp > 1 and more than one way to hold the replicas, data_parallel (replicate | shard |
+    shard-reshard: layouts.data_parallel_choices). The precision is the search's, not a parameter (the profile was
+    measured at it)."""
 
     def __init__(self, profile: Profile, options: SpaceOptions) -> None:
         self.profile = profile
         self.options = options
         self.n_layers = profile.n_layers
-        self.choices = layout_choices(options.gpus, options.batch_size, self.n_layers, schedules=options.schedules,
-                                      layouts=options.layouts or None)
-        """Per layout: the schedules that can run there, each with the micro-batch counts it accepts there."""
+        self.choices = parallel_layout_choices(options.gpus, options.batch_size, self.n_layers,
+                                               tp_degrees=options.tensor_parallel_degrees,
+                                               schedules=options.schedules, layouts=options.layouts or None)
+        """Per (pp, dp, tp) layout: the schedules that can run there, each with the micro-batch counts it accepts."""
         self.layouts = list(self.choices)
         if not self.layouts:
             raise InvalidCandidateError(
@@ -77,8 +85,8 @@ class SearchSpace:
         self._balanced: dict[tuple[Schedule, int, int, int, bool], tuple[int, ...]] = {}
 
     @staticmethod
-    def _layout_name(pp: int, dp: int) -> str:
-        return f"pp{pp}xdp{dp}"
+    def _layout_name(pp: int, dp: int, tp: int = 1) -> str:
+        return f"pp{pp}xdp{dp}" + (f"xtp{tp}" if tp > 1 else "")
 
     def balanced(self, schedule: Schedule, pp: int, dp: int, m: int, checkpointing: bool = False) -> tuple[int, ...]:
         """The planner's balanced split (partition.balanced_split) at this micro-batch size, checkpointing included."""
@@ -94,10 +102,10 @@ class SearchSpace:
     def suggest(self, trial: optuna.Trial) -> Candidate:
         """The trial's candidate; raises InvalidCandidateError for a combination that cannot run (parameters from
         outside this space, e.g. a resumed study's)."""
-        names = [self._layout_name(pp, dp) for pp, dp in self.layouts]
+        names = [self._layout_name(*layout) for layout in self.layouts]
         layout = trial.suggest_categorical("layout", names)
-        pp, dp = self.layouts[names.index(layout)]
-        choices = self.choices[(pp, dp)]
+        pp, dp, tp = self.layouts[names.index(layout)]
+        choices = self.choices[(pp, dp, tp)]
         schedule = Schedule(trial.suggest_categorical(f"schedule_{layout}", [s.value for s in choices]))
         m = trial.suggest_categorical(f"n_microbatches_{layout}_{schedule.value}", choices[schedule])
         n_stages = pp * default_stages_per_rank(schedule)
@@ -110,7 +118,7 @@ class SearchSpace:
             ]
         checkpointing = trial.suggest_categorical("activation_checkpointing", list(self.options.checkpointing))
         order: RankOrder = "pp-inner"
-        if self.orders_matter(pp, dp):
+        if self.orders_matter(pp, dp, tp):
             order = cast(RankOrder, trial.suggest_categorical("rank_order", list(RANK_ORDERS)))
         mode, reshard = self._data_parallel(trial, dp)
         wire: WireDtype = "float32"
@@ -134,6 +142,7 @@ class SearchSpace:
             precision=self.options.precision,
             data_parallel_mode=mode,
             reshard_after_forward=reshard,
+            tensor_parallel_degree=tp,
         )
         candidate = replace(candidate, layers_per_stage=_shifted(candidate.layers_per_stage, shifts))
         candidate.validate(self.n_layers)
@@ -159,9 +168,11 @@ class SearchSpace:
         names = [_choice_name(c) for c in choices]
         return choices[names.index(trial.suggest_categorical("data_parallel", names))]
 
-    def orders_matter(self, pp: int, dp: int) -> bool:
-        """The rank order is a parameter at this layout: its pipelines and replicas span nodes."""
-        return order_matters(pp, dp, self.options.gpus_per_node)
+    def orders_matter(self, pp: int, dp: int, tp: int = 1) -> bool:
+        """The rank order is a parameter at this layout: its pipelines and replicas span nodes (the pp x dp grid of
+        tp groups: gpus_per_node / tp of them a node)."""
+        per_node = self.options.gpus_per_node
+        return order_matters(pp, dp, per_node // tp if per_node is not None else None)
 
     def _split_base(
         self, name: str, schedule: Schedule, pp: int, dp: int, m: int, n_stages: int, checkpointing: bool
@@ -172,20 +183,20 @@ class SearchSpace:
 
     def params_for(self, candidate: Candidate) -> dict[str, Any] | None:
         """Parameters that make suggest() return this candidate, or None when it lies outside the space."""
-        pp, dp = candidate.pipeline_degree, candidate.data_parallel_degree
-        valid = self.choices.get((pp, dp), {})
+        pp, dp, tp = candidate.pipeline_degree, candidate.data_parallel_degree, candidate.tensor_parallel_degree
+        valid = self.choices.get((pp, dp, tp), {})
         if (
-            (pp, dp) not in self.layouts
+            (pp, dp, tp) not in self.layouts
             or candidate.n_microbatches not in valid.get(candidate.schedule, [])
             or candidate.activation_checkpointing not in self.options.checkpointing
             or (self._asks_wire(pp) and candidate.wire_dtype not in self.options.wire_dtypes)
             or (not self._asks_wire(pp) and candidate.wire_dtype != "float32")
-            or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp))
+            or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp, tp))
             or candidate.precision != self.options.precision
             or (candidate.data_parallel_mode, candidate.reshard_after_forward) not in self.data_parallel_choices(dp)
         ):
             return None
-        layout = self._layout_name(pp, dp)
+        layout = self._layout_name(pp, dp, tp)
         params: dict[str, Any] = {
             "layout": layout,
             f"schedule_{layout}": candidate.schedule.value,
@@ -194,7 +205,7 @@ class SearchSpace:
         }
         if self._asks_wire(pp):
             params["wire_dtype"] = candidate.wire_dtype
-        if self.orders_matter(pp, dp):
+        if self.orders_matter(pp, dp, tp):
             params["rank_order"] = candidate.rank_order
         if len(self.data_parallel_choices(dp)) > 1:
             params["data_parallel"] = _choice_name((candidate.data_parallel_mode, candidate.reshard_after_forward))

@@ -114,20 +114,21 @@ def _swap(p: nn.Parameter, data: torch.Tensor) -> None:
 
 
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a whole (unsharded) value into a parameter: into its local shard when it is a DTensor (FSDP2 shards dim 0
-    in torch.chunk's pieces), else all of it."""
+    """Copy a whole (unsharded) value into a parameter: into its local shard when it is a DTensor (FSDP2's Shard(0)
+    in torch.chunk's pieces, tensor parallelism's shards, or both on a (dp, tp) mesh: the piece DTensor's own
+    distribute_tensor cuts for this rank, with no communication), else all of it."""
+    from torch.distributed.tensor import distribute_tensor
+
     with torch.no_grad():
         if not isinstance(param, DTensor):
             param.copy_(full)
             return
         local = param.to_local()
-        mesh = param.device_mesh
-        pieces = torch.chunk(full, mesh.size(), dim=0)
-        rank = mesh.get_local_rank()
-        piece = pieces[rank] if rank < len(pieces) else full[:0]
+        piece = distribute_tensor(full.to(local.device, local.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
         if tuple(piece.shape) != tuple(local.shape):
-            raise RuntimeError(f"shard of shape {tuple(local.shape)} for a {tuple(full.shape)} value on replica "
-                               f"{rank} of {mesh.size()}: FSDP2 sharded it otherwise than torch.chunk")
+            raise RuntimeError(f"shard of shape {tuple(local.shape)} for a {tuple(full.shape)} value placed "
+                               f"{param.placements} on {param.device_mesh}: sharded otherwise than DTensor cuts it")
         local.copy_(piece)
 
 

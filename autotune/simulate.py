@@ -38,6 +38,14 @@ from autotune.memory_model import (
 )
 from autotune.placement import crossing_boundaries, dp_nodes
 from autotune.schedules import SCHEDULES, Action, ActionKind, Schedule, stage_ranks
+from autotune.tp_costs import tensor_parallel_layer_costs
+
+TP_CPU_OVERHEAD_MS = 1.5
+"""What one tensor-parallel collective costs a CPU rank beyond its wire time (gloo over loopback): DTensor's
+dispatch of the sharded modules' ops around it (sharding propagation, redistribution) and the functional
+collective's call and wait. bench/tp_block.py on the 2-core development machine at load ~2 (not quiet): one Llama
+layer (hidden 64, micro-batch 4 x 32 tokens) took 2.0 ms whole and 16.3 ms at tp 2 with its 7 collectives, whose
+gloo all-reduce alone takes 0.67 ms (bench/results/tp_block.md): (16.3 - 2.0 / 2) / 7 - 0.67 = 1.5 ms."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +71,12 @@ class LinkModel:
     rail-optimised NICs); None: as inside a node."""
     inter_node_latency_s: float | None = None
     """Fixed delay of one send/recv between nodes; None: as inside a node."""
+    tensor_parallel_efficiency: float = 1.0
+    """Tensor parallel: how much of the ideal 1/tp a sharded layer's compute gets (autotune.tp_costs: its time is
+    the sharded part / (tp x this)); smaller matrix products run below the whole one's rate."""
+    tensor_parallel_overhead_ms: float = 0.0
+    """Tensor parallel: what each tp collective costs the rank beyond the wire (DTensor's bookkeeping around it, the
+    call itself), per call."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -73,13 +87,19 @@ class LinkModel:
         trials (torch's _batch_p2p, traced: 0.05-0.55 ms, typically 0.15). Latency, per-action overhead and the
         held-activation slowdown were chosen on one set of recipe trials and checked on a fresh one
         (bench/calibrate.py; bench/results/calibration.md says which). The cuda ones are conservative NVLink-class
-        figures with no memory-pressure term; calibrate them against real trials."""
+        figures with no memory-pressure term; calibrate them against real trials.
+
+        Tensor parallel (assumed, not calibrated on a GPU): on cuda 90 % of the ideal 1/tp for a sharded layer's
+        compute and 0.02 ms per collective beyond the wire; on cpu (one thread a rank) the compute splits whole and
+        each collective costs TP_CPU_OVERHEAD_MS beyond gloo's wire (see there)."""
         if device.startswith("cuda"):
             base = {"bandwidth_bytes_per_s": 50e9, "latency_s": 20e-6, "per_action_overhead_ms": 0.05,
-                    "optimizer_bytes_per_s": 200e9, "message_overhead_ms": 0.01, "held_activation_ms_per_mib": 0.0}
+                    "optimizer_bytes_per_s": 200e9, "message_overhead_ms": 0.01, "held_activation_ms_per_mib": 0.0,
+                    "tensor_parallel_efficiency": 0.9, "tensor_parallel_overhead_ms": 0.02}
         elif device == "cpu":
             base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 0.5e-3, "per_action_overhead_ms": 0.3,
-                    "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05}
+                    "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05,
+                    "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s"}
@@ -197,6 +217,8 @@ class Estimate:
     """Sharded: the slowest rank's FSDP2 all-gathers of the step, hidden behind compute or not (0 otherwise)."""
     reduce_scatter_ms: float = 0.0
     """Sharded: the slowest rank's gradient reduce-scatters, one per stage after its last backward (0 otherwise)."""
+    tensor_parallel_ms: float = 0.0
+    """Tensor parallel: the slowest rank's tp collectives of the step, inside its compute actions (0 at tp 1)."""
     memory_limit_bytes: int | None = None
     """The limit feasible was judged against."""
     timeline: tuple[TimelineEvent, ...] = ()
@@ -214,6 +236,7 @@ class Estimate:
             "allreduce_ms": self.allreduce_ms,
             "gather_ms": self.gather_ms,
             "reduce_scatter_ms": self.reduce_scatter_ms,
+            "tensor_parallel_ms": self.tensor_parallel_ms,
             "memory_limit_bytes": self.memory_limit_bytes,
             "timeline": [
                 {"rank": e.rank, "stage": e.stage, "kind": e.kind, "microbatch": e.microbatch,
@@ -244,8 +267,9 @@ def simulate(
     one node.
 
     Sharded candidates (FSDP2) gather each stage's parameters and reduce-scatter its gradients over dp (on the
-    link dp spans, as the replicate all-reduce): see _shard_walk for when. The profile must be of the candidate's
-    precision: its times and bytes are that precision's."""
+    link dp spans, as the replicate all-reduce): see _shard_walk for when. Tensor-parallel candidates run on one tp
+    rank's costs (autotune.tp_costs: compute split, collectives added, bytes divided). The profile must be of the
+    candidate's precision: its times and bytes are that precision's."""
     candidate.validate(profile.n_layers)
     if candidate.precision != profile.precision:
         raise UsageError(
@@ -253,10 +277,12 @@ def simulate(
             f"profile again with --precision {candidate.precision} (or plan in {profile.precision})"
         )
     link = link or LinkModel.for_device(profile.device)
-    costs = profile.layer_costs(candidate.micro_batch_size)
+    tp_costs = tensor_parallel_layer_costs(profile, candidate.micro_batch_size, candidate.tensor_parallel_degree,
+                                           link)
     return simulate_costs(
-        costs,
+        tp_costs.layers,
         candidate,
+        collective_ms=tp_costs.collective_ms,
         input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
         optimizer_ms_per_byte=optimizer_ms_per_byte(profile, link),
         optimizer_state_ratio=profile.optimizer_state_ratio,
@@ -325,8 +351,11 @@ def simulate_costs(
     actions: Sequence[Sequence[Action]] | None = None,
     shared_parameters: Sequence[tuple[Sequence[int], int]] = (),
     gpus_per_node: int | None = None,
+    collective_ms: Sequence[float] = (),
 ) -> Estimate:
-    """simulate() on per-layer costs already taken at the candidate's micro-batch size (the planner's fast path).
+    """simulate() on per-layer costs already taken at the candidate's micro-batch size, and with tp > 1 on one tp
+    rank (tp_costs.tensor_parallel_costs; collective_ms: their tp collectives per layer and micro-batch, for the
+    estimate's tensor_parallel_ms) (the planner's fast path).
     optimizer_per_tensor: the optimizer steps one tensor at a time (torch's default off CUDA: no foreach), so its
     temporaries scale with a rank's largest layer, not with all its parameters. loss_saved_bytes: what loss_fn
     saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed."""
@@ -338,11 +367,13 @@ def simulate_costs(
     crossing, n_nodes = None, 1
     if gpus_per_node is not None and candidate.world_size > gpus_per_node:
         c = candidate
+        # the pp x dp grid of tp groups: gpus_per_node / tp grid positions a node (a tp group stays in one node)
+        per_node = max(1, gpus_per_node // c.tensor_parallel_degree)
         crossing = crossing_boundaries(
-            stage_ranks(c.schedule, c.pipeline_degree, c.n_stages), c.data_parallel_degree, gpus_per_node,
+            stage_ranks(c.schedule, c.pipeline_degree, c.n_stages), c.data_parallel_degree, per_node,
             c.rank_order,
         )
-        n_nodes = dp_nodes(c.pipeline_degree, c.data_parallel_degree, gpus_per_node, c.rank_order)
+        n_nodes = dp_nodes(c.pipeline_degree, c.data_parallel_degree, per_node, c.rank_order)
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, crossing=crossing,
                           shared=shared_parameters, loss_saved=loss_saved_bytes)
     if actions is None:
@@ -447,6 +478,11 @@ def simulate_costs(
         sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
     step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
+    tensor_parallel_ms = [0.0] * pp
+    if collective_ms:
+        bounds = list(accumulate(candidate.layers_per_stage, initial=0))
+        for s, r in enumerate(plan.stage_rank):
+            tensor_parallel_ms[r] += candidate.n_microbatches * sum(collective_ms[bounds[s]:bounds[s + 1]])
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
                          batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
@@ -468,6 +504,7 @@ def simulate_costs(
         allreduce_ms=max(allreduce_ms),
         gather_ms=max(gather_ms),
         reduce_scatter_ms=max(reduce_scatter_ms),
+        tensor_parallel_ms=max(tensor_parallel_ms),
         memory_limit_bytes=memory_limit_bytes,
         timeline=timeline,
     )

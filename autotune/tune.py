@@ -100,6 +100,9 @@ class TuneRequest:
     PRECISION, else bf16 on cuda, fp32 on cpu)."""
     data_parallel_modes: tuple[DataParallelMode, ...] = DATA_PARALLEL_MODES
     """How replicas may hold their stages, searched where dp > 1."""
+    tensor_parallel_degrees: tuple[int, ...] | None = None
+    """tp degrees to search; None: every one the model's tensor-parallel plan allows that divides the GPUs and fits a
+    node (search_tp_degrees). A degree the model cannot take is refused (InvalidCandidateError)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +276,7 @@ def tune(
         state_shards=request.gpus if "shard" in request.data_parallel_modes else 1,
     )
     incumbent = _incumbent(request, spec, reporter)
+    tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)
     precision = profile.precision  # request.precision, else devices.default_precision: what the profile measured
     link = None
     if request.inter_node_link is not None:
@@ -283,7 +287,8 @@ def tune(
                                                                inter_bandwidth_bytes_per_s=bandwidth)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
-                       gpus_per_node=request.gpus_per_node, link=link, data_parallel_modes=request.data_parallel_modes)
+                       gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
+                       data_parallel_modes=request.data_parallel_modes)
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -298,6 +303,7 @@ def tune(
         wire_dtypes=request.wire_dtypes,
         precision=precision,
         data_parallel_modes=request.data_parallel_modes,
+        tensor_parallel_degrees=tp_degrees,
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
         gpus_per_node=request.gpus_per_node,
@@ -362,6 +368,27 @@ def tune(
         report_dir=report_dir,
         worker=options.worker or "",
     )
+
+
+def search_tp_degrees(
+    spec: ModelSpec, gpus: int, gpus_per_node: int | None, asked: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """The tp degrees a search of `gpus` ranks asks (layouts.tensor_parallel_degrees): those the model's plan allows
+    (models.allowed_tp_degrees; a model without a plan: 1 only), or the `asked` ones, each checked against the plan
+    (models.plan_for_degree: InvalidCandidateError naming what refuses it) and the ranks (UsageError)."""
+    from autotune.layouts import tensor_parallel_degrees
+    from autotune.models import allowed_tp_degrees, plan_for_degree
+
+    node = gpus_per_node or gpus
+    if asked is None:
+        return tensor_parallel_degrees(gpus, allowed_tp_degrees(spec, node), gpus_per_node)
+    for tp in asked:
+        if tp > 1:
+            plan_for_degree(spec, tp)
+        if tp < 1 or gpus % tp or node % tp:
+            raise UsageError(f"tensor-parallel degree {tp} does not divide the {node} GPUs of a node; use a divisor "
+                             f"of {node}")
+    return tuple(sorted(set(asked)))
 
 
 def _check_outputs(request: TuneRequest) -> None:

@@ -67,6 +67,30 @@ def parse_data_parallel(text: str) -> tuple[str, ...]:
     return modes
 
 
+TensorParallelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tensor-parallel",
+        help="Tensor-parallel degrees to search, comma-separated (1,2,4): each stage's layers split over that many "
+        "consecutive ranks of a node with the model's own plan. Default: every degree the plan allows (its heads "
+        "and sharded sizes divisible, at most a node's GPUs); 1 only for a model without a plan.",
+    ),
+]
+
+
+def parse_degrees(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """'1,2,4' -> (1, 2, 4); None stays None; one line naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        degrees = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        degrees = ()
+    if not degrees or degrees[0] < 1:
+        raise UsageError(f"cannot read {flag} {text!r}; pass positive whole numbers separated by commas, e.g. 1,2")
+    return degrees
+
+
 ExportTarget = ExportFormat
 """--format choices of `autotune export`: the exporter's own formats."""
 

@@ -21,7 +21,9 @@ from autotune.cli.options import (
     PrecisionOpt,
     RepeatsOpt,
     SplitAtOpt,
+    TensorParallelOpt,
     parse_data_parallel,
+    parse_degrees,
     parse_sizes,
     parse_split_at,
 )
@@ -101,6 +103,7 @@ def plan_command(
     every_block: EveryBlockOpt = False,
     precision: PrecisionOpt = None,
     data_parallel: DataParallelOpt = "replicate,shard",
+    tensor_parallel: TensorParallelOpt = None,
     json_output: JsonOpt = False,
     profile_path: Annotated[
         Path | None,
@@ -131,7 +134,12 @@ def plan_command(
     step (`shard`) or resharding after every forward (`shard/rs`, planned where keeping them does not fit: it only
     saves memory): pp 1 x shard is pure FSDP, so the ranking answers "pipeline or FSDP?" (`--data-parallel
     replicate` leaves shard out). Candidates train in the profile's precision
-    (`--precision`; with `--profile`, the profile's, and another is refused).
+    (`--precision`; with `--profile`, the profile's, and another is refused). Tensor parallelism (`pp×dp×tp`, each
+    stage split over tp consecutive ranks of a node with the model's own plan) is planned for every degree the
+    model's plan allows (`--tensor-parallel` narrows it); with `--profile`, only the degrees `--tensor-parallel`
+    names (the profile does not know the model's heads): its compute is divided over tp (90 % efficient assumed on
+    cuda), the collectives its plan runs per block (all-reduces of the activations; the profile records how many)
+    added on the intra-node link, parameters and the sharded activations divided.
 
     `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus
     precision, data_parallel_mode, fsdp_reshard_after_forward, predicted_step_time_ms,
@@ -162,6 +170,7 @@ def plan_command(
             if model is not None:
                 raise UsageError("pass either a model file or --profile, not both")
             profile = load_profile(profile_path)
+            tp_degrees = _profile_tp_degrees(parse_degrees(tensor_parallel, "--tensor-parallel"), gpus, per_node)
             if precision is not None and precision.value != profile.precision:
                 raise UsageError(
                     f"{profile_path} was profiled in {profile.precision}, not {precision.value}; profile again with "
@@ -180,24 +189,29 @@ def plan_command(
                 raise UsageError("pass a model file and --batch-size, or --profile PROFILE.json")
             chosen = resolve_device(device.value)
             limit = limit if limit is not None else device_memory_bytes(chosen)
-            _, profile = load_and_profile(
+            from autotune.tune import search_tp_degrees
+
+            spec, profile = load_and_profile(
                 model, batch_size, chosen, micro_batch_sizes=parse_sizes(micro_batch_size), repeats=repeats,
                 reporter=TerminalReporter(), split_at=parse_split_at(split_at), gpus=gpus, every_block=every_block,
                 memory_limit_bytes=limit, precision=precision.value if precision else None,
                 state_shards=gpus if "shard" in modes else 1,
             )
+            tp_degrees = search_tp_degrees(spec, gpus, per_node, parse_degrees(tensor_parallel, "--tensor-parallel"))
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
         from autotune.graph_cache import planning
 
         with err_console.status(f"planning {gpus} ranks..."), planning():
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
-                           gpus_per_node=per_node, data_parallel_modes=modes)
+                           gpus_per_node=per_node, data_parallel_modes=modes, tensor_parallel_degrees=tp_degrees)
         ensure_feasible(planned)
         shown = planned[:top]
         if json_output:
             print_json([p.to_dict() for p in shown])
         else:
             render_plan(shown, recommended_microbatch_range(planned), limit, gpus, batch_size)
+            for line in tensor_parallel_lines(planned):
+                console.print(line, highlight=False)
             link_nodes = per_node or gpus
             if link is not None and link.inter_node_bandwidth_bytes_per_s and link.inter_node_latency_s is not None:
                 console.print(
@@ -206,6 +220,35 @@ def plan_command(
                     f"per message (--inter-node-bandwidth, --inter-node-latency); `autotune search` measures it.",
                     highlight=False,
                 )
+
+
+def _profile_tp_degrees(asked: tuple[int, ...] | None, gpus: int, per_node: int | None) -> tuple[int, ...]:
+    """--tensor-parallel with --profile: the degrees named (1 when none), each dividing the ranks and a node."""
+    node = per_node or gpus
+    for tp in asked or ():
+        if gpus % tp or node % tp:
+            raise UsageError(f"--tensor-parallel {tp} does not divide the {node} GPUs of a node; use a divisor of "
+                             f"{node}")
+    return asked or (1,)
+
+
+def tensor_parallel_lines(planned: list[Any]) -> list[str]:
+    """Per tp degree > 1 that was planned: its best candidate against the best overall, and what its collectives
+    cost (why it ranks where it does)."""
+    if not planned:
+        return []
+    pool = [p for p in planned if p.estimate.feasible] or planned
+    top = pool[0].estimate
+    lines = []
+    for tp in sorted({p.candidate.tensor_parallel_degree for p in pool} - {1}):
+        best = next(p for p in pool if p.candidate.tensor_parallel_degree == tp)
+        e = best.estimate
+        lines.append(
+            f"tensor parallel {tp}: best {best.candidate.key} at {e.step_time_ms:.1f} ms per step "
+            f"({e.step_time_ms / top.step_time_ms:.2f}x the best), of which {e.tensor_parallel_ms:.1f} ms are its tp "
+            f"collectives on the slowest rank"
+        )
+    return lines
 
 
 def _ranks(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
@@ -311,7 +354,7 @@ def render_plan(
     title = f"plan: {gpus} ranks, batch {batch_size}, {precision}" + (
         f", limit {format_bytes(limit)}/rank" if limit else "")
     table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)  # ten columns in 80
-    columns = ("#", "pp×dp", "schedule", "B/M", "M", "split", "step ms", "samples/s", "bubble", "peak mem")
+    columns = ("#", "pp×dp×tp", "schedule", "B/M", "M", "split", "step ms", "samples/s", "bubble", "peak mem")
     for column in columns:
         text = column in ("schedule", "split")  # these wrap; numbers stay whole on a narrow terminal
         table.add_column(
@@ -326,7 +369,7 @@ def render_plan(
         peak = format_bytes(max(e.peak_memory_bytes))  # the fullest rank; the limit is in the title
         table.add_row(
             str(i),
-            f"{c.pipeline_degree}×{c.data_parallel_degree}" + _data_parallel_label(c),
+            f"{c.pipeline_degree}×{c.data_parallel_degree}×{c.tensor_parallel_degree}" + _data_parallel_label(c),
             c.schedule.value + (" +ckpt" if c.activation_checkpointing else "")
             + (" dp-inner" if c.rank_order == "dp-inner" else ""),
             str(c.n_microbatches),

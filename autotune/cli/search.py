@@ -30,8 +30,10 @@ from autotune.cli.options import (
     PrecisionOpt,
     SplitAtOpt,
     StepsOpt,
+    TensorParallelOpt,
     WarmupOpt,
     parse_data_parallel,
+    parse_degrees,
     parse_seconds,
     parse_split_at,
 )
@@ -92,6 +94,7 @@ def search(
     every_block: EveryBlockOpt = False,
     precision: PrecisionOpt = None,
     data_parallel: DataParallelOpt = "replicate,shard",
+    tensor_parallel: TensorParallelOpt = None,
     json_output: JsonOpt = False,
     gpus_per_node: Annotated[
         int | None,
@@ -99,9 +102,10 @@ def search(
                      "Default: the CUDA device count; required with --device cpu."),
     ] = None,
 ) -> None:
-    """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp, activation
-    checkpointing, the dtype between stages and, with replicas, whether they replicate or shard (FSDP2) their
-    stages, under the memory limit. Writes the tuned config and a report.
+    """Find the fastest pipeline configuration by real trial runs: B/M, layer split, schedule, pp x dp x tp
+    (tensor parallel where the model has a plan), activation checkpointing, the dtype between stages and, with
+    replicas, whether they replicate or shard (FSDP2) their stages, under the memory limit. Writes the tuned config
+    and a report.
 
     How: profile the layers, simulate every schedule x B/M x balanced split, try the planner's best first (and the
     rule-of-thumb default, for comparison), then let Optuna's TPE sampler propose more. A candidate the simulator
@@ -153,6 +157,7 @@ def search(
             profile_every_block=every_block,
             precision=precision.value if precision is not None else None,
             data_parallel_modes=parse_data_parallel(data_parallel),
+            tensor_parallel_degrees=parse_degrees(tensor_parallel, "--tensor-parallel"),
             command=command_line(),
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,

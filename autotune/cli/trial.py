@@ -64,7 +64,19 @@ def trial(
         str | None,
         typer.Option(help="Layer count per stage, comma-separated, e.g. 3,5. Default: uniform."),
     ] = None,
-    dp: Annotated[int, typer.Option("--dp", min=1, help="Data-parallel replicas; pipeline degree = gpus / dp.")] = 1,
+    dp: Annotated[
+        int, typer.Option("--dp", min=1, help="Data-parallel replicas; pipeline degree = gpus / (dp x tp).")
+    ] = 1,
+    tensor_parallel: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel",
+            "--tp",
+            min=1,
+            help="Tensor-parallel degree: each stage's layers split over this many consecutive ranks with the model's "
+            "own plan (a Hugging Face model's, or TP_PLAN / tp_plan(model) in the model file).",
+        ),
+    ] = 1,
     activation_checkpointing: Annotated[
         bool,
         typer.Option("--activation-checkpointing", help="Recompute each stage's forward in its backward."),
@@ -124,8 +136,9 @@ def trial(
         from autotune.watchdog import MODEL_CHECK, time_limit
 
         chosen = parse_schedule(schedule)
-        if gpus % dp:
-            raise UsageError(f"--gpus {gpus} is not a multiple of --dp {dp}; pass a --dp that divides {gpus}")
+        if gpus % (dp * tensor_parallel):
+            what = f"--dp {dp} x --tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else f"--dp {dp}"
+            raise UsageError(f"--gpus {gpus} is not a multiple of {what}; pass degrees whose product divides {gpus}")
         if data_parallel is DataParallelChoice.shard and dp == 1:
             raise UsageError("--data-parallel shard needs --dp 2 or more (one replica has nothing to shard over); "
                              "pass --dp, or --data-parallel replicate")
@@ -135,11 +148,15 @@ def trial(
         with time_limit(timeout_s, path=model, what=MODEL_CHECK):
             spec = load_model_file(model, split_at=parse_split_at(split_at))
             check_model(spec, batch_size)
+        if tensor_parallel > 1:
+            from autotune.models import plan_for_degree
+
+            plan_for_degree(spec, tensor_parallel)  # no plan, or a degree it cannot take: one line, before launch
         if spec.has_batchnorm and microbatches > 1:
             from autotune.tune import batchnorm_warning
 
             err_console.print(f"[yellow]warning:[/yellow] {batchnorm_warning(spec)}", highlight=False)
-        pp = gpus // dp
+        pp = gpus // (dp * tensor_parallel)
         split = parse_split(layers_per_stage) or uniform_split(spec.n_layers, pp * default_stages_per_rank(chosen))
         device_choice = resolve_device(device.value)
         candidate = Candidate(
@@ -154,6 +171,7 @@ def trial(
             precision=precision.value if precision else default_precision(device_choice, spec.precision),
             data_parallel_mode=data_parallel.value,
             reshard_after_forward=reshard_after_forward,
+            tensor_parallel_degree=tensor_parallel,
         )
         candidate.validate(spec.n_layers)
         options = TrialOptions(
@@ -187,7 +205,7 @@ def render_measurement(m: Any) -> None:
     table = Table(title=f"trial {c.key}", show_header=False)
     table.add_row("status", f"[green]{m.status}[/green]" if m.status == "ok" else f"[red]{m.status}[/red]")
     table.add_row("schedule", c.schedule.value)
-    table.add_row("pp x dp", f"{c.pipeline_degree} x {c.data_parallel_degree}")
+    table.add_row("pp x dp x tp", f"{c.pipeline_degree} x {c.data_parallel_degree} x {c.tensor_parallel_degree}")
     table.add_row("micro-batches (B/M)", f"{c.n_microbatches} of {c.micro_batch_size} samples")
     table.add_row("layers per stage", ", ".join(map(str, c.layers_per_stage)))
     table.add_row("activation checkpointing", "yes" if c.activation_checkpointing else "no")

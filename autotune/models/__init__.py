@@ -10,6 +10,7 @@ from autotune.models.tensor_parallel import (
     allowed_tp_degrees,
     apply_tp,
     max_tensor_parallel,
+    plan_for_degree,
     reduce_partial_gradients,
     tp_plan_of,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "max_tensor_parallel",
     "match_split_at",
     "parse_split_at",
+    "plan_for_degree",
     "reduce_partial_gradients",
     "shared_groups",
     "shared_parameter_ranks",

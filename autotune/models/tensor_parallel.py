@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import nn
 
-from autotune.errors import ModelFileError
+from autotune.errors import InvalidCandidateError, ModelFileError
 from autotune.models.blocks import BlockModel, describe
 from autotune.models.hf import is_transformers_model
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from autotune.costs import TensorParallelLayer
     from autotune.model_file import ModelSpec
 
 StyleName = Literal[
@@ -182,6 +183,23 @@ def allowed_tp_degrees(source: ModelSpec | nn.Module | TensorParallelPlan, gpus_
     return tuple(d for d in range(1, top + 1) if max_tensor_parallel(source) % d == 0)
 
 
+def plan_for_degree(source: ModelSpec | nn.Module, degree: int) -> TensorParallelPlan:
+    """The model's plan, checked to allow tp `degree` (every constraint divisible by it); InvalidCandidateError
+    naming why not: the model has no plan (tp_plan_of's reason), or what the degree does not divide."""
+    plan, why = tp_plan_of(source)
+    if plan is None:
+        raise InvalidCandidateError(f"tensor_parallel_degree {degree} needs a tensor-parallel plan: {why}")
+    refusing = [f"{what} ({size})" for what, size in sorted(plan.constraints.items(), key=lambda item: item[1])
+                if size % degree]
+    if refusing:
+        allowed = ", ".join(str(d) for d in range(1, plan.max_degree + 1) if plan.max_degree % d == 0)
+        raise InvalidCandidateError(
+            f"tensor_parallel_degree {degree} does not divide the {refusing[0]} of {plan.source}; use one of "
+            f"{allowed}"
+        )
+    return plan
+
+
 def checked_plan(model: nn.Module, styles: Mapping[str, Style], *, source: str) -> TensorParallelPlan:
     """A plan checked against the model: every glob matches a module, string styles sit on an nn.Linear or
     nn.Embedding; what tp must divide is recorded, tied weights are left whole. Raises ModelFileError naming the
@@ -248,15 +266,68 @@ def apply_tp(blocks: BlockModel, start: int, stop: int, plan: TensorParallelPlan
     return AppliedTP(modules=tuple(done), partial_gradients=tuple(partial))
 
 
+def tp_layer_terms(spec: ModelSpec) -> tuple[TensorParallelLayer, ...]:
+    """Per block of the model (as build_model() cuts it), what its plan shards and the collectives torch's styles
+    run per micro-batch (costs.TensorParallelLayer), for the profile: () for a model without a plan.
+
+        colwise (output sharded)        backward: an all-reduce of its input's gradient (the input is replicated)
+        colwise, output gathered        forward: an all-gather of its output; backward: as colwise
+        rowwise, embedding_rowwise      forward: an all-reduce of its output (the partial sums)
+        rowwise_split_input             forward: as rowwise; backward: its input's gradient made whole (counted as an
+                                        all-reduce)
+        torch ColwiseParallel / RowwiseParallel objects likewise; other styles: nothing counted"""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from autotune.costs import TensorParallelLayer
+    from autotune.model_file import build_skeleton
+
+    plan, _ = tp_plan_of(spec)
+    if plan is None:
+        return ()
+    skeleton = build_skeleton(spec)
+    left_whole = {entry.split(" ")[0] for entry in plan.left_whole}
+    modules = [(name, module) for name, module in skeleton.model.named_modules() if name and name not in left_whole]
+    terms = []
+    for block_name in skeleton.names:
+        inside = block_name.split("+")
+        sharded = forward = backward = gathers = 0
+        for name, module in modules:
+            if not any(name == b or name.startswith(b + ".") for b in inside):
+                continue
+            style = next((s for glob, s in plan.styles.items() if matches(name, glob)), None)
+            if style is None or style in ("replicate", PARTIAL_GRADIENT):
+                continue
+            colwise = style in COLWISE or isinstance(style, ColwiseParallel)
+            rowwise = style in ROWWISE or isinstance(style, RowwiseParallel)
+            if not (colwise or rowwise):
+                continue
+            sharded += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            if colwise:
+                backward += 1
+                output = getattr(style, "output_layouts", None)
+                gathered = style in ("colwise_gather_output", "colwise_rep") or isinstance(output, Replicate) or (
+                    isinstance(output, tuple) and any(isinstance(o, Replicate) for o in output))
+                gathers += int(gathered)
+            else:
+                forward += 1
+                backward += int(style in ("rowwise_split_input", "rowwise_rep"))
+        terms.append(TensorParallelLayer(sharded_parameter_bytes=sharded, forward_all_reduces=forward,
+                                         backward_all_reduces=backward, forward_all_gathers=gathers))
+    return tuple(terms)
+
+
 def reduce_partial_gradients(applied: AppliedTP, tp_group: Any) -> None:
     """Sum over the tp group the gradients each rank holds only its part of (replicated_with_grad_allreduce); once
     after the whole backward of a step (a sum of accumulated gradients is the accumulated sum)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     for p in applied.partial_gradients:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=tp_group)
+        # sharded over dp as well (FSDP2): every tp rank holds the same replica's shard of it
+        dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=tp_group)
 
 
 def to_torch_style(style: Style) -> ParallelStyle | None:

@@ -105,7 +105,10 @@ def _summary(facts: ReportFacts) -> list[Block]:
         return [Paragraph("**No configuration was chosen**: no trial of this search ran successfully. The warnings "
                           "and the trial table below say why each one failed.")]
     c = chosen.candidate
-    layout = f"{c.pipeline_degree} pipeline rank(s) x {c.data_parallel_degree} data-parallel replica(s)"
+    layout = (f"pp x dp x tp = {c.pipeline_degree} x {c.data_parallel_degree} x {c.tensor_parallel_degree}: "
+              f"{c.pipeline_degree} pipeline rank(s) x {c.data_parallel_degree} data-parallel replica(s)")
+    if c.tensor_parallel_degree > 1:
+        layout += f", each stage tensor-parallel over {c.tensor_parallel_degree} ranks"
     extras = [x for x in ("activation checkpointing" if c.activation_checkpointing else "",
                           "bfloat16 between stages" if c.wire_dtype == "bfloat16" else "",
                           ("replicas sharded with FSDP2" + (", resharded after each forward"
@@ -154,8 +157,8 @@ def _glance(facts: ReportFacts, chosen: Measurement, estimate: Estimate) -> Tabl
     rows = [
         ("configuration", f"`{c.key}`", f"`{d.key}`" if d else "-"),
         ("schedule", c.schedule.value, d.schedule.value if d else "-"),
-        ("pp x dp", f"{c.pipeline_degree} x {c.data_parallel_degree}",
-         f"{d.pipeline_degree} x {d.data_parallel_degree}" if d else "-"),
+        ("pp x dp x tp", f"{c.pipeline_degree} x {c.data_parallel_degree} x {c.tensor_parallel_degree}",
+         f"{d.pipeline_degree} x {d.data_parallel_degree} x {d.tensor_parallel_degree}" if d else "-"),
         ("B/M (micro-batch size)", f"{c.n_microbatches} ({c.micro_batch_size})",
          f"{d.n_microbatches} ({d.micro_batch_size})" if d else "-"),
         ("layers per stage", str(list(c.layers_per_stage)), str(list(d.layers_per_stage)) if d else "-"),

@@ -137,13 +137,17 @@ def _balance_bullet(c: Candidate, balance: StageBalance | None, default_balance:
 
 
 def _layout_bullet(c: Candidate, estimate: Estimate) -> str | None:
-    """The data-parallel replicas and their all-reduce."""
+    """The data-parallel replicas and their all-reduce; tensor parallelism inside the stages."""
+    tp = c.tensor_parallel_degree
+    inside = (f" Each stage is split over {tp} consecutive ranks with the model's tensor-parallel plan (its "
+              f"projections sharded, all-reduces of the activations in each block on the intra-node link: the "
+              f"simulator charges {estimate.tensor_parallel_ms:.1f} ms of the step for them).") if tp > 1 else ""
     if c.data_parallel_degree == 1:
-        return None
+        return f"**Layout**: pp x dp x tp = {c.pipeline_degree} x 1 x {tp}.{inside}" if tp > 1 else None
     return (
         f"**Layout**: {c.data_parallel_degree} data-parallel replicas of a {c.pipeline_degree}-rank pipeline; each "
         f"replica runs {c.replica_batch_size} samples per step and the gradients are all-reduced (the simulator "
-        f"charges {estimate.allreduce_ms:.1f} ms for it)."
+        f"charges {estimate.allreduce_ms:.1f} ms for it).{inside}"
     )
 
 
@@ -293,8 +297,8 @@ def oom_neighbours(chosen: Candidate, records: Sequence[TrialRecord]) -> list[Tr
         c = r.candidate
         if r.outcome != "oom" or c is None:
             continue
-        if (c.schedule, c.pipeline_degree, c.data_parallel_degree) != (
-            chosen.schedule, chosen.pipeline_degree, chosen.data_parallel_degree
+        if (c.schedule, c.pipeline_degree, c.data_parallel_degree, c.tensor_parallel_degree) != (
+            chosen.schedule, chosen.pipeline_degree, chosen.data_parallel_degree, chosen.tensor_parallel_degree
         ) or c.n_stages != chosen.n_stages:
             continue
         near_m = abs(math.log2(c.n_microbatches / chosen.n_microbatches)) <= 1.0
@@ -439,6 +443,9 @@ def lower_memory_changes(baseline: Candidate, chosen: Candidate) -> list[str]:
             changes.append(
                 f"{chosen.data_parallel_degree} data-parallel replicas of a {chosen.pipeline_degree}-rank pipeline"
             )
+    if chosen.tensor_parallel_degree > baseline.tensor_parallel_degree:
+        changes.append(f"tensor parallelism over {chosen.tensor_parallel_degree} ranks (each holds 1/"
+                       f"{chosen.tensor_parallel_degree} of the sharded projections and their state)")
     if chosen.micro_batch_size < baseline.micro_batch_size:
         changes.append(
             f"smaller micro-batches ({chosen.n_microbatches} of {chosen.micro_batch_size} per replica instead of "

@@ -201,11 +201,11 @@ class SavedActivationBytes:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter):
             return tensor
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        try:  # a DTensor (tensor parallelism's activations and weights): its local tensor's storage
+            storage = stored_tensors(tensor)[0].untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError, IndexError):
             return tensor
-        key = storage.data_ptr()
         if key == 0 or key in self._excluded:
             return tensor
         entry = self._holders.setdefault(key, [0, storage.nbytes()])

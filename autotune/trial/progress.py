@@ -124,8 +124,9 @@ def hang_culprit(
     where = _positions(tuple(tuple(a) for a in lists))
     stage_owner = {a.stage: p for p, actions in enumerate(lists) for a in actions}
     found: dict[int, str] = {}
-    for d in range(dp):
-        ranks = [global_rank(p, d, pp, dp, order) for p in range(pp)]
+    tp = candidate.tensor_parallel_degree
+    for d, t in ((d, t) for d in range(dp) for t in range(tp)):  # each tp rank of a stage runs its own schedule
+        ranks = [global_rank(p, d, pp, dp, order) * tp + t for p in range(pp)]
         if any(r not in progress for r in ranks):
             continue
         state = {p: progress[r] for p, r in enumerate(ranks)}

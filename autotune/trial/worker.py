@@ -39,6 +39,7 @@ from autotune.runtime import (
     init_groups,
     rewired_pipeline,
 )
+from autotune.sharding import local_tensor
 from autotune.trial import server
 from autotune.trial.job import RankJob
 from autotune.trial.memory import LiveTensorBytes, SavedActivationBytes, is_out_of_memory, requested_bytes
@@ -201,7 +202,8 @@ def _wire_grad_error(pipe: RankPipeline, batch: RankBatch) -> float | None:
     m = fewest_microbatches(pipe.candidate)
     rows = m * pipe.candidate.micro_batch_size
     parameters = pipe.parameters()
-    stride = max(WIRE_SAMPLE_STRIDE, math.ceil(sum(p.numel() for p in parameters) / WIRE_SAMPLE_ELEMENTS))
+    stride = max(WIRE_SAMPLE_STRIDE,
+                 math.ceil(sum(local_tensor(p).numel() for p in parameters) / WIRE_SAMPLE_ELEMENTS))
     reference: list[torch.Tensor] = []
     diff = norm = 0.0
     for wire in ("float32", "bfloat16"):
@@ -225,9 +227,9 @@ def _strided_sample(parameters: list[torch.nn.Parameter], stride: int) -> Iterat
     offset = 0
     for p in parameters:
         start = (-offset) % stride
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
         yield grad.detach().reshape(-1)[start::stride].float()
-        offset += p.numel()
+        offset += grad.numel()
 
 
 def _measured(run: Callable[[], T], job: RankJob, device: torch.device) -> tuple[T, int]:

@@ -91,7 +91,7 @@ def test_plan_more_ranks_than_layers_uses_data_parallel_replicas(model):
 def test_plan_table_shows_the_layout(model):
     result = invoke("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--top", 50)
     assert result.exit_code == 0, result.output
-    assert "pp×dp" in result.stdout and "2×1" in result.stdout and "1×2" in result.stdout
+    assert "pp×dp×tp" in result.stdout and "2×1×1" in result.stdout and "1×2×1" in result.stdout
 
 
 def test_auto_device_without_cuda_says_to_pass_cpu(model, monkeypatch):
@@ -230,3 +230,29 @@ def test_plan_from_a_bad_profile_is_one_line(tmp_path, content, message):
     result = invoke("plan", "--profile", saved, "--gpus", 2, "--batch-size", 8)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_plan_ranks_tensor_parallel_layouts_of_a_model_with_a_plan_and_says_what_they_cost(tmp_path):
+    """The Llama recipe's own plan allows tp 2 on 2 GPUs: the JSON lists pp 1 x dp 1 x tp 2 with the time of its
+    collectives, the table closes with what tp 2 costs; from a saved profile, --tensor-parallel asks for it."""
+    pytest.importorskip("transformers")
+    from tests.conftest import RECIPES
+
+    args = ("--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--micro-batch-size", "4,8")
+    result = invoke("plan", RECIPES / "hf_llama.py", *args, "--top", 200, "--json")
+    assert result.exit_code == 0, result.output
+    tp = [e for e in json.loads(result.stdout) if e["tensor_parallel_degree"] == 2]
+    assert tp and all(e["pipeline_degree"] * e["data_parallel_degree"] == 1 for e in tp)
+    assert all(e["predicted_tensor_parallel_ms"] > 0 for e in tp)
+    table = invoke("plan", RECIPES / "hf_llama.py", *args)
+    assert "tensor parallel 2: best tp2/" in table.stdout and "tp collectives" in table.stdout
+    saved = tmp_path / "profile.json"
+    assert invoke("profile", RECIPES / "hf_llama.py", "--batch-size", 8, "--device", "cpu", "--repeats", 1,
+                  "--micro-batch-size", "4,8", "--output", saved).exit_code == 0
+    assert json.loads(saved.read_text())["tensor_parallel_layers"][1]["backward_all_reduces"] == 5
+    from_profile = invoke("plan", "--profile", saved, "--gpus", 2, "--tensor-parallel", "1,2", "--top", 200,
+                          "--json")
+    assert from_profile.exit_code == 0, from_profile.output
+    assert any(e["tensor_parallel_degree"] == 2 for e in json.loads(from_profile.stdout))
+    refused = invoke("plan", "--profile", saved, "--gpus", 2, "--tensor-parallel", "4")
+    assert refused.exit_code == 2 and "does not divide the 2 GPUs" in refused.output

@@ -38,6 +38,16 @@ def test_memory_limit_nothing_fits_exits_3_saying_what_would(model_file, tmp_pat
     assert not (tmp_path / "tuned.yaml").exists()
 
 
+@pytest.mark.parametrize("value,fragment", [
+    ("two", "cannot read --tensor-parallel 'two'"),
+    ("2", "tensor_parallel_degree 2 needs a tensor-parallel plan"),  # the test model has none
+])
+def test_a_tensor_parallel_degree_the_model_cannot_take_exits_2_in_one_line(model_file, tmp_path, value, fragment):
+    result = runner.invoke(app, search_args(model_file(), tmp_path, "--trials", "2", "--tensor-parallel", value))
+    assert result.exit_code == 2, result.output
+    assert fragment in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.dist
 def test_real_search_writes_the_config_and_one_json_object(model_file, tmp_path):
     out = subprocess.run(

@@ -116,6 +116,8 @@ def test_missing_model_file(tmp_path):
         (["--memory-limit", "lots"], "cannot read size"),
         (["--data-parallel", "shard"], "--data-parallel shard needs --dp 2 or more"),
         (["--dp", "2", "--reshard-after-forward"], "--reshard-after-forward applies to --data-parallel shard only"),
+        (["--tensor-parallel", "2"], "tensor_parallel_degree 2 needs a tensor-parallel plan: "),
+        (["--dp", "2", "--tensor-parallel", "2"], "--gpus 2 is not a multiple of --dp 2 x --tensor-parallel 2"),
     ],
 )
 def test_invalid_candidates_are_refused_before_launch(tmp_path, extra, fragment):
@@ -217,3 +219,22 @@ def test_a_sharded_bf16_trial_runs_with_its_state_split_over_the_replicas():
     assert 0 < data["peak_memory_bytes"][0] < whole_state
     assert data["peak_memory_bytes"][0] == data["peak_memory_bytes"][2]  # replicas hold alike
 
+
+
+@pytest.mark.dist
+def test_a_tensor_parallel_trial_trains_as_one_rank_does_on_half_the_state():
+    """--tensor-parallel 2 on the Hugging Face Llama recipe (its own plan): the same losses as one rank training the
+    whole model (same initialisation, same batches), and each rank's peak below that rank's (its projections,
+    embedding and head, their gradients and AdamW moments are halves)."""
+    pytest.importorskip("transformers")
+    args = ["--device", "cpu", "--batch-size", "8", "--microbatches", "2", "--schedule", "GPipe", "--steps", "1",
+            "--warmup", "1", "--json"]
+    result = invoke("trial", RECIPES / "hf_llama.py", "--gpus", "2", "--tensor-parallel", "2", *args)
+    assert result.exit_code == 0, result.output
+    tp = json.loads(result.stdout)
+    assert tp["status"] == "ok", tp["error"]
+    assert (tp["pipeline_degree"], tp["data_parallel_degree"], tp["tensor_parallel_degree"]) == (1, 1, 2)
+    one = json.loads(invoke("trial", RECIPES / "hf_llama.py", "--gpus", "1", *args).stdout)
+    assert one["status"] == "ok", one["error"]
+    assert tp["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert len(tp["peak_memory_bytes"]) == 2 and max(tp["peak_memory_bytes"]) < one["peak_memory_bytes"][0]

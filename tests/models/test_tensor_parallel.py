@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.errors import ModelFileError
+from autotune.errors import InvalidCandidateError, ModelFileError
 from autotune.model_file import load_model_file
 from autotune.models.tensor_parallel import (
     allowed_tp_degrees,
     checked_plan,
     matches,
     max_tensor_parallel,
+    plan_for_degree,
     to_torch_style,
     tp_plan_of,
 )
@@ -114,6 +115,19 @@ def test_a_model_without_a_plan_says_why():
     assert plan is None and "define TP_PLAN" in why
 
 
+def test_a_degree_the_plan_cannot_take_is_refused_in_one_line(tmp_path):
+    """What the runtime and `trial --tensor-parallel` ask before any rank starts: no plan, or a degree a sharded size
+    does not divide."""
+    with pytest.raises(InvalidCandidateError, match=r"degree 2 needs a tensor-parallel plan: .*TP_PLAN"):
+        plan_for_degree(load_model_file(RECIPES / "mlp.py"), 2)
+    spec = load_model_file(model_file(tmp_path, 'TP_PLAN = {"*.up": "colwise", "*.down": "rowwise"}', heads=6,
+                                      wide=24))
+    assert plan_for_degree(spec, 3).max_degree == 6
+    with pytest.raises(InvalidCandidateError, match=r"does not divide the attention heads \(6\) of the model file's "
+                                                    r"TP_PLAN; use one of 1, 2, 3, 6"):
+        plan_for_degree(spec, 4)
+
+
 @needs_transformers
 def test_a_style_autotune_does_not_apply_means_no_tp_and_names_it():
     model = llama()
@@ -209,3 +223,25 @@ def test_style_names_become_torchs_styles():
     mine = RowwiseParallel()
     copied = to_torch_style(mine)
     assert copied is not mine and copied.src_data_rank is None and mine.src_data_rank == 0
+
+
+@needs_transformers
+def test_the_profile_records_what_the_llama_plan_shards_and_its_collectives():
+    """Per block of the recipe (embedding, 4 decoder layers, norm + head): the sharded parameter bytes (not the
+    norms) and the collectives torch's styles run per micro-batch, as counted on real ranks (a wrapped
+    functional collective): the vocabulary-parallel embedding's forward all-reduce; o_proj's and down_proj's
+    forward all-reduces and q, k, v, gate, up's backward ones; the head's gathered logits and its input gradient."""
+    from autotune.models.tensor_parallel import tp_layer_terms
+
+    spec = load_model_file(RECIPES / "hf_llama.py")
+    terms = [(t.sharded_parameter_bytes, t.forward_all_reduces, t.backward_all_reduces, t.forward_all_gathers)
+             for t in tp_layer_terms(spec)]
+    layer = 4 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k, v, o, gate, up, down (no bias)
+    assert terms == [(4 * 512 * 64, 1, 0, 0), *[(layer, 2, 5, 0)] * 4, (4 * 512 * 64, 0, 1, 1)]
+    assert [spec.parameter_bytes[i] - terms[i][0] for i in range(6)] == [0, 512, 512, 512, 512, 256]  # the norms
+
+
+def test_a_model_without_a_plan_records_no_terms():
+    from autotune.models.tensor_parallel import tp_layer_terms
+
+    assert tp_layer_terms(load_model_file(RECIPES / "mlp.py")) == ()

@@ -29,6 +29,15 @@ def test_a_rank_stuck_before_its_next_forward_is_blamed():
     assert culprit is not None and culprit.rank == 0 and "0F1" in culprit.why
 
 
+def test_with_tensor_parallelism_the_stuck_tp_rank_is_blamed():
+    # pp 2 x tp 2: ranks 0, 1 hold stage 0 and wait for 1B0; ranks 2, 3 (stage 1) never finished 1F0 (a tp peer
+    # stuck holds the other in its collective). Read as a pp 4 grid, rank 1 would seem to be stage 1, done with 1B0.
+    pp2_tp2 = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, tensor_parallel_degree=2, global_batch_size=8,
+                        n_microbatches=2, layers_per_stage=(2, 2))
+    culprit = hang_culprit(pp2_tp2, {0: (3, 1, 2), 1: (3, 1, 2), 2: (3, 1, 0), 3: (3, 1, 0)})
+    assert culprit is not None and culprit.rank == 2 and "1F0" in culprit.why
+
+
 def test_a_rank_that_never_started_the_step_the_others_wait_in_is_blamed():
     # Rank 0 is in step 3 waiting for 1B0; rank 1 finished step 2 and never started step 3.
     culprit = hang_culprit(PP2, {0: (3, 1, 2), 1: (2, 0, 4)})

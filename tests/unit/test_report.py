@@ -400,3 +400,20 @@ def test_pipeline_or_fsdp_compares_the_best_measured_run_of_each_kind(study):
 def test_a_search_of_one_kind_of_parallelism_has_no_comparison(study):
     markdown, _ = text(study)
     assert "Pipeline or FSDP?" not in markdown
+
+
+def test_a_tensor_parallel_choice_shows_tp_beside_pp_and_dp(study):
+    """The chosen configuration's summary, its at-a-glance table and its layout bullet name the tp degree; a tp run
+    is its own kind of parallelism in the comparison."""
+    best = study.best
+    c = dataclasses.replace(best.candidate, schedule=Schedule.ONE_F_ONE_B, pipeline_degree=1,
+                            layers_per_stage=(sum(best.candidate.layers_per_stage),), tensor_parallel_degree=2)
+    chosen = dataclasses.replace(best, candidate=c)
+    records = (*study.records, record(len(study.records), c, "ok", step_time_ms=best.step_time_ms,
+                                      throughput_samples_per_s=best.throughput_samples_per_s,
+                                      peak_memory_bytes=best.peak_memory_bytes))
+    markdown, html = text(dataclasses.replace(study, best=chosen, records=records))
+    assert "pp x dp x tp = 1 x 1 x 2" in markdown and "each stage tensor-parallel over 2 ranks" in markdown
+    assert "| pp x dp x tp | 1 x 1 x 2 | " in markdown
+    assert "Each stage is split over 2 consecutive ranks with the model's tensor-parallel plan" in markdown
+    assert "tensor parallel" in markdown.split("## Pipeline or FSDP?")[1]

@@ -203,7 +203,7 @@ def test_load_search_rebuilds_the_result_from_storage(spec, tmp_path):
 def test_one_stage_pipelines_only_take_single_stage_schedules_and_float32():
     # At pp = 1 GPipe and 1F1B are the same run: only 1F1B is offered; no split, no wire dtype is asked.
     space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
-    assert list(space.choices[(1, 2)]) == [Schedule.ONE_F_ONE_B]
+    assert list(space.choices[(1, 2, 1)]) == [Schedule.ONE_F_ONE_B]
     params = {"layout": "pp1xdp2", "schedule_pp1xdp2": "1F1B", "n_microbatches_pp1xdp2_1F1B": 4,
               "activation_checkpointing": False, "data_parallel": "replicate"}
     candidate = space.suggest(optuna.trial.FixedTrial(params))
@@ -239,7 +239,7 @@ def test_replicas_are_searched_replicated_and_sharded_with_and_without_reshardin
 def test_only_runnable_combinations_are_asked():
     # Each layout offers the schedules that run there, each schedule the micro-batch counts it accepts there.
     space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32))
-    at_pp2 = space.choices[(2, 1)]
+    at_pp2 = space.choices[(2, 1, 1)]
     assert at_pp2[Schedule.ONE_F_ONE_B] == [2, 4, 8, 16, 32]  # 1F1B needs a micro-batch per stage at least
     assert at_pp2[Schedule.GPIPE] == [1, 2, 4, 8, 16, 32]
     assert at_pp2[Schedule.DUAL_PIPE_V] == [4, 8, 16, 32]  # at least 2 x pp
@@ -439,3 +439,29 @@ def test_each_kind_of_parallelism_the_planner_offers_is_measured(spec, tmp_path)
     planned = {p.candidate.parallelism for p in plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None)}
     assert len(planned) >= 2
     assert planned <= {c.parallelism for c in runner.calls}
+
+
+def test_tensor_parallel_layouts_are_asked_beside_the_others_by_their_own_name():
+    """With tp 2 allowed on 2 GPUs the space adds pp 1 x dp 1 x tp 2 ("pp1xdp1xtp2"); tp 1 layouts keep their names
+    (a study from before tp resumes); a tp candidate round-trips and is outside a space without tp."""
+    space = SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32, tensor_parallel_degrees=(1, 2)))
+    assert space.layouts == [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+    params = {"layout": "pp1xdp1xtp2", "schedule_pp1xdp1xtp2": "1F1B", "n_microbatches_pp1xdp1xtp2_1F1B": 4,
+              "activation_checkpointing": False}
+    candidate = space.suggest(optuna.trial.FixedTrial(params))
+    assert (candidate.pipeline_degree, candidate.data_parallel_degree, candidate.tensor_parallel_degree) == (1, 1, 2)
+    assert candidate.world_size == 2 and candidate.parallelism == "tensor parallel"
+    assert space.params_for(candidate) == params
+    assert SearchSpace(profile(), SearchOptions(gpus=2, batch_size=32)).params_for(candidate) is None
+
+
+def test_the_planners_best_tp_candidate_is_seeded_and_run(spec, tmp_path):
+    """Tensor parallel is a kind of parallelism of its own: the planner ranks tp 2 (each degree's cheapest point is
+    simulated however slow) and the search runs its best, even predicted slower than the prune margin allows."""
+    p = profile()
+    runner = SimulatedRunner()
+    opts = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1, prune_margin=0.0, tensor_parallel_degrees=(1, 2))
+    planned = plan(p, gpus=2, batch_size=32, memory_limit_bytes=None, tensor_parallel_degrees=(1, 2))
+    assert any(x.candidate.tensor_parallel_degree == 2 for x in planned)
+    run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner)
+    assert any(c.tensor_parallel_degree == 2 for c in runner.calls)

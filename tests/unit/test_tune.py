@@ -11,6 +11,7 @@ import pytest
 from autotune.config_file import load_config
 from autotune.errors import InfeasibleError
 from autotune.tune import TuneRequest, load_and_profile, tune
+from tests.conftest import RECIPES
 from tests.fakes import SimulatedRunner
 
 
@@ -92,3 +93,22 @@ def test_only_micro_batch_sizes_a_candidate_can_use_are_profiled(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         load_and_profile(RECIPES / "mlp.py", 4096, "cpu", gpus=64)  # 10 layers: pp <= 8, so dp >= 8
     assert max(asked[0]) == 512 == largest_micro_batch(64, 4096, 10)
+
+
+def test_the_search_asks_the_tp_degrees_the_models_plan_allows(tmp_path):
+    """A model without a plan: tp 1 only; asking it for tp 2 names why. The Llama recipe (4 heads, 2 key/value heads):
+    1 and 2 on 4 GPUs; asked for 4, the key/value heads refuse it."""
+    from autotune.errors import InvalidCandidateError
+    from autotune.model_file import load_model_file
+    from autotune.tune import search_tp_degrees
+
+    mlp = load_model_file(RECIPES / "mlp.py")
+    assert search_tp_degrees(mlp, 4, None) == (1,)
+    with pytest.raises(InvalidCandidateError, match="needs a tensor-parallel plan"):
+        search_tp_degrees(mlp, 4, None, (1, 2))
+    pytest.importorskip("transformers")
+    llama = load_model_file(RECIPES / "hf_llama.py")
+    assert search_tp_degrees(llama, 4, None) == (1, 2)
+    assert search_tp_degrees(llama, 4, None, (2,)) == (2,)
+    with pytest.raises(InvalidCandidateError, match=r"key/value heads \(2\)"):
+        search_tp_degrees(llama, 4, None, (4,))
