@@ -22,7 +22,7 @@ from autotune.candidate import Candidate
 from autotune.model_file import load_model_file, make_batch
 from autotune.process_groups import GROUPS
 from autotune.runtime import RankLayout, build_pipeline, init_groups
-from autotune.sharding import full_tensor
+from autotune.sharding import full_tensor, local_tensor
 
 
 def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -> None:
@@ -87,7 +87,8 @@ def _actions(schedule: Any) -> list[str]:
 
 def run_loaded(rank: int, world_size: int, model: str, candidate: dict, state_file: str, out_dir: str) -> None:
     """build_pipeline with a load_state that serves a saved state_dict: writes loaded-{rank}.pt with the names asked
-    for, this rank's parameters (by name) and the names of the model's parameters left on the meta device."""
+    for, this rank's parameters (by name, whole), the elements of parameters with storage that are not this rank's
+    and the elements this rank stores of its own (a sharded one's local shard)."""
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(str(Path(out_dir) / "store"), world_size)
@@ -115,6 +116,7 @@ def run_loaded(rank: int, world_size: int, model: str, candidate: dict, state_fi
                 "asked": asked,
                 "params": {name: full_tensor(p).detach().clone() for name, p in pipe.named_layer_parameters().items()},
                 "real_elsewhere": real_elsewhere,
+                "stored_numel": sum(local_tensor(p).numel() for p in pipe.parameters()),
             },
             Path(out_dir) / f"loaded-{rank}.pt",
         )

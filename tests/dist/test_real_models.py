@@ -219,30 +219,35 @@ def test_llama_with_padded_sequences_gets_its_own_gradients(llama, runs):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_each_rank_builds_and_loads_only_its_own_stages(gpt2, tmp_path):
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_each_rank_builds_and_loads_only_its_own_stages(gpt2, tmp_path, mode):
     """build_pipeline with load_state (what setup_pipeline passes): each rank asks for exactly the state_dict names
     of its stages (the tied weight under its first name, on both ranks holding it), gets those values, and holds
-    no other parameter with storage."""
+    no other parameter with storage. Sharded (pp 2 x dp 2), the same names and values, and each rank stores only its
+    shard of every parameter (FSDP2's DTensors, half of each over 2 replicas)."""
     from tests.dist import grad_worker
 
     reference = build_blocks(gpt2).model
     state = {name: torch.randn_like(t) if t.is_floating_point() else t
              for name, t in reference.state_dict().items()}
     torch.save(state, tmp_path / "state.pt")
-    c = candidate(gpt2, Schedule.ONE_F_ONE_B)  # embedding on rank 0, head on rank 1: the tied weight on both
+    dp = 2 if mode == "shard" else 1  # embedding on rank 0, head on rank 1: the tied weight on both
+    c = candidate(gpt2, Schedule.ONE_F_ONE_B, dp=dp, m=4 // dp, data_parallel_mode=mode)
     codes = spawn_ranks(
         grad_worker.run_loaded,
-        lambda rank: (rank, 2, str(gpt2.path), c.to_dict(), str(tmp_path / "state.pt"), str(tmp_path)),
-        2, timeout=120,
+        lambda rank: (rank, c.world_size, str(gpt2.path), c.to_dict(), str(tmp_path / "state.pt"), str(tmp_path)),
+        c.world_size, timeout=120,
     )
-    assert codes == [0, 0]
-    ranks = [torch.load(tmp_path / f"loaded-{rank}.pt") for rank in range(2)]
+    assert codes == [0] * c.world_size
+    ranks = [torch.load(tmp_path / f"loaded-{rank}.pt") for rank in range(c.world_size)]
     for result in ranks:
         assert result["real_elsewhere"] == 0
         assert TIED in result["asked"] and "lm_head.weight" not in result["asked"]
         assert set(result["params"]) <= set(result["asked"])
         for name, value in result["params"].items():
             torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
-    held = [set(result["params"]) for result in ranks]
+        stored, whole = result["stored_numel"], sum(state[name].numel() for name in result["params"])
+        assert stored == whole if mode == "replicate" else whole // 2 <= stored < whole // 2 + 1000
+    held = [set(result["params"]) for result in ranks[:2]]
     assert held[0] & held[1] == {TIED}
     assert held[0] | held[1] == {name for name, _ in reference.named_parameters()}
