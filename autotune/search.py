@@ -161,9 +161,9 @@ def default_study_name(model: Path, gpus: int, batch_size: int, device: str) -> 
     return f"{model.stem}-{device}-g{gpus}-b{batch_size}"
 
 
-def rule_of_thumb(n_layers: int, gpus: int, batch_size: int) -> Candidate | None:
+def rule_of_thumb(n_layers: int, gpus: int, batch_size: int, precision: Precision = "fp32") -> Candidate | None:
     """What people pick by hand: one pipeline over all GPUs, uniform split, 1F1B, B/M = 4 x stages (or the nearest
-    micro-batch count that divides B and is at least the stage count)."""
+    micro-batch count that divides B and is at least the stage count), at the search's precision."""
     pp = min(gpus, n_layers)
     if pp != gpus:
         return None
@@ -177,6 +177,7 @@ def rule_of_thumb(n_layers: int, gpus: int, batch_size: int) -> Candidate | None
         global_batch_size=batch_size,
         n_microbatches=m,
         layers_per_stage=uniform_split(n_layers, pp),
+        precision=precision,
     )
 
 
@@ -231,9 +232,7 @@ def run_search(
     engine = _Engine(spec, profile, space, options, shared, runner, reporter, predict)
     started = time.time()
     interrupted = False
-    default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size)
-    if default is not None:
-        default = replace(default, precision=options.precision)
+    default = rule_of_thumb(profile.n_layers, options.gpus, options.batch_size, options.precision)
     try:
         with _remember_ctrl_c(engine.ctrl_c):
             # a new study: seed it with the planner's best and the rule-of-thumb default
@@ -632,7 +631,8 @@ def load_search(
         records=records,
         best_estimate=estimate,
         wall_time_s=sum(r.wall_time_s for r in records),
-        default=rule_of_thumb(profile.n_layers, int(setup.get("gpus", 1)), int(setup.get("batch_size", 1))),
+        default=rule_of_thumb(profile.n_layers, int(setup.get("gpus", 1)), int(setup.get("batch_size", 1)),
+                              profile.precision),
         setup=setup,
         workers=workers,
         chosen_by=chosen_by,

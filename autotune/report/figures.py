@@ -168,10 +168,12 @@ def throughput_vs_microbatches(
     ax.set_ylabel("throughput (samples/s)")
     ax.set_title("Throughput vs B/M: simulator (lines) and measured runs (markers)")
     ax.grid(True, alpha=0.3)
-    lines_legend = ax.legend(
-        loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="predicted", title_fontsize=8, frameon=False
-    )
-    ax.add_artist(lines_legend)
+    if ax.get_legend_handles_labels()[0]:  # no predicted curve (nothing to plot over B/M): no legend, no warning
+        lines_legend = ax.legend(
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="predicted", title_fontsize=8,
+            frameon=False,
+        )
+        ax.add_artist(lines_legend)
     keys = [
         Line2D([], [], marker="o", linestyle="", color="white", markeredgecolor="black", label="measured run (dp1)"),
         Line2D([], [], marker="s", linestyle="", color="white", markeredgecolor="black", label="measured run (dp>1)"),

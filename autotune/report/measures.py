@@ -204,7 +204,7 @@ def _simulated(
             split = balanced_split(profile.layer_costs(replica // m), schedule, pp, n_stages)
             candidate = Candidate(
                 schedule=schedule, pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=batch,
-                n_microbatches=m, layers_per_stage=split, wire_dtype=wire,
+                n_microbatches=m, layers_per_stage=split, wire_dtype=wire, precision=profile.precision,
             )
             estimate = predict(candidate)
         except AutotuneError:

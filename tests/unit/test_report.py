@@ -295,6 +295,18 @@ def test_bm_curves_follow_each_schedules_rules_and_add_the_chosen_layout():
     assert [m for m, _ in with_layout[-1].points] == [1, 2, 4, 8, 16]  # divisors of the replica batch
 
 
+def test_a_bf16_searchs_curves_and_default_are_simulated_at_its_precision():
+    """A bf16 profile simulates bf16 candidates only: the B/M curves and the rule-of-thumb default of a bf16 search
+    (and of its report rebuilt from the study) are made at the profile's precision."""
+    from autotune.search import rule_of_thumb
+
+    bf16 = dataclasses.replace(make_profile(), precision="bf16")
+    curves, _ = bm_curves(predictor(bf16), 2, 32, None)
+    assert curves and {len(c.points) for c in curves} != {0}
+    default = rule_of_thumb(8, 2, 32, bf16.precision)
+    assert default.precision == "bf16" and predictor(bf16)(default).throughput_samples_per_s > 0
+
+
 def test_the_trial_table_folds_repeats_into_one_row_per_configuration(study):
     # Issue 13: 343 trials for 8 runs made a 343-row table; a person reads one row per configuration and outcome.
     best = next(r for r in study.records if r.launched and r.candidate == study.best.candidate)
