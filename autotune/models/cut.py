@@ -163,17 +163,25 @@ def discover_blocks(model: nn.Module) -> list[str]:
 def split_points_from(module: ModuleType, model: nn.Module) -> list[str] | None:
     """The model file's split points: `SPLIT_AT = ["model.layers.*"]` (or a comma-separated string), or
     `def split_points(model) -> list[str]`; None when it has neither. The CLI's --split-at goes before both."""
-    constant = getattr(module, "SPLIT_AT", None)
-    function = getattr(module, "split_points", None)
-    if constant is not None and function is not None:
-        raise ModelFileError("the model file defines both SPLIT_AT and split_points(model); keep one")
+    constant, function = file_setting(module, "SPLIT_AT", "split_points", "define split_points(model)")
     if function is not None:
-        if not callable(function):
-            raise ModelFileError("split_points in the model file is not a function; define split_points(model)")
         return _as_patterns(_call(function, model), "split_points(model)")
     if constant is not None:
         return _as_patterns(constant, "SPLIT_AT")
     return None
+
+
+def file_setting(module: ModuleType, constant: str, function: str, fix: str) -> tuple[Any, Callable[..., Any] | None]:
+    """A model-file setting given as a constant (SPLIT_AT) or a function of the model (split_points): (the
+    constant, the function), at most one of them set; both given, or a function name bound to something not
+    callable, is a ModelFileError (fix: how to define the function)."""
+    value = getattr(module, constant, None)
+    fn = getattr(module, function, None)
+    if value is not None and fn is not None:
+        raise ModelFileError(f"the model file defines both {constant} and {function}(model); keep one")
+    if fn is not None and not callable(fn):
+        raise ModelFileError(f"{function} in the model file is not a function; {fix}")
+    return value, fn
 
 
 def parse_split_at(text: str) -> list[str]:

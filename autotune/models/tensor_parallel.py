@@ -47,6 +47,7 @@ from torch import nn
 
 from autotune.errors import InvalidCandidateError, ModelFileError
 from autotune.models.blocks import BlockModel, describe
+from autotune.models.cut import file_setting
 from autotune.models.hf import is_transformers_model
 
 if TYPE_CHECKING:
@@ -128,13 +129,8 @@ class AppliedTP:
 def tp_plan_hook(module: ModuleType) -> TpPlanHook | None:
     """The model file's tensor-parallel plan: `TP_PLAN = {glob: style}` or `def tp_plan(model) -> {glob: style}`;
     None when it has neither (model_file keeps it in ModelSpec.tp_plan)."""
-    constant = getattr(module, "TP_PLAN", None)
-    function = getattr(module, "tp_plan", None)
-    if constant is not None and function is not None:
-        raise ModelFileError("the model file defines both TP_PLAN and tp_plan(model); keep one")
+    constant, function = file_setting(module, "TP_PLAN", "tp_plan", "define tp_plan(model) or TP_PLAN")
     if function is not None:
-        if not callable(function):
-            raise ModelFileError("tp_plan in the model file is not a function; define tp_plan(model) or TP_PLAN")
         return function  # type: ignore[no-any-return]
     if constant is not None:
         _check_styles(constant, "TP_PLAN")
