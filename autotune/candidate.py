@@ -256,6 +256,12 @@ class Measurement:
     peak_activation_bytes: tuple[int, ...] = ()
     """Per global rank: peak of the activations autograd saved for backward, part of peak_memory_bytes (see
     trial.memory.SavedActivationBytes); empty for measurements from before it was recorded."""
+    peak_reserved_bytes: tuple[int, ...] = ()
+    """Per global rank on CUDA: the caching allocator's reserved peak (torch.cuda.max_memory_reserved: the allocated
+    peak plus fragmentation and cached blocks); () on CPU."""
+    device_used_bytes: tuple[int, ...] = ()
+    """Per global rank on CUDA: device memory in use after the measured steps (total - free: the reserved memory
+    plus the CUDA context and NCCL's buffers, and other processes on a shared card); () on CPU."""
     loss: float | None = None
     """Mean loss of the last measured step."""
     error: TrialError | None = None
@@ -286,6 +292,8 @@ class Measurement:
             "wire_grad_rel_error": self.wire_grad_rel_error,
             "error": dataclasses.asdict(self.error) if self.error else None,
             **({"rank_nodes": list(self.rank_nodes)} if self.rank_nodes else {}),
+            **({"peak_reserved_bytes": list(self.peak_reserved_bytes)} if self.peak_reserved_bytes else {}),
+            **({"device_used_bytes": list(self.device_used_bytes)} if self.device_used_bytes else {}),
         }
         return {**self.candidate.to_dict(), **data}
 
@@ -307,4 +315,6 @@ class Measurement:
             device=data.get("device", "cpu"),
             wire_grad_rel_error=data.get("wire_grad_rel_error"),
             rank_nodes=tuple(data.get("rank_nodes", ())),
+            peak_reserved_bytes=tuple(data.get("peak_reserved_bytes", ())),
+            device_used_bytes=tuple(data.get("device_used_bytes", ())),
         )

@@ -169,6 +169,11 @@ class Profile:
     precision: Precision = "fp32"
     """What it was measured in (Precision): times, saved-activation and output bytes are bf16's in a bf16 profile.
     parameter_bytes stay the float32 master weights' either way. Profiles saved before it was recorded: fp32."""
+    device_workspace_bytes: int = 0
+    """What a rank's allocator holds for its libraries once it has run a forward and a backward, whatever the model:
+    cuBLAS's workspaces (one per thread and stream: the forward's and autograd's backward thread; 2 x 32 MiB on an
+    H100/H200). Measured by the profiler on CUDA as what stays allocated after every block is released; 0 on CPU
+    and in profiles saved before it was recorded. The simulator adds it to every rank's peak."""
     tensor_parallel_layers: tuple[TensorParallelLayer, ...] = ()
     """Per layer, what the model's tensor-parallel plan shards and which collectives it adds (measured at tp 1, the
     profile itself knows nothing of tp); () for a model without a plan, or a profile saved before it was recorded:
@@ -346,6 +351,7 @@ class Profile:
                 {"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.shared_parameters
             ],
             "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
+            **({"device_workspace_bytes": self.device_workspace_bytes} if self.device_workspace_bytes else {}),
             **({"tensor_parallel_layers": [t.to_dict() for t in self.tensor_parallel_layers]}
                if self.tensor_parallel_layers else {}),
             "layers": [
@@ -405,6 +411,7 @@ class Profile:
                 repeats=int(data.get("repeats", 0)),
                 torch_version=str(data.get("torch_version", "")),
                 infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
+                device_workspace_bytes=int(data.get("device_workspace_bytes", 0)),
                 tensor_parallel_layers=tuple(
                     TensorParallelLayer.from_dict(t) for t in data.get("tensor_parallel_layers", ())
                 ),

@@ -68,11 +68,15 @@ def cpu_oversubscription(ranks: int, device: str) -> str | None:
 
 CUDA_RESERVED_BYTES = 2 * 2**30
 """GPU memory a rank uses outside torch's caching allocator, which max_memory_allocated does not see: the CUDA
-context (~0.5 GiB on an H100 with lazy module loading), cuBLAS / cuDNN workspaces, NCCL's buffers (NCCL_BUFFSIZE,
-4 MiB, per channel and peer, for each of the pipeline and data-parallel groups: a few hundred MiB)."""
+context and NCCL's buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer, for each of the pipeline and data-parallel
+groups). Measured on an H200 (torch 2.11, CUDA 13; bench/results/cuda_first_run.md): the context 0.51 GiB, with a
+one-rank NCCL communicator 1.15 GiB; a rank's peers add buffers, not measured on one GPU. cuBLAS's workspaces are
+inside the allocator (Profile.device_workspace_bytes)."""
 
 CUDA_FRAGMENTATION = 0.05
-"""The share of what remains that the caching allocator holds reserved but cannot hand out (split blocks)."""
+"""The share of what remains that the caching allocator holds reserved but cannot hand out (split blocks). On an
+H200 with expandable segments (the trials' setting), a 170 M-parameter GPT's reserved peak was 0.2-4.5 % over its
+allocated one (bench/results/cuda_first_run.md)."""
 
 
 def cuda_memory_budget_bytes(total_bytes: int) -> int:

@@ -390,6 +390,7 @@ class _Costs:
         self.step_ratio = profile.optimizer_peak_ratio
         self.step_per_tensor = profile.device == "cpu"
         self.loss_saved = profile.loss_saved_bytes_at(micro_batch_size)
+        self.workspace_bytes = profile.device_workspace_bytes
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
         self.time = layer_times(self.layers)
         self.time_checkpointed = layer_times(self.layers, checkpointing=True)
@@ -426,6 +427,7 @@ class _Costs:
             shared_parameters=self.shared,
             gpus_per_node=self.gpus_per_node,
             collective_ms=self.collective_ms if self.tp > 1 else (),
+            workspace_bytes=self.workspace_bytes,
         )
 
     def balanced(

@@ -86,8 +86,11 @@ class LinkModel:
         from a large send/recv (3 GB/s). The message overhead is what posting a send or receive took inside real
         trials (torch's _batch_p2p, traced: 0.05-0.55 ms, typically 0.15). Latency, per-action overhead and the
         held-activation slowdown were chosen on one set of recipe trials and checked on a fresh one
-        (bench/calibrate.py; bench/results/calibration.md says which). The cuda ones are conservative NVLink-class
-        figures with no memory-pressure term; calibrate them against real trials.
+        (bench/calibrate.py; bench/results/calibration.md says which). The cuda link ones are NVLink-class guesses
+        with no memory-pressure term: one GPU (the only CUDA machine this was run on, an H200) has no peer to
+        measure a link to. Its pp = 1 trials (bench/cuda_first_run.py) put the per-action overhead at or below 0 (the
+        per-block profile over-counts small kernels' launches; a compute-bound GPT's steps were predicted within
+        +1..+8 %), so the 0.05 ms stays.
 
         Tensor parallel (assumed, not calibrated on a GPU): on cuda 90 % of the ideal 1/tp for a sharded layer's
         compute and 0.02 ms per collective beyond the wire; on cpu (one thread a rank) the compute splits whole and
@@ -295,6 +298,7 @@ def simulate(
         actions=actions,
         shared_parameters=profile.shared_parameters,
         gpus_per_node=gpus_per_node,
+        workspace_bytes=profile.device_workspace_bytes,
     )
 
 
@@ -352,13 +356,15 @@ def simulate_costs(
     shared_parameters: Sequence[tuple[Sequence[int], int]] = (),
     gpus_per_node: int | None = None,
     collective_ms: Sequence[float] = (),
+    workspace_bytes: int = 0,
 ) -> Estimate:
     """simulate() on per-layer costs already taken at the candidate's micro-batch size, and with tp > 1 on one tp
     rank (tp_costs.tensor_parallel_costs; collective_ms: their tp collectives per layer and micro-batch, for the
     estimate's tensor_parallel_ms) (the planner's fast path).
     optimizer_per_tensor: the optimizer steps one tensor at a time (torch's default off CUDA: no foreach), so its
     temporaries scale with a rank's largest layer, not with all its parameters. loss_saved_bytes: what loss_fn
-    saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed."""
+    saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed.
+    workspace_bytes: the libraries' workspaces every rank holds (Profile.device_workspace_bytes), added to each peak."""
     if len(costs) != sum(candidate.layers_per_stage):
         raise UsageError(
             f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
@@ -485,6 +491,7 @@ def simulate_costs(
             tensor_parallel_ms[r] += candidate.n_microbatches * sum(collective_ms[bounds[s]:bounds[s + 1]])
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
                          batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
+    peaks = [p + workspace_bytes for p in peaks]
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
     timeline: tuple[TimelineEvent, ...] = ()
     if with_timeline:

@@ -333,6 +333,8 @@ def measure(
             throughput_samples_per_s=candidate.global_batch_size / (step_ms / 1000),
             peak_memory_bytes=tuple(int(r["peak_memory_bytes"]) for r in per_rank),
             peak_activation_bytes=tuple(int(r["peak_activation_bytes"]) for r in per_rank),
+            peak_reserved_bytes=tuple(int(r["peak_reserved_bytes"]) for r in per_rank if "peak_reserved_bytes" in r),
+            device_used_bytes=tuple(int(r["device_used_bytes"]) for r in per_rank if "device_used_bytes" in r),
             loss=sum(losses) / len(losses) if losses else None,
             phases_s=phases,
             wire_grad_rel_error=max(wire_errors) if wire_errors else None,

@@ -101,6 +101,9 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         device = torch.device("cpu")
         backend = "gloo"
     else:
+        # torchtitan's launcher's allocator setting (fewer, growable segments: less fragmentation than the default's
+        # fixed blocks), read when CUDA starts below; a user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", job.rank if job.local_rank is None else job.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -165,11 +168,13 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         step_times_ms.append((time.perf_counter() - start) * 1000)
     phases["steps"] = time.perf_counter() - t0
 
+    cuda_memory = _cuda_memory(device)
     t0 = time.perf_counter()
     dist.barrier()
     dist.destroy_process_group()
     phases["teardown"] = time.perf_counter() - t0
     return {
+        **cuda_memory,
         "rank": job.rank,
         "step_times_ms": step_times_ms,
         "median_step_time_ms": statistics.median(step_times_ms) if step_times_ms else None,
@@ -179,6 +184,16 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         "phases_s": phases,
         "wire_grad_rel_error": wire_error,
     }
+
+
+def _cuda_memory(device: torch.device) -> dict[str, int]:
+    """On CUDA, what the card saw beyond the allocator's peak: the caching allocator's reserved peak (its
+    fragmentation and cached blocks) and the device memory in use after the steps (the CUDA context, NCCL's buffers
+    and anything else outside the allocator, plus other processes on a shared card). Empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
 
 
 WIRE_SAMPLE_ELEMENTS = 2**18

@@ -510,3 +510,28 @@ def test_a_replicated_candidate_all_reduces_and_a_profile_of_another_precision_i
     with pytest.raises(UsageError, match="profile was measured in fp32 but the candidate trains in bf16; profile "
                                          "again with --precision bf16"):
         simulate(prof, candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2, precision="bf16"))
+
+
+def test_the_profiles_device_workspaces_are_in_every_ranks_peak_and_its_feasibility():
+    """cuBLAS's workspaces (Profile.device_workspace_bytes, measured by the profiler on CUDA) are held by every rank
+    whatever its stage: on an H200 they were most of a small model's peak (bench/results/cuda_first_run.md)."""
+    profile = profile_of(*[layer(f=1.0, b=2.0, params=1000, saved=100)] * 2)
+    with_workspaces = dataclasses.replace(profile, device_workspace_bytes=64 * 2**20)
+    c = candidate(Schedule.ONE_F_ONE_B, 2, 4, [1, 1])
+    plain, held = simulate(profile, c, link=FREE), simulate(with_workspaces, c, link=FREE)
+    assert [h - p for h, p in zip(held.peak_memory_bytes, plain.peak_memory_bytes)] == [64 * 2**20] * 2
+    limit = max(plain.peak_memory_bytes) + 2**20
+    assert simulate(profile, c, link=FREE, memory_limit_bytes=limit).feasible
+    assert not simulate(with_workspaces, c, link=FREE, memory_limit_bytes=limit).feasible
+    assert Profile.from_dict(json.loads(json.dumps(with_workspaces.to_dict()))).device_workspace_bytes == 64 * 2**20
+    assert Profile.from_dict(profile.to_dict()).device_workspace_bytes == 0
+
+
+def test_the_planner_counts_the_device_workspaces_as_simulate_does():
+    from autotune.plan import plan
+
+    profile = dataclasses.replace(profile_of(*[layer(f=1.0, b=2.0, params=1000, saved=100)] * 4),
+                                  device_workspace_bytes=2**20)
+    planned = plan(profile, gpus=2, batch_size=8, memory_limit_bytes=None, link=FREE)
+    for p in planned[:5]:
+        assert p.estimate.peak_memory_bytes == simulate(profile, p.candidate, link=FREE).peak_memory_bytes
