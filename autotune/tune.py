@@ -17,7 +17,7 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from autotune.candidate import DATA_PARALLEL_MODES, DataParallelMode, Measurement, Precision, WireDtype
 from autotune.config_file import load_config, save_config
@@ -31,6 +31,9 @@ from autotune.search import SearchReporter
 from autotune.trial import TrialRunner
 from autotune.tuned_config import Environment, PredictedResult, SearchSummary, TunedConfig, mask_password
 from autotune.watchdog import MODEL_CHECK, time_limit
+
+if TYPE_CHECKING:
+    from autotune.simulate import LinkModel
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,9 @@ class TuneRequest:
     ranks share a node, and the config records nodes and gpus_per_node."""
     inter_node_link: tuple[float, float] | None = None
     """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
+    intra_node_link: tuple[float, float] | None = None
+    """(latency s, bandwidth bytes/s) between two GPUs of a node as probed before profiling (CUDA searches of 2+
+    GPUs); None: the device's default link figures."""
     profile_every_block: bool = False
     """Profile every block, not one of each set of blocks that are the same."""
     precision: Precision | None = None
@@ -278,13 +284,7 @@ def tune(
     incumbent = _incumbent(request, spec, reporter)
     tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)
     precision = profile.precision  # request.precision, else devices.default_precision: what the profile measured
-    link = None
-    if request.inter_node_link is not None:
-        from autotune.simulate import LinkModel
-
-        latency, bandwidth = request.inter_node_link
-        link = LinkModel.for_device(profile.device).with_probe(inter_latency_s=latency,
-                                                               inter_bandwidth_bytes_per_s=bandwidth)
+    link = probed_link(profile.device, intra=request.intra_node_link, inter=request.inter_node_link)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
                        gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
@@ -368,6 +368,28 @@ def tune(
         report_dir=report_dir,
         worker=options.worker or "",
     )
+
+
+def probed_link(
+    device: str, *, intra: tuple[float, float] | None, inter: tuple[float, float] | None
+) -> LinkModel | None:
+    """The link model of a search from its probes, each (latency s, bandwidth bytes/s): inside a node, the probe's
+    figures replace the device's defaults (on CUDA those are guesses: NVLink, PCIe and NVSwitch differ several
+    times); between nodes, LinkModel.with_probe. None without probes: the planner's default for the device."""
+    from dataclasses import replace
+
+    from autotune.simulate import LinkModel
+
+    if intra is None and inter is None:
+        return None
+    link = LinkModel.for_device(device)
+    if intra is not None:
+        link = replace(link, latency_s=intra[0], bandwidth_bytes_per_s=intra[1])
+    if inter is not None:
+        link = link.with_probe(inter_latency_s=inter[0], inter_bandwidth_bytes_per_s=inter[1],
+                               intra_latency_s=intra[0] if intra else None,
+                               intra_bandwidth_bytes_per_s=intra[1] if intra else None)
+    return link
 
 
 def search_tp_degrees(

@@ -162,6 +162,7 @@ def search(
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,
             inter_node_link=_probe(cluster, device.value) if cluster is not None else None,
+            intra_node_link=_probe_inside(device.value, cluster.gpus_per_node if cluster is not None else gpus),
         )
         if cluster is None:
             outcome = tune(request, TerminalReporter())
@@ -236,6 +237,33 @@ def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
         rate = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth >= 1e9 else f"{bandwidth / 1e6:.3g} MB/s"
         err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, {rate}",
                           highlight=False)
+    return measured
+
+
+def _probe_inside(device: str, gpus_here: int) -> tuple[float, float] | None:
+    """On CUDA, where this machine runs two or more of the search's GPUs: the link between two of them (GPU 0 <->
+    GPU 1), measured once before profiling and said on stderr, for the planner in place of the CUDA defaults
+    (guesses: NVLink, NVSwitch and PCIe differ several times). None on the CPU stand-in, whose link is calibrated
+    (bench/calibrate.py), and on one GPU."""
+    from autotune.devices import resolve_device
+
+    if gpus_here < 2 or resolve_device(device) != "cuda":
+        return None
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return None
+    from autotune.trial.launch import probe_local_link
+
+    with err_console.status("probing the link between GPU 0 and GPU 1..."):
+        measured = probe_local_link("cuda")
+    if measured is None:
+        err_console.print("[yellow]the link probe between GPU 0 and GPU 1 failed: planning with the CUDA defaults"
+                          "[/yellow]")
+    else:
+        latency, bandwidth = measured
+        err_console.print(f"link inside the node (GPU 0 <-> GPU 1, probed): {latency * 1e6:.0f} us, "
+                          f"{bandwidth / 1e9:.1f} GB/s", highlight=False)
     return measured
 
 

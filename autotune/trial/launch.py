@@ -122,6 +122,17 @@ def run_trial(spec: ModelSpec, candidate: Candidate, options: TrialOptions) -> M
     return measure(candidate, options, [outcome], time.time() - started)
 
 
+def probe_local_link(device: str, timeout_s: float = 60.0) -> tuple[float, float] | None:
+    """(latency s, bandwidth bytes/s) of one send between two ranks of this machine (GPU 0 <-> GPU 1 on CUDA, over
+    NCCL), measured as the inter-node probe measures its link (trial.probe); None when the probe failed."""
+    outcome = run_ranks("", None, TrialOptions(timeout_s=timeout_s, device=device), ranks=range(2), kind="probe",
+                        world_size=2)
+    result = outcome.results.get(0)
+    if result is None:
+        return None
+    return float(result["latency_s"]), float(result["bandwidth_bytes_per_s"])
+
+
 @dataclass(frozen=True, kw_only=True)
 class RanksOutcome:
     """What one machine's ranks of a trial left behind, by global rank (JSON-able: it crosses nodes)."""

@@ -112,3 +112,25 @@ def test_the_search_asks_the_tp_degrees_the_models_plan_allows(tmp_path):
     assert search_tp_degrees(llama, 4, None, (2,)) == (2,)
     with pytest.raises(InvalidCandidateError, match=r"key/value heads \(2\)"):
         search_tp_degrees(llama, 4, None, (4,))
+
+
+def test_a_probed_link_replaces_the_defaults_inside_a_node_and_adds_the_crossing_between_nodes():
+    from autotune.simulate import LinkModel
+    from autotune.tune import probed_link
+
+    assert probed_link("cuda", intra=None, inter=None) is None
+    inside = probed_link("cuda", intra=(10e-6, 150e9), inter=None)
+    assert (inside.latency_s, inside.bandwidth_bytes_per_s) == (10e-6, 150e9)
+    assert inside.per_action_overhead_ms == LinkModel.for_device("cuda").per_action_overhead_ms
+    both = probed_link("cuda", intra=(10e-6, 150e9), inter=(30e-6, 25e9))
+    assert both.bandwidth_bytes_per_s == 150e9
+    assert both.inter_node_latency_s == pytest.approx(30e-6)
+    assert both.inter_node_bandwidth_bytes_per_s == pytest.approx(25e9)
+
+
+def test_the_local_link_probe_measures_two_ranks_of_this_machine():
+    """What a CUDA search of 2+ GPUs runs before profiling (GPU 0 <-> GPU 1 over NCCL), here over gloo."""
+    from autotune.trial.launch import probe_local_link
+
+    latency, bandwidth = probe_local_link("cpu")
+    assert 0 < latency < 0.1 and bandwidth > 1e6
