@@ -868,6 +868,28 @@ def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
     return 1e3 / link.optimizer_bytes_per_s
 
 
+def _ddp_accumulation(plan: ActionGraph, stages: _StageCosts, candidate: Candidate) -> tuple[list[int], list[int]]:
+    """Per stage: the gradient bytes DistributedDataParallel holds twice while a step's micro-batches accumulate,
+    and the stage's last backward action. torch's stage runs every backward but its last under no_sync, so
+    autograd accumulates the gradients in tensors of its own beside DDP's buckets (the gradients proper, views of
+    the buckets from the sync on: gradient_as_bucket_view), until the last backward's sync copies them into the
+    buckets and lets them go. 0 where the stage does not run under DDP (runtime.overlaps_gradient_sync: replicas,
+    whole backwards) or runs one backward a step. Measured on the CPU stand-in: mlp pp 2 x dp 2, 1F1B, 4
+    micro-batches, 48.3 MB against 43.6 MB predicted without it."""
+    n = candidate.n_stages
+    if (candidate.data_parallel_degree == 1 or candidate.sharded
+            or SCHEDULES[candidate.schedule].splits_backward):
+        return [0] * n, [-1] * n
+    backwards = [0] * n
+    last = [-1] * n
+    for ids in plan.rank_actions:
+        for a in ids:
+            if plan.kind[a] == "B":
+                backwards[plan.stage[a]] += 1
+                last[plan.stage[a]] = a
+    return [int(stages.parameter_bytes[s]) if backwards[s] > 1 else 0 for s in range(n)], last
+
+
 def _peak_memory(
     plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0,
     batch: int = 0, *, per_tensor: bool = False, shard: _ShardWalk | None = None,
@@ -903,7 +925,10 @@ def _peak_memory(
         the last backward: (+e, transient) -u -c +u/dp (the gradient shards, kept to the optimizer step)
 
     and the static memory holds the parameter and optimizer-state shards (memory_model.parameter_memory_bytes);
-    the optimizer step's temporaries are the shards' too (/ dp)."""
+    the optimizer step's temporaries are the shards' too (/ dp).
+
+    Replicated under DistributedDataParallel, a stage that runs several backwards a step holds a second copy of its
+    gradients (u) from its first backward to its last (_ddp_accumulation): +u after the first, -u after the last."""
     peaks = []
     shards = dp_shards(candidate)
     resharding = candidate.reshard_after_forward
@@ -919,6 +944,7 @@ def _peak_memory(
     local_in = [s > 0 and owner[s - 1] == owner[s] for s in range(last + 1)]
     held = [h - (o if lo else 0) for h, o, lo in zip(held, out, local_out)]
     out = [0 if lo else o for o, lo in zip(out, local_out)]
+    accumulating, last_backward = _ddp_accumulation(plan, stages, candidate)
     grad = [0 if li else g for g, li in zip(grad, local_in)]
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
@@ -961,6 +987,11 @@ def _peak_memory(
             loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
             if kind == "B":
                 peak = max(peak, live + during + max(loss, recompute[s] + temp))
+                if accumulating[s]:
+                    if s not in started:
+                        new += accumulating[s]
+                    elif a == last_backward[s]:
+                        live -= accumulating[s]
                 started.add(s)
                 live -= held[s] - stays
                 if kept:

@@ -128,8 +128,9 @@ def main() -> None:
     notes = ("Trials: `run_trial` (what `autotune trial --device cpu` runs), gloo, one thread per rank, 2 warm-up "
              "steps (the last tracked) and 1 measured; the peak is the CPU tracker's (live tensor bytes, FSDP2's "
              "in-place storage resizes included). Predicted: simulate() on a profile of the model at the trial's "
-             "precision and micro-batch sizes. Replicate rows are for comparison: with dp > 1 the replicate model "
-             "reads low (not investigated here; DistributedDataParallel's gradient buckets are not in it).")
+             "precision and micro-batch sizes. Replicate rows are for comparison: DistributedDataParallel's "
+             "replicas hold a second copy of a stage's gradients while its micro-batches accumulate under no_sync "
+             "(simulate._ddp_accumulation; without it these rows read 11-16 % low).")
     _results.write("memory_shard", title="Sharded data parallel: predicted vs measured peak memory", device="cpu",
                    tables=tables, data={"rows": rows}, notes=notes)
     bad = [r for r in ok if r["sharded"] and abs(r["worst_error"]) > args.tolerance]

@@ -232,5 +232,11 @@ def export_megatron(c: TunedConfig, target: TargetVersion, plan: LayerPlan, why:
         f"launch {c.gpus} ranks: Megatron derives the data-parallel size {c.data_parallel_degree} as world size / "
         f"(tensor x pipeline x context parallel size)"
     )
+    environment = [("CUDA_DEVICE_MAX_CONNECTIONS", "1")] if tp > 1 else []
+    if environment:
+        notes.append(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 (exported below): validate_args requires it with tensor parallelism on GPUs "
+            "before Blackwell, so the tp collectives are queued in order with the matrix products around them"
+        )
     lines = header(c, target, "Add these to your pretrain_*.py arguments.", cannot, notes, plan, prefix="#")
-    return "\n".join(lines + shell_array(ARRAY, flags)) + "\n"
+    return "\n".join(lines + shell_array(ARRAY, flags) + [f"export {k}={v}" for k, v in environment]) + "\n"

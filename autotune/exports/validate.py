@@ -466,11 +466,13 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
     flags = shell_array(text, "AUTOTUNE_MEGATRON_ARGS")
     model_flags = megatron_model_flags(c.tensor_parallel_degree)
     argv = ["pretrain_gpt.py", *model_flags, *flags]
-    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    exported = dict(re.findall(r"^export (\w+)=(\S+)$", text, flags=re.MULTILINE))  # what the script sets
+    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", *exported)}
     with _quiet() as output:
         try:
             sys.argv = argv
-            os.environ.update(WORLD_SIZE=str(c.gpus), RANK="0")
+            os.environ.update(WORLD_SIZE=str(c.gpus), RANK="0", **exported)
+            import megatron.training.arguments as arguments  # type: ignore[import-not-found]
             from megatron.training.arguments import (  # type: ignore[import-not-found]
                 core_transformer_config_from_args,
                 parse_args,
@@ -478,7 +480,8 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
             )
 
             args = parse_args()
-            validate_args(args)
+            with _gpu_arch_stand_in(arguments):
+                validate_args(args)
             config = core_transformer_config_from_args(args)
             blocks = _megatron_split(config)
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - the trainer's checks raise assert, ValueError, ...
@@ -524,6 +527,24 @@ def _megatron(c: TunedConfig, text: str, target: TargetVersion, plan: LayerPlan)
         f"parse_args + validate_args + core_transformer_config_from_args (with "
         f"{' '.join(model_flags)} for the model shape, WORLD_SIZE={c.gpus}) read back",
     )
+
+
+@contextlib.contextmanager
+def _gpu_arch_stand_in(arguments: Any) -> Iterator[None]:
+    """Without a GPU, Megatron's validate_args cannot read the device's architecture (it asks torch.cuda, for the
+    CUDA_DEVICE_MAX_CONNECTIONS advice given with tp > 1, which it only warns about): it reads Hopper's (9), the
+    GPUs the exports are written for. On a GPU machine, the device's own."""
+    import torch
+
+    original = getattr(arguments, "get_device_arch_version", None)
+    if original is None or torch.cuda.is_available():
+        yield
+        return
+    arguments.get_device_arch_version = lambda: 9
+    try:
+        yield
+    finally:
+        arguments.get_device_arch_version = original
 
 
 def _megatron_split(config: Any) -> list[int]:
