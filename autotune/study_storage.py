@@ -120,13 +120,23 @@ class Owner:
         """The owner's process is known to be dead: it ran on this host and its pid no longer exists."""
         if self.host != socket.gethostname() or self.pid == os.getpid() or self.pid <= 0:
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return _zombie(self.pid)
+        return process_gone(self.pid)
+
+
+def process_gone(pid: int) -> bool:
+    """The process on this host is known to be dead: its pid no longer exists, or it is a zombie waiting to be reaped.
+    A pid this process may not signal, or one /proc cannot tell about (no /proc: macOS), is not known dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except OSError:
+        return False
 
 
 def default_worker() -> str:
@@ -400,14 +410,6 @@ def _claim_once(study: optuna.Study, trial: optuna.Trial, key: str, *, remeasure
     trial.set_user_attr(CANDIDATE_KEY, key)
     trial.set_user_attr(LAUNCHED, True)
     return None
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
-    except OSError:
-        return False
 
 
 def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState | None = None) -> TrialRecord:

@@ -115,6 +115,8 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from autotune.trial.probe import ping_pong
+
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     peer, result = 1 - rank, {}
@@ -124,12 +126,7 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
         for _ in range(4):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
+            ping_pong(buf, rank)
             times.append((time.perf_counter() - t0) / 2)
         other, both = torch.zeros(size // 4), []
         for _ in range(4):  # both ranks send one and receive one at once (1F1B's fused send + receive)

@@ -88,15 +88,6 @@ def rank_pids(model_path: Path) -> list[int]:
     return [int(line) for line in pid_file.read_text().split()] if pid_file.exists() else []
 
 
-def process_gone(pid: int) -> bool:
-    """True when pid no longer runs (gone, or a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
-    except FileNotFoundError:
-        return True
-
-
 @pytest.fixture(scope="session")
 def postgres_server():
     """A throwaway PostgreSQL server for the session (tests.pg); skipped, with the reason, where none can start."""

@@ -45,6 +45,14 @@ def tensor_parallel_words(c: TunedConfig) -> str:
     return f" x tp {c.tensor_parallel_degree}" if c.tensor_parallel_degree > 1 else ""
 
 
+def bf16_as_measured(c: TunedConfig) -> str:
+    """How autotune's bf16 run held its parameters, for the notes of trainers that keep bfloat16 parameters instead
+    (DeepSpeed's bf16.enabled, Megatron's --bf16): "autotune {this}"."""
+    if c.candidate.sharded:
+        return "gathered bfloat16 copies of float32 shards (FSDP2's MixedPrecisionPolicy)"
+    return "ran torch.autocast over float32 parameters"
+
+
 TP_AS_MEASURED = (
     "activations stay whole between blocks (an all-reduce after each row-wise layer) and the logits are gathered "
     "whole for the loss"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from autotune.candidate import stage_bounds, uniform_split
-from autotune.exports.common import V_MEMORY, header, ranges, v_memory_lacking
+from autotune.exports.common import V_MEMORY, bf16_as_measured, header, ranges, v_memory_lacking
 from autotune.exports.roles import LayerPlan
 from autotune.exports.targets import TargetVersion
 from autotune.schedules import SCHEDULES, Schedule
@@ -112,11 +112,6 @@ def precision_settings(c: TunedConfig, cannot: list[str], notes: list[str]) -> d
                 f"per rank than the replicas autotune measured"
             )
     if bf16:
-        measured = (
-            "gathered bfloat16 copies of float32 shards (FSDP2's MixedPrecisionPolicy)"
-            if c.candidate.sharded
-            else "ran torch.autocast over float32 parameters"
-        )
         sends = ""
         if c.pipeline_degree > 1:
             sends = "; its stages send bfloat16 activations" + (
@@ -124,7 +119,7 @@ def precision_settings(c: TunedConfig, cannot: list[str], notes: list[str]) -> d
             )
         notes.append(
             "bf16.enabled makes the module's parameters bfloat16 (float32 master weights in the optimizer), where "
-            f"autotune {measured}{sends}"
+            f"autotune {bf16_as_measured(c)}{sends}"
         )
     return settings
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from autotune.candidate import uniform_split
-from autotune.exports.common import TP_AS_MEASURED, V_MEMORY, header, shell_array, v_memory_lacking
+from autotune.exports.common import TP_AS_MEASURED, V_MEMORY, bf16_as_measured, header, shell_array, v_memory_lacking
 from autotune.exports.roles import LayerPlan, StageLayers
 from autotune.exports.targets import TargetVersion
 from autotune.schedules import SCHEDULES, Schedule
@@ -112,16 +112,11 @@ def precision_flags(c: TunedConfig, cannot: list[str], notes: list[str]) -> Flag
     flags: Flags = []
     dp = c.data_parallel_degree
     if c.precision == "bf16":
-        measured = (
-            "gathered bfloat16 copies of float32 shards (FSDP2's MixedPrecisionPolicy)"
-            if c.candidate.sharded
-            else "ran torch.autocast over float32 parameters"
-        )
         flags.append(("--bf16", None))
         notes.append(
             "--bf16: bfloat16 parameters and compute with float32 main parameters in the optimizer; validate_args "
             "then accumulates and all-reduces gradients in float32 (accumulate_allreduce_grads_in_fp32), as tuned. "
-            f"Megatron holds the bfloat16 parameters beside the float32 main copy, where autotune {measured}"
+            f"Megatron holds the bfloat16 parameters beside the float32 main copy, where autotune {bf16_as_measured(c)}"
             + (
                 "; its stages send bfloat16 activations, half the bytes of the float32 sends autotune measured"
                 if c.pipeline_degree > 1 and c.wire_dtype == "float32"

@@ -20,6 +20,17 @@ SAMPLE_S = 0.1
 """What one bandwidth sample should last, at least (fewer messages per sample on a slow link)."""
 
 
+def ping_pong(buf: torch.Tensor, rank: int) -> None:
+    """One round trip of buf between ranks 0 and 1 of the default group: rank 0 sends first, then receives it back."""
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)
+
+
 def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) -> dict[str, Any]:
     """Join a 2-rank group and measure: latency = the fastest round trip of 4 bytes / 2; bandwidth = up to STREAMED
     messages of PROBE_BYTES sent one way plus a 4-byte ack, best of 3, latency removed."""
@@ -36,12 +47,7 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
 
     def round_trip(buf: torch.Tensor) -> float:
         t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
+        ping_pong(buf, rank)
         sync()
         return time.perf_counter() - t0
 

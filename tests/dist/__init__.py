@@ -30,6 +30,15 @@ def spawn_ranks(target: Callable[..., None], args_of_rank: Callable[[int], tuple
     return [p.exitcode for p in processes]
 
 
+def load_source(folder: Path, name: str, source: str) -> ModelSpec:
+    """The model file whose source a test holds in a string, written to folder/name and loaded."""
+    from autotune.model_file import load_model_file
+
+    path = folder / name
+    path.write_text(source)
+    return load_model_file(path)
+
+
 class Runs:
     """The pipelined runs the tests compare, launched on first use: the jobs of one world size in one launch (one
     after the other, in one process group: the imports and the process start are paid once; tests/dist/

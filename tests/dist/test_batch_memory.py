@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from autotune.candidate import Candidate
-from autotune.model_file import load_model_file
 from autotune.schedules import Schedule
 from autotune.trial import TrialOptions, run_trial
+from tests.dist import load_source
 
 pytestmark = pytest.mark.dist
 
@@ -40,9 +40,7 @@ def loss_fn(output, target):
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "wide_input.py"
-    path.write_text(textwrap.dedent(MODEL))
-    return load_model_file(path)
+    return load_source(tmp_path_factory.mktemp("model"), "wide_input.py", textwrap.dedent(MODEL))
 
 
 def test_only_the_first_stage_holds_the_inputs(spec):

@@ -14,8 +14,9 @@ import pytest
 from autotune.candidate import Candidate
 from autotune.model_file import load_model_file
 from autotune.schedules import Schedule
+from autotune.study_storage import process_gone
 from autotune.trial import TrialOptions, run_trial
-from tests.conftest import process_gone, rank_pids
+from tests.conftest import rank_pids
 
 pytestmark = pytest.mark.dist
 

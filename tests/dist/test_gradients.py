@@ -10,7 +10,7 @@ from autotune.candidate import Candidate, uniform_split
 from autotune.model_file import build_blocks, load_model_file, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
 from tests.conftest import RECIPES
-from tests.dist import spawn_ranks
+from tests.dist import load_source, spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -111,9 +111,7 @@ def loss_fn(output, target):
 
 @pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV_ZERO_BUBBLE], ids=lambda s: s.value)
 def test_non_contiguous_activations_and_gradients_cross_stages(schedule, tmp_path):
-    path = tmp_path / "transposing.py"
-    path.write_text(TRANSPOSING)
-    spec = load_model_file(path)
+    spec = load_source(tmp_path, "transposing.py", TRANSPOSING)
     candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=8, n_microbatches=4,
                           layers_per_stage=uniform_split(4, 2 * default_stages_per_rank(schedule)))
     got = pipelined_grads(spec, candidate, tmp_path)
@@ -165,9 +163,7 @@ def four_ranks(tmp_path_factory):
     from tests.dist import Runs
 
     mlp = load_model_file(RECIPES / "mlp.py")
-    path = tmp_path_factory.mktemp("tied") / "tied.py"
-    path.write_text(TIED)
-    tied = load_model_file(path)
+    tied = load_source(tmp_path_factory.mktemp("tied"), "tied.py", TIED)
     jobs = {f"mlp-{name}": (mlp, sharded(mlp, schedule, data_parallel_mode="shard", reshard_after_forward=r), 0)
             for name, (schedule, r) in SHARDED.items()}
     jobs |= {f"tied-{name}": (tied, sharded(tied, SHARDED[name][0], data_parallel_mode="shard"), 0)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from autotune.candidate import Candidate, uniform_split
-from autotune.model_file import build_blocks, load_model_file, make_batch
+from autotune.model_file import build_blocks, make_batch
 from autotune.schedules import Schedule, default_stages_per_rank
+from tests.dist import load_source
 from tests.dist.test_gradients import pipelined_grads
 
 pytestmark = pytest.mark.dist
@@ -54,9 +55,7 @@ def loss_fn(out, y):
 
 @pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV_ZERO_BUBBLE], ids=lambda s: s.value)
 def test_a_traced_model_with_a_side_input_and_a_skip_pipelines_exactly(schedule, tmp_path):
-    path = tmp_path / "skippy.py"
-    path.write_text(SKIP_MODEL)
-    spec = load_model_file(path)
+    spec = load_source(tmp_path, "skippy.py", SKIP_MODEL)
     assert spec.family == "traced" and spec.block_names == ("stem", "blocks.0", "blocks.1", "blocks.2", "blocks.3",
                                                               "head")
     candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=8, n_microbatches=4,

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from autotune.candidate import Candidate, Measurement, uniform_split
-from autotune.model_file import load_model_file
 from autotune.schedules import Schedule, default_stages_per_rank
 from autotune.trial import TrialOptions, run_trial
 from autotune.trial.memory import SavedActivationBytes
+from tests.dist import load_source
 
 WIDTH = 64
 EQUAL_LAYERS = f"""
@@ -48,9 +48,7 @@ U = BATCH // MICROBATCHES * WIDTH * 4
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[Schedule, Measurement]:
-    path = tmp_path_factory.mktemp("vshape") / "equal_layers.py"
-    path.write_text(EQUAL_LAYERS)
-    spec = load_model_file(path)
+    spec = load_source(tmp_path_factory.mktemp("vshape"), "equal_layers.py", EQUAL_LAYERS)
     results = {}
     for schedule in (Schedule.ONE_F_ONE_B, Schedule.V_HALF, Schedule.V_MIN):
         candidate = Candidate(
