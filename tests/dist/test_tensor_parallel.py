@@ -8,6 +8,7 @@ nothing would fail here."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -296,3 +297,25 @@ def test_the_simulators_peak_memory_of_tp_trials_is_within_5_percent():
         predicted = simulate(profile, c, with_timeline=False).peak_memory_bytes
         assert all(p >= 0.95 * got for p, got in zip(predicted, per_stage)), (c.key, predicted, per_stage)
         assert abs(max(predicted) / max(per_stage) - 1) <= 0.05, (c.key, predicted, per_stage)
+
+
+@needs_transformers
+def test_the_simulators_step_time_of_a_tp_trial_against_the_measured_one():
+    """The Llama recipe at pp 1 x tp 2 (two ranks: no core shared) and at tp 1, measured and predicted: tp's
+    collectives (gloo's wire and TP_CPU_OVERHEAD_MS of DTensor's dispatch each) make tp 2 the slower here, in both,
+    and its predicted step is within a generous band of the measured one (seen: +6 %, 320 ms against 303)."""
+    from autotune.profiling import profile_model
+    from autotune.simulate import simulate
+    from autotune.trial import TrialOptions, run_trial
+
+    spec = load_model_file(RECIPES / "hf_llama.py")
+    profile = profile_model(spec, batch_size=8, repeats=3)
+    tp2 = layout(Schedule.GPIPE, (6,), 1)
+    steps = {}
+    for c in (tp2, dataclasses.replace(tp2, tensor_parallel_degree=1)):
+        measured = run_trial(spec, c, TrialOptions(steps=5, warmup=2, device="cpu"))
+        assert measured.status == "ok", measured.error
+        steps[c.tensor_parallel_degree] = (measured.step_time_ms, simulate(profile, c, with_timeline=False).step_time_ms)
+    (tp2_measured, tp2_predicted), (tp1_measured, tp1_predicted) = steps[2], steps[1]
+    assert tp2_measured > tp1_measured and tp2_predicted > tp1_predicted
+    assert 0.6 <= tp2_predicted / tp2_measured <= 1.6, steps
