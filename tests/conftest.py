@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background (`pytest &` in a script, nohup) inherits SIGINT ignored, and so does every
+# autotune it starts: the Ctrl-C tests would send signals nobody hears. Start from Python's own handler, as a suite
+# started from a terminal does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
