@@ -280,7 +280,7 @@ def test_a_model_files_own_plan_with_torch_styles(specs, runs, name):
 @needs_transformers
 def test_the_simulators_peak_memory_of_tp_trials_is_within_5_percent():
     """The Llama recipe's profile (with its plan's tp terms) against real tp 2 trials: pp 1 (GPipe) and pp 2 x tp 2
-    (1F1B); every tp rank of a stage holds the same, and the most loaded rank is predicted within 5 % (the tracker
+    (1F1B); every tp rank of a stage holds about the same, and the most loaded rank is predicted within 5 % (the tracker
     counts live tensor bytes exactly: DTensors as their local shards)."""
     from autotune.profiling import profile_model
     from autotune.simulate import simulate
@@ -293,7 +293,8 @@ def test_the_simulators_peak_memory_of_tp_trials_is_within_5_percent():
         measured = run_trial(spec, c, TrialOptions(steps=1, warmup=2, device="cpu"))
         assert measured.status == "ok", measured.error
         per_stage = measured.peak_memory_bytes[::2]  # tp innermost: ranks 0, 1 hold stage 0
-        assert measured.peak_memory_bytes[1::2] == per_stage
+        # The tp ranks of a stage hold the same, up to a communication buffer (seen: 16 KiB of 6 MB, once in 5 runs)
+        assert all(abs(b - a) <= 0.01 * a for a, b in zip(per_stage, measured.peak_memory_bytes[1::2]))
         predicted = simulate(profile, c, with_timeline=False).peak_memory_bytes
         assert all(p >= 0.95 * got for p, got in zip(predicted, per_stage)), (c.key, predicted, per_stage)
         assert abs(max(predicted) / max(per_stage) - 1) <= 0.05, (c.key, predicted, per_stage)
