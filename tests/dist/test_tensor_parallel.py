@@ -292,9 +292,9 @@ def test_the_simulators_peak_memory_of_tp_trials_is_within_5_percent():
     for c in (layout(Schedule.GPIPE, (6,), 1), layout(Schedule.ONE_F_ONE_B, (3, 3), 2)):
         measured = run_trial(spec, c, TrialOptions(steps=1, warmup=2, device="cpu"))
         assert measured.status == "ok", measured.error
-        per_stage = measured.peak_memory_bytes[::2]  # tp innermost: ranks 0, 1 hold stage 0
-        # The tp ranks of a stage hold the same, up to a communication buffer (seen: 16 KiB of 6 MB, once in 5 runs)
-        assert all(abs(b - a) <= 0.01 * a for a, b in zip(per_stage, measured.peak_memory_bytes[1::2]))
+        # tp innermost: ranks 0, 1 hold stage 0. Its tp ranks hold the same but for the communication buffers in
+        # flight at their peaks, which the ranks' timing decides (seen: 16 KiB apart of 6 MB): the fuller one counts.
+        per_stage = [max(a, b) for a, b in zip(measured.peak_memory_bytes[::2], measured.peak_memory_bytes[1::2])]
         predicted = simulate(profile, c, with_timeline=False).peak_memory_bytes
         assert all(p >= 0.95 * got for p, got in zip(predicted, per_stage)), (c.key, predicted, per_stage)
         assert abs(max(predicted) / max(per_stage) - 1) <= 0.05, (c.key, predicted, per_stage)
