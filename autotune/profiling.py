@@ -126,8 +126,8 @@ def profile_model(
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
     finally:
-        # The walk (blocks, their states, the tensors handed between them) is out of scope here: collected now, not
-        # at some later collection, so the tuner keeps no model and no device memory after profiling (issue 30).
+        # The walk (its batches and the tensors handed between blocks) is out of scope here, so what is still
+        # allocated below is the libraries' workspaces alone, and the tuner keeps no model after profiling.
         torch.set_num_threads(threads)
         gc.collect()
         if not cuda:
