@@ -19,7 +19,7 @@ from autotune.compat import is_batch_norm
 from autotune.errors import ModelFileError
 from autotune.models import BlockModel, Role, SharedParameter, check_blocks, check_cut, cut_model, split_points_from
 from autotune.models.check import head_rows
-from autotune.models.materialize import materialize, parameters_on_meta
+from autotune.models.materialize import materialize, parameters_on_meta, release
 from autotune.models.tensor_parallel import TpPlanHook, tp_plan_hook
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
@@ -305,35 +305,74 @@ def check_model(spec: ModelSpec, batch_size: int) -> None:
 
     Small models run for real on the CPU (milliseconds): block by block, so that a block whose output cannot cross
     a stage is named, and, for a model cut by autotune, against the model's own forward. Larger ones run on the
-    meta device (no compute, no memory), falling back to a real forward when a block cannot run there."""
+    meta device (no compute, no memory); where the model's code reads a value (a Hugging Face mask asking whether a
+    padding mask is all ones), under torch's fake tensors, which carry such values as symbols; and when neither
+    can run them, for real block by block, one block's parameters on the CPU at a time (never the whole model)."""
     inputs, targets = make_batch(spec, batch_size)
     rows = min(batch_size, 2)
-    output = target = None
-    if sum(spec.parameter_bytes) > REAL_CHECK_MAX_BYTES:
+    small, target = head_rows(inputs, rows), targets[:rows]
+    large = sum(spec.parameter_bytes) > REAL_CHECK_MAX_BYTES
+    if large:
         with torch.device("meta"):
             meta = _cut(spec.path, _call_user(spec.path, "build_model", spec.build_model), spec.split_at,
                         spec.make_batch)
         try:
             with torch.no_grad():
-                output = meta.run(map_inputs(head_rows(inputs, rows), lambda t: t.to("meta")))
-            target = targets[:rows].to("meta")
+                output = meta.run(map_inputs(small, lambda t: t.to("meta")))
         except (NotImplementedError, RuntimeError, ModelFileError):
-            output = None
-    if output is None:
-        blocks = build_blocks(spec)
-        try:
+            pass
+        else:
+            _check_loss(spec, output, target.to("meta"))
+            return
+        if _fake_check(spec, meta, small, target):
+            return
+    blocks = build_skeleton(spec) if large else build_blocks(spec)
+    try:
+        if large:  # one block real at a time: the check must not need what the whole model needs
+            output = check_blocks(blocks, inputs, rows=rows, before=lambda i: _materialize_block(spec, blocks, i),
+                                  after=lambda i: _release_block(blocks, i))
+        else:
             output = check_blocks(blocks, inputs, rows=rows)
             if blocks.family != "sequential":
                 check_cut(blocks, inputs, rows=rows)
-        except ModelFileError as exc:
-            raise ModelFileError(f"{spec.path}: {exc}") from exc
-        target = targets[:rows]
+    except ModelFileError as exc:
+        raise ModelFileError(f"{spec.path}: {exc}") from exc
+    _check_loss(spec, output, target)
+
+
+def _check_loss(spec: ModelSpec, output: Any, target: torch.Tensor) -> None:
     loss = _call_user(spec.path, "loss_fn", spec.loss_fn, output, target)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ModelFileError(
             f"{spec.path}: loss_fn(output, target) returned {_describe(loss)}; return a scalar tensor "
             f"(reduce with .mean() or .sum())"
         )
+
+
+def _fake_check(spec: ModelSpec, meta: BlockModel, inputs: Any, target: torch.Tensor) -> bool:
+    """The meta model's forward and the loss under FakeTensorMode with a shape environment (a value the code reads
+    becomes a symbol instead of an error). False when the model cannot run there (the caller runs it for real);
+    a loss_fn that fails on what the forward gives raises as it would for real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode, torch.no_grad():
+        try:
+            output = meta.run(map_inputs(inputs, lambda t: mode.from_tensor(t.to("meta"))))
+        except Exception:  # noqa: BLE001 - the model's code under fake tensors can raise anything: run it for real
+            return False
+        _check_loss(spec, output, mode.from_tensor(target.to("meta")))
+    return True
+
+
+def _materialize_block(spec: ModelSpec, blocks: BlockModel, index: int) -> None:
+    materialize(blocks.model, blocks.blocks, blocks.names, [index], init_weights=spec.init_weights, seed=SEED)
+
+
+def _release_block(blocks: BlockModel, index: int) -> None:
+    for p in blocks.blocks[index].parameters():
+        release(p)
 
 
 def build_optimizer(spec: ModelSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -3,7 +3,7 @@ what the model itself computes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,16 +23,26 @@ def head_rows(inputs: Any, rows: int) -> Any:
     return inputs
 
 
-def check_blocks(model: BlockModel, inputs: Any, *, rows: int = 2) -> Any:
+def check_blocks(
+    model: BlockModel,
+    inputs: Any,
+    *,
+    rows: int = 2,
+    before: Callable[[int], None] | None = None,
+    after: Callable[[int], None] | None = None,
+) -> Any:
     """Run `rows` samples through each block in turn, each as a stage of its own, and check that what crosses
     every boundary is a tensor or a tuple of tensors (what torch's pipeline stages send). Raises ModelFileError in
-    one line naming the block, its type, what it returned and the fix; returns the last block's output."""
+    one line naming the block, its type, what it returned and the fix; returns the last block's output.
+    before(i) / after(i) run around block i (a model too large to build whole materialises one block at a time)."""
     args, side = model.split_inputs(head_rows(inputs, rows))
     carried: tuple[Any, ...] = args
     types = model.block_types
     with torch.no_grad():
         for i in range(model.n_blocks):
             where = f"block {i} ({model.names[i]}, {types[i]})"
+            if before is not None:
+                before(i)
             try:
                 out = model.stage(i, i + 1)(*carried, **side)
             except ModelFileError:
@@ -40,6 +50,9 @@ def check_blocks(model: BlockModel, inputs: Any, *, rows: int = 2) -> Any:
             except Exception as exc:  # the user's module can raise anything; name the block
                 text = " ".join(str(exc).split())[:300]
                 raise ModelFileError(f"{where} raised {type(exc).__name__}: {text}") from exc
+            finally:
+                if after is not None:
+                    after(i)
             if i == model.n_blocks - 1:
                 return out
             carried = _crossing(model, i, where, out)

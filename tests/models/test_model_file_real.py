@@ -33,6 +33,27 @@ def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.reshape(-1, 128), targets.reshape(-1))
 """
 
+VALUE_DEPENDENT = """
+import torch
+from torch import nn
+
+class Tame(nn.Linear):
+    def forward(self, x):
+        y = super().forward(x)
+        if y.abs().max() > 1e6:  # Python control flow on a value, inside the block
+            y = y / 2
+        return y
+
+def build_model():
+    return nn.Sequential(Tame(8, 8), nn.ReLU(), Tame(8, 8), nn.ReLU(), Tame(8, 2))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 2)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
+
 
 def write(tmp_path, text, name="model.py"):
     path = tmp_path / name
@@ -104,3 +125,37 @@ def test_a_real_profile_of_gpt2_records_the_tied_weight(tmp_path):
     assert profile.n_layers == 5 and profile.shared_parameters == ((spec.shared[0].blocks, spec.shared[0].nbytes),)
     assert all(layer.forward_ms[0] > 0 for layer in profile.layers)
     torch.testing.assert_close(profile.parameter_bytes, sum(spec.parameter_bytes))
+
+
+def test_a_large_hf_llama_with_a_padding_mask_is_checked_without_building_it(monkeypatch):
+    """Llama's mask code asks whether the padding mask is all ones (.item() on the meta device): the check runs it
+    under fake tensors, never the real model (Llama-8B's real check on the CPU outlasted a GPU lease)."""
+    from tests.conftest import RECIPES
+
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", 0)
+    spec = model_file.load_model_file(RECIPES / "hf_llama.py")
+
+    def no_real_build(*args, **kwargs):
+        raise AssertionError("the check built the model's parameters for real")
+
+    monkeypatch.setattr(model_file, "build_blocks", no_real_build)
+    monkeypatch.setattr(model_file, "build_skeleton", no_real_build)
+    model_file.check_model(spec, 4)
+
+
+def test_a_large_model_neither_meta_nor_fake_tensors_run_is_checked_one_real_block_at_a_time(tmp_path, monkeypatch):
+    """Python control flow on a value inside a block runs on neither: the check runs the model for real, with only
+    the running block's parameters materialised."""
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", 0)
+    spec = model_file.load_model_file(write(tmp_path, VALUE_DEPENDENT))
+    real_blocks: list[int] = []
+    materialize_block = model_file._materialize_block
+
+    def counting(spec_, blocks, index):
+        materialize_block(spec_, blocks, index)
+        real_blocks.append(sum(any(p.device.type != "meta" and p.numel() for p in b.parameters())
+                               for b in blocks.blocks))
+
+    monkeypatch.setattr(model_file, "_materialize_block", counting)
+    model_file.check_model(spec, 4)
+    assert len(real_blocks) == spec.n_layers and max(real_blocks) == 1
