@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from autotune.errors import InvalidCandidateError, UsageError
 from autotune.placement import RANK_ORDERS, RankOrder
-from autotune.schedules import Schedule, parse_schedule, validate_schedule
+from autotune.schedules import SCHEDULES, Schedule, parse_schedule, validate_schedule
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
 ErrorKind = Literal["oom", "timeout", "error"]
@@ -158,6 +158,12 @@ class Candidate:
         validate_schedule(
             self.schedule, pipeline_degree=self.pipeline_degree, n_microbatches=m, n_stages=self.n_stages
         )
+        if SCHEDULES[self.schedule].asynchronous and (self.sharded or self.tensor_parallel_degree > 1):
+            what = "FSDP2-sharded replicas" if self.sharded else "tensor parallelism"
+            raise InvalidCandidateError(
+                f"{self.schedule.value} keeps two whole versions of each stage's weights and does not run with {what}; "
+                f"use replicated data parallelism (--data-parallel replicate) without --tensor-parallel"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,14 @@ from collections.abc import Iterable
 
 from autotune.candidate import DATA_PARALLEL_MODES, DataParallelMode, pipeline_layouts
 from autotune.errors import InvalidCandidateError, UsageError
-from autotune.schedules import Schedule, default_stages_per_rank, parse_schedule, schedules_for, validate_schedule
+from autotune.schedules import (
+    SYNCHRONOUS_SCHEDULES,
+    Schedule,
+    default_stages_per_rank,
+    parse_schedule,
+    schedules_for,
+    validate_schedule,
+)
 
 Layout = tuple[int, int]
 """(pp, dp): pipeline degree, data-parallel degree."""
@@ -41,7 +48,7 @@ def layout_choices(
     (pp x its stages per rank) have a layer each; at pp = 1 only single-stage schedules, GPipe folded into 1F1B
     (schedules.schedules_for). B/M counts are the divisors of B/dp the schedule accepts (validate_schedule). Layouts
     and schedules with no valid count are left out; the order is the layouts', then the schedules' given order."""
-    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
+    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(SYNCHRONOUS_SCHEDULES)
     if layouts is None:
         candidates = pipeline_layouts(gpus, batch_size, n_layers)
     else:

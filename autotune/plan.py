@@ -18,6 +18,7 @@ from autotune.memory_model import autocast_copy_bytes, stage_memory_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
+    SYNCHRONOUS_SCHEDULES,
     Schedule,
     default_stages_per_rank,
     order_from_torch,
@@ -135,7 +136,7 @@ def plan(
         raise UsageError(f"prune_within must be at least 0, got {prune_within}")
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
         raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
-    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(Schedule)
+    chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(SYNCHRONOUS_SCHEDULES)
     link = link or LinkModel.for_device(profile.device)
     chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, profile.n_layers)
     modes = list(data_parallel_modes)

@@ -16,7 +16,7 @@ or, with a data loader per replica (its replica_batch_size rows), keeping only w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,8 +53,9 @@ from autotune.process_groups import (  # RankLayout, init_groups: part of this m
     init_groups,
     new_group,
 )
-from autotune.schedules import SCHEDULES, action_lists, stages_of_rank, validate_schedule
+from autotune.schedules import SCHEDULES, action_lists, one_f_one_b, stages_of_rank, validate_schedule
 from autotune.sharding import local_tensor
+from autotune.weight_versions import WeightVersions
 
 if TYPE_CHECKING:
     from autotune.tuned_config import TunedConfig
@@ -195,6 +196,16 @@ class RankBatch:
         return RankBatch(args=tuple(t[:rows] for t in self.args), side={k: t[:rows] for k, t in self.side.items()},
                          target=None if self.target is None else self.target[:rows])
 
+    @staticmethod
+    def concat(batches: Sequence[RankBatch]) -> RankBatch:
+        """Several batches as one, each one's rows after the previous one's (a window of 2BW steps)."""
+        if len(batches) == 1:
+            return batches[0]
+        targets = [b.target for b in batches if b.target is not None]
+        return RankBatch(args=tuple(torch.cat(parts) for parts in zip(*(b.args for b in batches))),
+                         side={k: torch.cat([b.side[k] for b in batches]) for k in batches[0].side},
+                         target=torch.cat(targets) if targets else None)
+
 
 @dataclass(kw_only=True)
 class RankPipeline:
@@ -241,6 +252,10 @@ class RankPipeline:
     modules parallelized over tp_group, and the parameters whose gradients are summed over it after the backward."""
     tp_group: dist.ProcessGroup | None = None
     """The ranks holding the other shards of this rank's stages (tp > 1); None without tensor parallelism."""
+    weight_versions: WeightVersions | None = None
+    """2BW (asynchronous): the stages' two weight versions; their updates are made inside the schedule's steps."""
+    windows: dict[int, Any] = field(default_factory=dict)
+    """2BW: torch's schedule of a window of n steps' micro-batches as one 1F1B, by n (1: `schedule`)."""
 
     @property
     def holds_first(self) -> bool:
@@ -303,16 +318,65 @@ class RankPipeline:
     def step(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One optimizer step on the global batch (inputs, targets), or on a RankBatch (prepare_batch); returns this
         rank's micro-batch losses (empty unless it holds the last stage). inputs: make_batch's (a tensor, tuple or
-        dict of tensors)."""
+        dict of tensors). 2BW: a window of one step (train_steps), so its pipeline fills and drains."""
+        if self.weight_versions is not None:
+            return self.train_steps([self._rank_batch(inputs, targets)])[0]
         losses = self.forward_backward(inputs, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
 
+    def train_steps(self, batches: Sequence[RankBatch]) -> list[list[torch.Tensor]]:
+        """Optimizer steps on these batches (prepare_batch's), in order; each step's micro-batch losses. A
+        synchronous schedule runs step() for each. 2BW runs them as one window: one 1F1B over all their
+        micro-batches, filled and drained once, each step on the weights one step older and its update made inside
+        the window when a stage ends the step's last backward (autotune.weight_versions). Windows follow each other
+        with the same semantics; only the fill and drain are paid once per window."""
+        versions = self.weight_versions
+        if versions is None:
+            return [self.step(batch) for batch in batches]
+        n, m, pp = len(batches), self.candidate.n_microbatches, self.candidate.pipeline_degree
+        if n not in self.windows:
+            order = [one_f_one_b(r, pp, n * m) for r in range(pp)]
+            self.windows[n] = compat.runtime_schedule(
+                self.stages, n_microbatches=n * m, loss_fn=self.spec.loss_fn,
+                order=[[(a.stage, a.kind, a.microbatch) for a in actions] for actions in order],
+            )
+        window = RankBatch.concat(batches)
+        losses: list[torch.Tensor] = []
+        try:
+            if window.target is not None:
+                self.windows[n].step(*window.args, target=window.target, losses=losses, return_outputs=False,
+                                     **window.side)
+            else:
+                self.windows[n].step(*window.args, return_outputs=False, **window.side)
+        finally:
+            versions.restore()
+        versions.first_step += n
+        return [losses[i * m : (i + 1) * m] for i in range(n)]
+
+    def _update(self) -> None:
+        """2BW: a step's gradient is complete on this rank: average it and step the optimizer."""
+        self.reduce_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _rank_batch(self, inputs: Any, targets: torch.Tensor | None) -> RankBatch:
+        if isinstance(inputs, RankBatch):
+            return inputs
+        if targets is None:
+            raise TypeError("step(inputs, targets): targets missing (or pass a RankBatch alone)")
+        return self.prepare_batch(inputs, targets)
+
     def forward_backward(self, inputs: Any, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run the schedule on the global batch (inputs, targets) or a RankBatch, and average gradients over
         micro-batches and replicas (tied ones summed over their holders first), leaving them in .grad (no
-        optimizer step)."""
+        optimizer step). Not for 2BW, whose updates are made inside its steps."""
+        if self.weight_versions is not None:
+            from autotune.errors import ConfigError
+
+            raise ConfigError("2BW updates its weights inside its steps, so there is no step's gradient to leave in "
+                              ".grad; call step() or train_steps()")
         if isinstance(inputs, RankBatch):
             batch = inputs
         elif targets is None:
@@ -534,7 +598,7 @@ def build_pipeline(
             stage = compat.unshard_before_split_backward(stage)
         stages.append(stage)
     schedule = make_schedule(candidate, stages, loss_fn=spec.loss_fn)
-    return RankPipeline(
+    pipe = RankPipeline(
         spec=spec,
         candidate=candidate,
         layout=layout,
@@ -554,7 +618,13 @@ def build_pipeline(
         stages=stages,
         tensor_parallel=applied,
         tp_group=mesh["tp"].get_group() if mesh is not None and tp_plan is not None else None,
+        windows={1: schedule},
     )
+    if SCHEDULES[candidate.schedule].asynchronous:
+        pipe.weight_versions = WeightVersions(modules, pipe.parameters(), candidate.n_microbatches)
+        for stage in stages:
+            pipe.weight_versions.wrap(stage, pipe._update)
+    return pipe
 
 
 def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatches: int) -> RankPipeline:
@@ -578,16 +648,19 @@ def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatche
         modules.append(module)
         stages.append(compat.prepare_stage(
             PipelineStage(module, s, candidate.n_stages, pipe.device, group=pipe.pp_group)))
-    return replace(pipe, candidate=candidate, modules=modules, stages=stages, replicated=False,
-                   schedule=make_schedule(candidate, stages, loss_fn=pipe.spec.loss_fn))
+    schedule = make_schedule(candidate, stages, loss_fn=pipe.spec.loss_fn)
+    return replace(pipe, candidate=candidate, modules=modules, stages=stages, replicated=False, schedule=schedule,
+                   weight_versions=None, windows={1: schedule})
 
 
 def overlaps_gradient_sync(candidate: Candidate, modules: list[nn.Module]) -> bool:
     """Whether the stages run under DistributedDataParallel (their data-parallel sync bucketed and overlapped with
     the last backward): with replicas, a schedule whose backwards are whole (torch's stage prepares DDP's reducer
     for a whole backward, not for a split I / W), and no parameter in two of this rank's stages (two reducers would
-    each average it). Otherwise the gradients are averaged after the schedule, in one flat all-reduce."""
-    if candidate.data_parallel_degree == 1 or SCHEDULES[candidate.schedule].splits_backward:
+    each average it). Otherwise the gradients are averaged after the schedule, in one flat all-reduce; so for 2BW,
+    whose stages switch weight versions under DistributedDataParallel's reducer, at each of its updates."""
+    info = SCHEDULES[candidate.schedule]
+    if candidate.data_parallel_degree == 1 or info.splits_backward or info.asynchronous:
         return False
     seen: set[int] = set()
     for module in modules:
@@ -669,8 +742,8 @@ def make_schedule(candidate: Candidate, stages: list[PipelineStage], *, loss_fn:
 
 
 def _run_own_order(candidate: Candidate, stages: list[PipelineStage], *, loss_fn: Callable[..., torch.Tensor]) -> Any:
-    """A schedule torch does not ship (VHalf, VMin): our action lists, the ones the simulator replays, on torch's
-    runtime."""
+    """A schedule torch does not ship (VHalf, VMin; 2BW's window of one step): our action lists, the ones the
+    simulator replays, on torch's runtime."""
     lists = action_lists(candidate.schedule, candidate.pipeline_degree, candidate.n_microbatches, candidate.n_stages)
     order = [[(a.stage, a.kind, a.microbatch) for a in actions] for actions in lists]
     return compat.runtime_schedule(stages, n_microbatches=candidate.n_microbatches, loss_fn=loss_fn, order=order)

@@ -28,6 +28,10 @@ class Schedule(str, enum.Enum):
     """Qi et al. 2024, controllable memory: about 1/2 of 1F1B's activations; torch has no class, see vshape."""
     V_MIN = "VMin"
     """Qi et al. 2024, controllable memory: about 1/3 of 1F1B's activations; torch has no class, see vshape."""
+    TWO_BW = "2BW"
+    """PipeDream-2BW (Narayanan et al. 2021), asynchronous: 1F1B running on across optimizer steps, two weight
+    versions per stage, updates one step stale (autotune.weight_versions). Opt-in only: it changes the optimizer's
+    semantics."""
 
     def __str__(self) -> str:
         return self.value
@@ -44,6 +48,9 @@ class ScheduleInfo:
     autotune generates (action_lists) and runs on torch's own runtime (compat.runtime_schedule)."""
     splits_backward: bool = False
     """Some backwards run as I then W (zero-bubble split); the others as one B."""
+    asynchronous: bool = False
+    """No flush between optimizer steps: each update uses a gradient one step stale. Never chosen unless the user
+    allows it (--allow-async)."""
 
 
 SCHEDULES: dict[Schedule, ScheduleInfo] = {
@@ -64,7 +71,26 @@ SCHEDULES: dict[Schedule, ScheduleInfo] = {
     ),
     Schedule.V_HALF: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None, splits_backward=True),
     Schedule.V_MIN: ScheduleInfo(placement="v", stages_per_rank=2, torch_class=None, splits_backward=True),
+    Schedule.TWO_BW: ScheduleInfo(placement="single", stages_per_rank=1, torch_class=None, asynchronous=True),
 }
+
+SYNCHRONOUS_SCHEDULES: tuple[Schedule, ...] = tuple(s for s in Schedule if not SCHEDULES[s].asynchronous)
+"""The schedules planned, searched and accepted by default: every one that flushes at each optimizer step."""
+
+
+def allowed_schedules(allow_async: bool) -> tuple[Schedule, ...]:
+    """The schedules a run may use: the synchronous ones, and with allow_async the asynchronous ones too."""
+    return tuple(Schedule) if allow_async else SYNCHRONOUS_SCHEDULES
+
+
+def check_async_allowed(schedules: Iterable[Schedule], allow_async: bool) -> None:
+    """Refuse an asynchronous schedule the user did not opt into: it trains with stale weights."""
+    refused = [s.value for s in schedules if SCHEDULES[s].asynchronous and not allow_async]
+    if refused:
+        raise UsageError(
+            f"{', '.join(refused)} is asynchronous (each update uses a gradient one step stale, so training differs "
+            f"from a synchronous schedule's); pass --allow-async to run it"
+        )
 
 
 def parse_schedule(name: str | Schedule) -> Schedule:
@@ -117,6 +143,11 @@ def validate_schedule(schedule: Schedule, *, pipeline_degree: int, n_microbatche
             f"{pipeline_degree} ranks), got {n_stages}; pass --layers-per-stage with {2 * pipeline_degree} entries "
             f"or use 1F1B"
         )
+    if schedule is Schedule.TWO_BW and n_microbatches < n_stages:
+        raise InvalidCandidateError(
+            f"2BW needs at least as many micro-batches per step as stages ({n_stages}), or a stage would need a third "
+            f"weight version; got {n_microbatches}: use {n_stages} or more micro-batches (B/M)"
+        )
     if schedule is Schedule.ONE_F_ONE_B and n_microbatches < n_stages:
         raise InvalidCandidateError(
             f"1F1B needs at least as many micro-batches as stages ({n_stages}), got {n_microbatches}; "
@@ -143,11 +174,12 @@ def schedules_for(pipeline_degree: int, schedules: Iterable[Schedule]) -> list[S
     """The schedules worth running at this pipeline degree, one per distinct run. At pp = 1 only single-stage ones
     (more stages on one rank only add overhead), and of GPipe and 1F1B only 1F1B: with one stage both run the same
     forwards and backwards, 1F1B freeing each micro-batch's activations sooner (GPipe is kept when 1F1B is not
-    among `schedules`)."""
+    among `schedules`); no asynchronous one: without a pipeline there is no flush for it to remove, only staleness
+    to add."""
     chosen = list(dict.fromkeys(schedules))
     if pipeline_degree != 1:
         return chosen
-    single = [s for s in chosen if SCHEDULES[s].placement == "single"]
+    single = [s for s in chosen if SCHEDULES[s].placement == "single" and not SCHEDULES[s].asynchronous]
     if Schedule.ONE_F_ONE_B in single:
         return [s for s in single if s is not Schedule.GPIPE]
     return single
@@ -155,13 +187,15 @@ def schedules_for(pipeline_degree: int, schedules: Iterable[Schedule]) -> list[S
 
 def order_from_torch(schedule: Schedule) -> bool:
     """Whether action_lists asks torch's schedule classes (importing torch.distributed.pipelining) for the order."""
-    return schedule not in (Schedule.ONE_F_ONE_B, Schedule.V_HALF, Schedule.V_MIN)
+    return schedule not in (Schedule.ONE_F_ONE_B, Schedule.V_HALF, Schedule.V_MIN, Schedule.TWO_BW)
 
 
 def action_lists(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> list[list[Action]]:
     """Per-rank compute actions in execution order, taken from torch's own schedule so the simulator replays
     exactly what the runtime runs; 1F1B, VHalf and VMin are generated here, and the runtime runs VHalf and VMin
-    from these very lists. Communication is left to the simulator's link model."""
+    from these very lists. 2BW's list is one step's 1F1B: the runtime runs consecutive steps' micro-batches as one
+    1F1B (autotune.weight_versions), whose steady state this is. Communication is left to the simulator's link
+    model."""
     return [list(rank_actions) for rank_actions in _action_lists(schedule, pipeline_degree, n_microbatches, n_stages)]
 
 
@@ -175,7 +209,7 @@ def _action_lists(
 
         lists = v_shape_actions("half" if schedule is Schedule.V_HALF else "min", pipeline_degree, n_microbatches)
         return tuple(tuple(rank_actions) for rank_actions in lists)
-    if schedule is Schedule.ONE_F_ONE_B:
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.TWO_BW):
         # torch 2.13's get_schedule_ops shifts the last rank's forward micro-batch indices by one (1F4 with 4
         # micro-batches); Schedule1F1B itself runs the textbook order, written out here.
         return tuple(tuple(one_f_one_b(rank, pipeline_degree, n_microbatches)) for rank in range(pipeline_degree))

@@ -49,7 +49,7 @@ from autotune.records import (
     remeasured_by,
     summarize,
 )
-from autotune.schedules import Schedule
+from autotune.schedules import SYNCHRONOUS_SCHEDULES, Schedule
 from autotune.search_space import SearchSpace
 from autotune.shared_study import SharedStudy, load_entries, load_records, load_workers, open_shared_study
 from autotune.simulate import Estimate, LinkModel, Predictor
@@ -97,7 +97,7 @@ class SearchOptions:
     memory_limit_bytes: int | None = None
     resume: bool = False
     seed: int = 0
-    schedules: tuple[Schedule, ...] = tuple(Schedule)
+    schedules: tuple[Schedule, ...] = SYNCHRONOUS_SCHEDULES
     layouts: tuple[tuple[int, int], ...] | None = None
     """(pp, dp) pairs; None: every pp x dp = gpus that the model and batch allow."""
     checkpointing: tuple[bool, ...] = (False, True)

@@ -13,7 +13,7 @@ from autotune.errors import AutotuneError
 from autotune.partition import balanced_split, part_costs
 from autotune.plan import PlannedCandidate, recommended_microbatch_range
 from autotune.records import SearchResult, TrialRecord
-from autotune.schedules import Schedule, default_stages_per_rank, stage_ranks, validate_schedule
+from autotune.schedules import SYNCHRONOUS_SCHEDULES, Schedule, default_stages_per_rank, stage_ranks, validate_schedule
 from autotune.simulate import Estimate, Predictor
 
 GainBasis = Literal["measured", "predicted"]
@@ -170,11 +170,13 @@ def bm_curves(
     limit are left out when any point fits."""
     if not gpus or not batch:
         return (), None
-    layouts: list[tuple[Schedule, int, int, WireDtype]] = [(schedule, gpus, 1, "float32") for schedule in Schedule]
+    layouts: list[tuple[Schedule, int, int, WireDtype]] = [
+        (schedule, gpus, 1, "float32") for schedule in SYNCHRONOUS_SCHEDULES
+    ]
     if chosen is not None and chosen.data_parallel_degree > 1:
         layouts.append((chosen.schedule, chosen.pipeline_degree, chosen.data_parallel_degree, chosen.wire_dtype))
     simulated = [_simulated(predict, schedule, pp, dp, batch, wire) for schedule, pp, dp, wire in layouts]
-    one_pipeline = [p for points in simulated[: len(Schedule)] for p in points]
+    one_pipeline = [p for points in simulated[: len(SYNCHRONOUS_SCHEDULES)] for p in points]
     feasible_only = any(p.estimate.feasible for points in simulated for p in points)
     curves = []
     for (schedule, pp, dp, _), points in zip(layouts, simulated):

@@ -31,7 +31,8 @@ def run(rank: int, world_size: int, model: str, candidate: dict, out_dir: str) -
 
 
 def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: str) -> None:
-    """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int).
+    """jobs: dicts of model (path), candidate (Candidate.to_dict()), out (folder) and optionally steps (int), or
+    windows (list of int) for an asynchronous schedule (_windows_job).
     Writes groups-{rank}.json into store_dir: process_groups.GROUPS.created after each job."""
     try:
         torch.set_num_threads(1)
@@ -39,7 +40,11 @@ def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], store_dir: 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         created = []
         for job in jobs:
-            _job(rank, Candidate.from_dict(job["candidate"]), job["model"], Path(job["out"]), job.get("steps", 0))
+            c = Candidate.from_dict(job["candidate"])
+            if "windows" in job:
+                _windows_job(rank, c, job["model"], Path(job["out"]), job["windows"])
+            else:
+                _job(rank, c, job["model"], Path(job["out"]), job.get("steps", 0))
             created.append(GROUPS.created)
         (Path(store_dir) / f"groups-{rank}.json").write_text(json.dumps(created))
         dist.destroy_process_group()
@@ -75,6 +80,24 @@ def _job(rank: int, c: Candidate, model: str, out: Path, steps: int) -> None:
         },
         out / f"steps-{rank}.pt",
     )
+
+
+def _windows_job(rank: int, c: Candidate, model: str, out: Path, windows: list[int]) -> None:
+    """2BW: optimizer steps run as windows of that many steps each (RankPipeline.train_steps), step i on rows
+    [i*B, (i+1)*B) of make_batch(steps x B), so every step sees other data. Writes steps-{rank}.pt: each step's
+    losses and the parameters after the last step, whole, by name."""
+    spec = load_model_file(model)
+    pp_group, dp_group = init_groups(RankLayout.of(c, rank))
+    pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
+    b = c.global_batch_size
+    inputs, targets = make_batch(spec, sum(windows) * b)
+    batches = [pipe.prepare_batch(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b])
+               for i in range(sum(windows))]
+    losses: list[list[float]] = []
+    for n in windows:
+        losses += [[float(loss) for loss in step] for step in pipe.train_steps(batches[len(losses) : len(losses) + n])]
+    params = {name: p.detach().clone() for name, p in pipe.named_layer_parameters().items()}
+    torch.save({"losses": losses, "params": params}, out / f"steps-{rank}.pt")
 
 
 def _actions(schedule: Any) -> list[str]:

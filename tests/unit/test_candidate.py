@@ -31,6 +31,9 @@ def test_derived_sizes():
         (dict(n_microbatches=1), "at least as many micro-batches"),
         (dict(schedule=Schedule.ZBV_ZERO_BUBBLE), "exactly 2 stage"),
         (dict(pipeline_degree=11, layers_per_stage=(1,) * 11), "need at least 11 layers"),
+        (dict(schedule=Schedule.TWO_BW, data_parallel_degree=2, data_parallel_mode="shard"),
+         "2BW .* does not run with FSDP2-sharded replicas; use replicated data parallelism"),
+        (dict(schedule=Schedule.TWO_BW, tensor_parallel_degree=2), "2BW .* does not run with tensor parallelism"),
     ],
 )
 def test_invalid_candidates(kw, match):

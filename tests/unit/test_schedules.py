@@ -4,11 +4,15 @@ import pytest
 
 from autotune.errors import InvalidCandidateError, UsageError
 from autotune.schedules import (
+    SYNCHRONOUS_SCHEDULES,
     Schedule,
     action_lists,
+    allowed_schedules,
+    check_async_allowed,
     default_stages_per_rank,
     one_f_one_b,
     parse_schedule,
+    schedules_for,
     stage_ranks,
     validate_schedule,
 )
@@ -64,6 +68,7 @@ def test_every_action_list_runs_each_forward_and_backward_once(schedule, pp, m):
         (Schedule.INTERLEAVED_1F1B, 4, 9, 8, "multiple of"),
         (Schedule.DUAL_PIPE_V, 2, 3, 4, "at least 2 x pp"),
         (Schedule.GPIPE, 2, 4, 3, "evenly"),
+        (Schedule.TWO_BW, 4, 3, 4, "third weight version"),
     ],
 )
 def test_invalid_schedules_are_refused_with_the_fix(schedule, pp, m, stages, match):
@@ -78,3 +83,18 @@ def test_micro_batch_advice_names_no_flag_the_search_lacks():
             n_stages = pp * default_stages_per_rank(schedule)
             validate_schedule(schedule, pipeline_degree=pp, n_microbatches=2, n_stages=n_stages)
         assert "--microbatches" not in str(info.value)
+
+
+def test_2bw_is_opt_in_and_runs_one_steps_1f1b():
+    """2BW is asynchronous: never among the default schedules, refused without --allow-async (one line naming the
+    flag), and its per-step order is 1F1B's (the runtime runs consecutive steps as one 1F1B)."""
+    assert parse_schedule("2bw") is Schedule.TWO_BW
+    assert Schedule.TWO_BW not in SYNCHRONOUS_SCHEDULES
+    assert allowed_schedules(False) == SYNCHRONOUS_SCHEDULES
+    assert Schedule.TWO_BW in allowed_schedules(True)
+    with pytest.raises(UsageError, match="2BW is asynchronous .* pass --allow-async"):
+        check_async_allowed([Schedule.ONE_F_ONE_B, Schedule.TWO_BW], allow_async=False)
+    check_async_allowed([Schedule.TWO_BW], allow_async=True)
+    check_async_allowed(SYNCHRONOUS_SCHEDULES, allow_async=False)
+    assert action_lists(Schedule.TWO_BW, 2, 4, 2) == action_lists(Schedule.ONE_F_ONE_B, 2, 4, 2)
+    assert schedules_for(1, [Schedule.ONE_F_ONE_B, Schedule.TWO_BW]) == [Schedule.ONE_F_ONE_B]
