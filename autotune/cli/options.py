@@ -91,6 +91,16 @@ def parse_degrees(text: str | None, flag: str) -> tuple[int, ...] | None:
     return degrees
 
 
+AllowAsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-async",
+        help="Allow the asynchronous schedule 2BW (PipeDream-2BW): no flush between optimizer steps, two weight "
+        "versions per stage, each update using the gradient of the weights one step older. It trains differently "
+        "from the synchronous schedules, so it is never used without this flag.",
+    ),
+]
+
 ExportTarget = ExportFormat
 """--format choices of `autotune export`: the exporter's own formats."""
 

@@ -18,6 +18,7 @@ from autotune.cli.app import (
     start_fork_server,
 )
 from autotune.cli.options import (
+    AllowAsyncOpt,
     BatchOpt,
     DeviceChoice,
     DeviceOpt,
@@ -57,7 +58,7 @@ def trial(
             "--schedule",
             "-s",
             help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, VHalf "
-            "or VMin (case-insensitive).",
+            "or VMin (case-insensitive); 2BW with --allow-async.",
         ),
     ],
     layers_per_stage: Annotated[
@@ -108,6 +109,7 @@ def trial(
             "gathered for the step.",
         ),
     ] = False,
+    allow_async: AllowAsyncOpt = False,
     steps: StepsOpt = 5,
     warmup: WarmupOpt = 2,
     timeout: RunTimeoutOpt = "300",
@@ -120,6 +122,8 @@ def trial(
 
     Reports the median step time, throughput and each rank's peak memory. A run that fails is still a result:
     status `oom`, `timeout` or `error`, with the rank that caused it (exit 3 for oom, 1 for error or timeout).
+    2BW (with --allow-async) runs the measured steps as one pipeline, filled and drained once: the step time is the
+    whole run's time over the steps.
 
     Example: `autotune trial recipes/mlp.py --gpus 2 --device cpu --batch-size 32 --microbatches 4 --schedule 1F1B`
     """
@@ -130,12 +134,13 @@ def trial(
         from autotune.devices import cpu_oversubscription, default_precision, resolve_device
         from autotune.errors import UsageError
         from autotune.model_file import check_model, load_model_file
-        from autotune.schedules import default_stages_per_rank, parse_schedule
+        from autotune.schedules import check_async_allowed, default_stages_per_rank, parse_schedule
         from autotune.trial import TrialOptions, run_trial
         from autotune.units import parse_size
         from autotune.watchdog import MODEL_CHECK, time_limit
 
         chosen = parse_schedule(schedule)
+        check_async_allowed([chosen], allow_async)
         if gpus % (dp * tensor_parallel):
             what = f"--dp {dp} x --tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else f"--dp {dp}"
             raise UsageError(f"--gpus {gpus} is not a multiple of {what}; pass degrees whose product divides {gpus}")
@@ -199,12 +204,15 @@ def trial(
 def render_measurement(m: Any) -> None:
     from rich.table import Table
 
+    from autotune.schedules import SCHEDULES
     from autotune.units import format_bytes
 
     c = m.candidate
     table = Table(title=f"trial {c.key}", show_header=False)
     table.add_row("status", f"[green]{m.status}[/green]" if m.status == "ok" else f"[red]{m.status}[/red]")
     table.add_row("schedule", c.schedule.value)
+    if SCHEDULES[c.schedule].asynchronous:
+        table.add_row("updates", "asynchronous: each uses the gradient of the weights one step older")
     table.add_row("pp x dp x tp", f"{c.pipeline_degree} x {c.data_parallel_degree} x {c.tensor_parallel_degree}")
     table.add_row("micro-batches (B/M)", f"{c.n_microbatches} of {c.micro_batch_size} samples")
     table.add_row("layers per stage", ", ".join(map(str, c.layers_per_stage)))

@@ -152,20 +152,24 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         else:
             pipe.step(batch)
     # The tracked step runs every operator through Python and disturbs caches and the allocator: the first step
-    # after it ran ~1.5x slower here. One more untracked step before timing.
-    pipe.step(batch)
+    # after it ran ~1.5x slower here. One more untracked step before timing; for 2BW a window as long as the timed
+    # one, whose first run builds torch's schedule of that many steps (shape inference, link warm-up).
+    window = job.steps if pipe.weight_versions is not None else 1
+    pipe.train_steps([batch] * window)
     phases["warmup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     step_times_ms: list[float] = []
     losses: list[torch.Tensor] = []
-    for _ in range(job.steps):
+    # 2BW runs the timed steps as one window (no flush between them): one time, the window's over its steps, which
+    # pays the pipeline's fill and drain once; a synchronous schedule pays them in every step.
+    for _ in range(job.steps // window):
         dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
         start = time.perf_counter()
-        losses = pipe.step(batch)
+        losses = pipe.train_steps([batch] * window)[-1]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        step_times_ms.append((time.perf_counter() - start) * 1000)
+        step_times_ms.append((time.perf_counter() - start) * 1000 / window)
     phases["steps"] = time.perf_counter() - t0
 
     cuda_memory = _cuda_memory(device)

@@ -238,3 +238,26 @@ def test_a_tensor_parallel_trial_trains_as_one_rank_does_on_half_the_state():
     assert one["status"] == "ok", one["error"]
     assert tp["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert len(tp["peak_memory_bytes"]) == 2 and max(tp["peak_memory_bytes"]) < one["peak_memory_bytes"][0]
+
+
+def test_2bw_needs_allow_async_and_replicated_replicas(model_file):
+    """2BW trains with one-step-stale updates: refused without --allow-async, and over FSDP2-sharded replicas, each
+    in one line naming the fix, before any rank starts."""
+    path = model_file()
+    one_line_error(invoke(*trial_args(path)[:-1], "2BW"), "2BW is asynchronous", "pass --allow-async")
+    sharded = invoke(*trial_args(path)[:-1], "2BW", "--allow-async", "--gpus", "4", "--dp", "2",
+                     "--data-parallel", "shard")
+    one_line_error(sharded, "does not run with FSDP2-sharded replicas", "--data-parallel replicate")
+
+
+@pytest.mark.dist
+def test_a_2bw_trial_runs_its_timed_steps_as_one_window():
+    """--allow-async --schedule 2BW on pp 2: it runs, the JSON names the schedule, and the timed steps are one
+    measurement (one window: the pipeline filled and drained once over the 3 steps)."""
+    result = invoke("trial", RECIPES / "mlp.py", "--gpus", "2", "--device", "cpu", "--batch-size", "16",
+                    "--microbatches", "4", "--schedule", "2BW", "--allow-async", "--steps", "3", "--warmup", "1",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["status"] == "ok", data["error"]
+    assert data["schedule"] == "2BW" and len(data["step_times_ms"]) == 1 and data["loss"] > 0
