@@ -18,8 +18,9 @@ import yaml
 from autotune.candidate import Candidate
 from autotune.errors import ConfigError, UsageError
 from autotune.files import atomic_write_text
-from autotune.schedules import Schedule, parse_schedule
+from autotune.schedules import SCHEDULES, Schedule, parse_schedule
 from autotune.tuned_config import (
+    ASYNCHRONOUS_KEY,
     CANDIDATE_KEYS,
     LAYER_ROLES,
     OPTIONAL_KEYS,
@@ -160,6 +161,12 @@ def config_from_dict(data: Any, *, source: str = "<config>") -> TunedConfig:
     except UsageError:
         names = ", ".join(s.value for s in Schedule)
         raise ConfigError(f"{source}: unknown schedule {data['schedule']!r}; set schedule to one of: {names}") from None
+    asynchronous = SCHEDULES[values["schedule"]].asynchronous
+    if data.get(ASYNCHRONOUS_KEY, asynchronous) is not asynchronous:
+        raise ConfigError(
+            f"{source}: {ASYNCHRONOUS_KEY} is {data[ASYNCHRONOUS_KEY]!r} but schedule {values['schedule'].value} is "
+            f"{'' if asynchronous else 'not '}asynchronous; set {ASYNCHRONOUS_KEY}: {str(asynchronous).lower()}"
+        )
     if values["wire_dtype"] not in WIRE_DTYPES:
         raise ConfigError(
             f"{source}: wire_dtype {values['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}; fix it"

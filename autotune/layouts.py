@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from autotune.candidate import DATA_PARALLEL_MODES, DataParallelMode, pipeline_layouts
 from autotune.errors import InvalidCandidateError, UsageError
 from autotune.schedules import (
+    SCHEDULES,
     SYNCHRONOUS_SCHEDULES,
     Schedule,
     default_stages_per_rank,
@@ -95,7 +96,8 @@ def parallel_layout_choices(
 ) -> ParallelLayoutChoices:
     """layout_choices with tensor parallelism: for each tp degree (tensor_parallel_degrees; each must divide gpus),
     the pp x dp layouts of gpus / tp ranks, keyed (pp, dp, tp), tp 1 first. Given `layouts` ((pp, dp) pairs covering
-    all gpus) are the tp 1 layouts only: a run asked for those layouts gets no tp."""
+    all gpus) are the tp 1 layouts only: a run asked for those layouts gets no tp. Asynchronous schedules (2BW) only
+    at tp 1 (they do not run with tensor parallelism)."""
     space: ParallelLayoutChoices = {}
     chosen = list(schedules) if schedules is not None else None
     for tp in sorted(set(tp_degrees)):
@@ -106,7 +108,10 @@ def parallel_layout_choices(
         given = layouts if tp == 1 else None
         for (pp, dp), per_schedule in layout_choices(gpus // tp, batch_size, n_layers, schedules=chosen,
                                                      layouts=given).items():
-            space[(pp, dp, tp)] = per_schedule
+            if tp > 1:
+                per_schedule = {s: m for s, m in per_schedule.items() if not SCHEDULES[s].asynchronous}
+            if per_schedule:
+                space[(pp, dp, tp)] = per_schedule
     return space
 
 
@@ -115,14 +120,17 @@ DataParallelChoice = tuple[DataParallelMode, bool]
 
 
 def data_parallel_choices(
-    dp: int, modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES
+    dp: int, modes: Iterable[DataParallelMode] = DATA_PARALLEL_MODES, schedule: Schedule | None = None
 ) -> list[DataParallelChoice]:
     """How dp replicas may hold their stages, of the modes asked: replicate; with dp > 1, shard (FSDP2) keeping each
     stage gathered for the step, and shard resharding after every forward (reshard_after_forward). With dp = 1
-    only replicate (nothing to shard over; asked for shard alone, that is still the one choice)."""
+    only replicate (nothing to shard over; asked for shard alone, that is still the one choice). An asynchronous
+    `schedule` (2BW) only replicates (it keeps two whole versions of its stages' weights)."""
     wanted = list(modes)
     if dp == 1:
         return [("replicate", False)]
+    if schedule is not None and SCHEDULES[schedule].asynchronous:
+        return [("replicate", False)] if "replicate" in wanted else []
     choices: list[DataParallelChoice] = []
     if "replicate" in wanted:
         choices.append(("replicate", False))

@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autotune.candidate import Candidate
-from autotune.schedules import Schedule
+from autotune.schedules import SCHEDULES, Schedule
 
 
 def wire_factor(candidate: Candidate) -> float:
@@ -91,6 +91,11 @@ def parameter_memory_bytes(parameter_bytes: float, optimizer_state_ratio: float,
     if shards == 1:
         return parameter_bytes * (2 + optimizer_state_ratio)
     return parameter_bytes * (1 + optimizer_state_ratio) / shards
+
+
+def weight_version_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
+    """Asynchronous (2BW): the second version of the stage's weights (autotune.weight_versions); 0 otherwise."""
+    return parameter_bytes if SCHEDULES[candidate.schedule].asynchronous else 0.0
 
 
 def gradient_shard_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
@@ -184,6 +189,7 @@ def stage_memory_bytes(
         sent = max(0, candidate.n_microbatches - in_flight) * out + candidate.n_microbatches * grad
     return (
         parameter_memory_bytes(parameter_bytes, optimizer_state_ratio, dp_shards(candidate))
+        + weight_version_bytes(parameter_bytes, candidate=candidate)
         + working_copy_bytes(parameter_bytes, candidate=candidate)
         + unsharded_gradient_bytes(parameter_bytes, candidate=candidate)
         + in_flight * held

@@ -188,7 +188,7 @@ def _points(
                     (micro, tp), _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node, tp=tp)
                 )
                 keep: _Point | None = None
-                for mode, reshard in data_parallel_choices(dp, modes):
+                for mode, reshard in data_parallel_choices(dp, modes, schedule):
                     point = _Point(costs=costs, schedule=schedule, pp=pp, dp=dp, m=m, n_stages=n_stages,
                                    batch_size=batch_size, mode=mode, reshard=reshard,
                                    keep_twin=keep if reshard else None)

@@ -120,7 +120,7 @@ class SearchSpace:
         order: RankOrder = "pp-inner"
         if self.orders_matter(pp, dp, tp):
             order = cast(RankOrder, trial.suggest_categorical("rank_order", list(RANK_ORDERS)))
-        mode, reshard = self._data_parallel(trial, dp)
+        mode, reshard = self._data_parallel(trial, dp, schedule)
         wire: WireDtype = "float32"
         if self._asks_wire(pp):
             wire = cast(WireDtype, trial.suggest_categorical("wire_dtype", list(self.options.wire_dtypes)))
@@ -153,12 +153,12 @@ class SearchSpace:
         under bf16 compute they cross as bfloat16 already)."""
         return pp > 1 and self.options.precision == "fp32"
 
-    def data_parallel_choices(self, dp: int) -> list[DataParallelChoice]:
-        """How dp replicas may hold their stages in this search (layouts.data_parallel_choices)."""
-        return data_parallel_choices(dp, self.options.data_parallel_modes)
+    def data_parallel_choices(self, dp: int, schedule: Schedule | None = None) -> list[DataParallelChoice]:
+        """How dp replicas may hold their stages in this search under `schedule` (layouts.data_parallel_choices)."""
+        return data_parallel_choices(dp, self.options.data_parallel_modes, schedule)
 
-    def _data_parallel(self, trial: optuna.Trial, dp: int) -> DataParallelChoice:
-        choices = self.data_parallel_choices(dp)
+    def _data_parallel(self, trial: optuna.Trial, dp: int, schedule: Schedule) -> DataParallelChoice:
+        choices = self.data_parallel_choices(dp, schedule)
         if not choices:
             raise InvalidCandidateError(
                 f"dp {dp} allows none of the data-parallel modes {', '.join(self.options.data_parallel_modes)}"
@@ -193,7 +193,8 @@ class SearchSpace:
             or (not self._asks_wire(pp) and candidate.wire_dtype != "float32")
             or (candidate.rank_order != "pp-inner" and not self.orders_matter(pp, dp, tp))
             or candidate.precision != self.options.precision
-            or (candidate.data_parallel_mode, candidate.reshard_after_forward) not in self.data_parallel_choices(dp)
+            or (candidate.data_parallel_mode, candidate.reshard_after_forward)
+            not in self.data_parallel_choices(dp, candidate.schedule)
         ):
             return None
         layout = self._layout_name(pp, dp, tp)
@@ -207,7 +208,7 @@ class SearchSpace:
             params["wire_dtype"] = candidate.wire_dtype
         if self.orders_matter(pp, dp, tp):
             params["rank_order"] = candidate.rank_order
-        if len(self.data_parallel_choices(dp)) > 1:
+        if len(self.data_parallel_choices(dp, candidate.schedule)) > 1:
             params["data_parallel"] = _choice_name((candidate.data_parallel_mode, candidate.reshard_after_forward))
         n_stages = candidate.n_stages
         if n_stages == 1:

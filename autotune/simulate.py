@@ -33,6 +33,7 @@ from autotune.memory_model import (
     split_kept_bytes,
     unsharded_gradient_bytes,
     weight_gradient_factor,
+    weight_version_bytes,
     wire_factor,
     working_copy_bytes,
 )
@@ -393,17 +394,102 @@ def simulate_costs(
             f"{candidate.pipeline_degree}; pass one list per pipeline rank"
         )
 
-    # Durations and the transfer into each action, by (kind, stage): tables in the graph's slot order (F, B, I, W).
-    duration = stages.forward + stages.backward + stages.backward_input + stages.backward_weight
-    incoming = stages.activation_transfer + stages.grad_transfer + stages.grad_transfer + [0.0] * candidate.n_stages
-    n = len(plan.kind)
-    dur = list(map(duration.__getitem__, plan.slot))
-    xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
-    _add_rank_side_costs(dur, plan, stages, link)
+    dur, xfer = _durations(plan, stages, candidate, link)
     gather_ms = reduce_scatter_ms = [0.0] * candidate.pipeline_degree
     walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
     if walk is not None:
         gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
+    finish = _replay(plan, dur, xfer, stages, candidate, crossing)
+
+    pp = candidate.pipeline_degree
+    rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
+    pipeline_ms = max(rank_end)
+    asynchronous = SCHEDULES[candidate.schedule].asynchronous
+    if asynchronous:
+        # 2BW runs step after step as one 1F1B without a flush: in steady state a step takes what one more step adds
+        # to the pipeline, the replay of two steps' micro-batches less that of one (the fill and the drain are paid
+        # once per run; a trial's window of k steps pays 1/k of them per step on top of this).
+        c = candidate
+        two = compiled_graph(c.schedule, c.pipeline_degree, 2 * c.n_microbatches, c.n_stages)
+        two_dur, two_xfer = _durations(two, stages, candidate, link)
+        pipeline_ms = max(_replay(two, two_dur, two_xfer, stages, candidate, crossing)) - pipeline_ms
+        rank_end = [pipeline_ms] * pp
+    busy = sum(dur)
+    bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
+
+    rank_params = [0] * pp
+    for s, r in enumerate(plan.stage_rank):
+        rank_params[r] += stages.parameter_bytes[s]
+    shards = dp_shards(candidate)
+    optimizer_ms = [p / shards * optimizer_ms_per_byte for p in rank_params]  # sharded: AdamW on its shards
+    if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
+        allreduce_ms = [0.0] * pp
+        sync_end = rank_end
+    elif SCHEDULES[candidate.schedule].splits_backward or asynchronous:
+        # runtime.overlaps_gradient_sync: one flat all-reduce after the schedule (2BW: at each update, in its window)
+        allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
+        sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
+    else:
+        dp = candidate.data_parallel_degree
+        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) for p in rank_params]
+        bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
+    step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
+
+    tensor_parallel_ms = [0.0] * pp
+    if collective_ms:
+        bounds = list(accumulate(candidate.layers_per_stage, initial=0))
+        for s, r in enumerate(plan.stage_rank):
+            tensor_parallel_ms[r] += candidate.n_microbatches * sum(collective_ms[bounds[s]:bounds[s + 1]])
+    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
+                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
+    peaks = [p + workspace_bytes + int(weight_version_bytes(r, candidate=candidate))
+             for p, r in zip(peaks, rank_params)]
+    feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
+    timeline: tuple[TimelineEvent, ...] = ()
+    if with_timeline:
+        timeline = tuple(
+            TimelineEvent(rank=plan.rank[a], stage=plan.stage[a], kind=plan.kind[a], microbatch=plan.microbatch[a],
+                          start_ms=finish[a] - dur[a], end_ms=finish[a])
+            for a in range(len(plan.kind))
+        )
+    return Estimate(
+        step_time_ms=step_ms,
+        throughput_samples_per_s=candidate.global_batch_size / step_ms * 1e3 if step_ms > 0 else float("inf"),
+        bubble_fraction=max(0.0, bubble),
+        peak_memory_bytes=tuple(peaks),
+        feasible=feasible,
+        pipeline_time_ms=pipeline_ms,
+        optimizer_ms=max(optimizer_ms),
+        allreduce_ms=max(allreduce_ms),
+        gather_ms=max(gather_ms),
+        reduce_scatter_ms=max(reduce_scatter_ms),
+        tensor_parallel_ms=max(tensor_parallel_ms),
+        memory_limit_bytes=memory_limit_bytes,
+        timeline=timeline,
+    )
+
+
+def _durations(
+    plan: ActionGraph, stages: _StageCosts, candidate: Candidate, link: LinkModel
+) -> tuple[list[float], list[float]]:
+    """Each action's duration (with the rank's side costs) and the transfer into it, in the graph's action order."""
+    # Durations and the transfer into each action, by (kind, stage): tables in the graph's slot order (F, B, I, W).
+    duration = stages.forward + stages.backward + stages.backward_input + stages.backward_weight
+    incoming = stages.activation_transfer + stages.grad_transfer + stages.grad_transfer + [0.0] * candidate.n_stages
+    dur = list(map(duration.__getitem__, plan.slot))
+    xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
+    _add_rank_side_costs(dur, plan, stages, link)
+    return dur, xfer
+
+
+def _replay(
+    plan: ActionGraph, dur: list[float], xfer: list[float], stages: _StageCosts, candidate: Candidate,
+    crossing: Sequence[bool] | None,
+) -> list[float]:
+    """Each action's finish time when every rank runs its actions in order, as soon as their inputs arrived (one past
+    the last: 0.0)."""
+    n = len(plan.kind)
     prev, dep, own = plan.prev, plan.dep, plan.own
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
@@ -459,62 +545,7 @@ def simulate_costs(
             if u > t:
                 t = u
             finish[a] = t + dur[a]
-
-    pp = candidate.pipeline_degree
-    rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
-    pipeline_ms = max(rank_end)
-    busy = sum(dur)
-    bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
-
-    rank_params = [0] * pp
-    for s, r in enumerate(plan.stage_rank):
-        rank_params[r] += stages.parameter_bytes[s]
-    shards = dp_shards(candidate)
-    optimizer_ms = [p / shards * optimizer_ms_per_byte for p in rank_params]  # sharded: AdamW on its shards
-    if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
-        allreduce_ms = [0.0] * pp
-        sync_end = rank_end
-    elif SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
-        allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
-        sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
-    else:
-        dp = candidate.data_parallel_degree
-        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) for p in rank_params]
-        bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
-        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
-    step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
-
-    tensor_parallel_ms = [0.0] * pp
-    if collective_ms:
-        bounds = list(accumulate(candidate.layers_per_stage, initial=0))
-        for s, r in enumerate(plan.stage_rank):
-            tensor_parallel_ms[r] += candidate.n_microbatches * sum(collective_ms[bounds[s]:bounds[s + 1]])
-    peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
-                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
-    peaks = [p + workspace_bytes for p in peaks]
-    feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
-    timeline: tuple[TimelineEvent, ...] = ()
-    if with_timeline:
-        timeline = tuple(
-            TimelineEvent(rank=plan.rank[a], stage=plan.stage[a], kind=plan.kind[a], microbatch=plan.microbatch[a],
-                          start_ms=finish[a] - dur[a], end_ms=finish[a])
-            for a in range(n)
-        )
-    return Estimate(
-        step_time_ms=step_ms,
-        throughput_samples_per_s=candidate.global_batch_size / step_ms * 1e3 if step_ms > 0 else float("inf"),
-        bubble_fraction=max(0.0, bubble),
-        peak_memory_bytes=tuple(peaks),
-        feasible=feasible,
-        pipeline_time_ms=pipeline_ms,
-        optimizer_ms=max(optimizer_ms),
-        allreduce_ms=max(allreduce_ms),
-        gather_ms=max(gather_ms),
-        reduce_scatter_ms=max(reduce_scatter_ms),
-        tensor_parallel_ms=max(tensor_parallel_ms),
-        memory_limit_bytes=memory_limit_bytes,
-        timeline=timeline,
-    )
+    return finish
 
 
 DDP_FIRST_BUCKET_BYTES = 2**20
@@ -564,7 +595,8 @@ def step_time_lower_bound(
     forwards through the stages below s (on other ranks); then it runs all its actions one after another, then
     its optimizer step. Its last backward (B, or I where backwards split) is one of stage s, after which that
     micro-batch's backwards through the stages below s still run, then the optimizer step of stage 0's rank.
-    These head and tail terms are the pipeline's fill and drain: (pp - 1)(f + b) for 1F1B, 1/v of it interleaved.
+    These head and tail terms are the pipeline's fill and drain: (pp - 1)(f + b) for 1F1B, 1/v of it interleaved;
+    an asynchronous schedule (2BW) pays them once per run, not per step: its bound is the busiest rank's work.
     Split backwards are counted as one action (the lower overhead); transfers, messages and all-reduces (sharded:
     all-gathers and reduce-scatters) as free; a sharded rank steps its optimizer over its shards (1/dp)."""
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link)
@@ -584,6 +616,8 @@ def step_time_lower_bound(
         lowest[r] = min(lowest[r], s)
     shards = dp_shards(candidate)
     optimizer = [p / shards * optimizer_ms_per_byte for p in params]
+    if SCHEDULES[candidate.schedule].asynchronous:  # no flush, so no fill and drain in a step: each rank's own work
+        return max(b + o for b, o in zip(busy, optimizer))
     last = optimizer[ranks[0]]
     return max(
         max(forward_below[s] + b + o for s, b, o in zip(lowest, busy, optimizer)),

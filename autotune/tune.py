@@ -109,6 +109,8 @@ class TuneRequest:
     tensor_parallel_degrees: tuple[int, ...] | None = None
     """tp degrees to search; None: every one the model's tensor-parallel plan allows that divides the GPUs and fits a
     node (search_tp_degrees). A degree the model cannot take is refused (InvalidCandidateError)."""
+    allow_async: bool = False
+    """Plan and search the asynchronous schedules (2BW) too (--allow-async): they train with stale updates."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +258,7 @@ def tune(
     from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.graph_cache import planning
     from autotune.plan import ensure_feasible, plan
+    from autotune.schedules import allowed_schedules
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.shared_study import check_study_name
     from autotune.study_storage import default_worker, open_storage
@@ -288,7 +291,8 @@ def tune(
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
                        gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
-                       data_parallel_modes=request.data_parallel_modes)
+                       data_parallel_modes=request.data_parallel_modes,
+                       schedules=allowed_schedules(request.allow_async))
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -304,6 +308,7 @@ def tune(
         precision=precision,
         data_parallel_modes=request.data_parallel_modes,
         tensor_parallel_degrees=tp_degrees,
+        schedules=allowed_schedules(request.allow_async),
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
         gpus_per_node=request.gpus_per_node,

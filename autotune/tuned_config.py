@@ -27,7 +27,7 @@ from autotune.candidate import (
 from autotune.errors import ConfigError, InvalidCandidateError
 from autotune.masking import mask_url as mask_password
 from autotune.placement import RANK_ORDERS, RankOrder
-from autotune.schedules import Schedule, parse_schedule, validate_schedule
+from autotune.schedules import SCHEDULES, Schedule, parse_schedule, validate_schedule
 
 SCHEMA_VERSION = 1
 WIRE_DTYPES: tuple[WireDtype, ...] = typing.get_args(WireDtype)
@@ -124,6 +124,9 @@ OPTIONAL_KEYS = frozenset(
      "precision", "data_parallel_mode", "fsdp_reshard_after_forward", "tensor_parallel_degree"}
 )
 """Keys added after schema version 1 first shipped: a file without them still loads (with the field's default)."""
+ASYNCHRONOUS_KEY = "asynchronous"
+"""Written (true) beside an asynchronous schedule (2BW), whose updates use a gradient one step stale; derived from
+the schedule on reading (kept among the extra keys, checked against it)."""
 OPTIONAL_SECTION_KEYS = frozenset({"measured.runs_throughput_samples_per_s"})
 """Keys of sections added after schema version 1 first shipped (section.key): a file without them still loads."""
 _WRITTEN_IF_NOT_DEFAULT = {"rank_order": "pp-inner", "data_parallel_mode": "replicate",
@@ -327,13 +330,15 @@ class TunedConfig:
                     for key, attribute in CANDIDATE_KEYS.items()
                     if _WRITTEN_IF_NOT_DEFAULT.get(key, object()) != getattr(value, attribute)
                 )
+                if SCHEDULES[value.schedule].asynchronous:  # said outright: the updates are one step stale
+                    data[ASYNCHRONOUS_KEY] = True
             elif f.name != "extra" and not (f.name in OPTIONAL_KEYS and value is None):
                 data[f.name] = plain(value)
         for dotted in OPTIONAL_SECTION_KEYS:  # written only when recorded, as the optional top-level keys
             section, key = dotted.split(".")
             if data[section].get(key) in ((), [], None):
                 del data[section][key]
-        data.update((key, value) for key, value in self.extra.items() if key not in data)
+        data.update((key, value) for key, value in self.extra.items() if key not in data and key != ASYNCHRONOUS_KEY)
         return data
 
 

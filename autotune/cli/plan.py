@@ -9,6 +9,7 @@ import typer
 
 from autotune.cli.app import EXIT_CODES_HELP, app, console, err_console, errors_to_exit_codes, print_json
 from autotune.cli.options import (
+    AllowAsyncOpt,
     BatchOpt,
     DataParallelOpt,
     DeviceChoice,
@@ -104,6 +105,7 @@ def plan_command(
     precision: PrecisionOpt = None,
     data_parallel: DataParallelOpt = "replicate,shard",
     tensor_parallel: TensorParallelOpt = None,
+    allow_async: AllowAsyncOpt = False,
     json_output: JsonOpt = False,
     profile_path: Annotated[
         Path | None,
@@ -139,7 +141,9 @@ def plan_command(
     model's plan allows (`--tensor-parallel` narrows it); with `--profile`, only the degrees `--tensor-parallel`
     names (the profile does not know the model's heads): its compute is divided over tp (90 % efficient assumed on
     cuda), the collectives its plan runs per block (all-reduces of the activations; the profile records how many)
-    added on the intra-node link, parameters and the sharded activations divided.
+    added on the intra-node link, parameters and the sharded activations divided. `--allow-async` ranks the
+    asynchronous 2BW beside them (replicated dp, tp 1): its steady-state step, without the fill and drain a
+    synchronous schedule pays every step, and two copies of each stage's weights.
 
     `--json` prints a list of candidates: the config fields (pipeline_degree, data_parallel_degree, ...) plus
     precision, data_parallel_mode, fsdp_reshard_after_forward, predicted_step_time_ms,
@@ -159,6 +163,7 @@ def plan_command(
     with errors_to_exit_codes(json_output):
         from autotune.devices import device_memory_bytes, resolve_device
         from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
+        from autotune.schedules import allowed_schedules
         from autotune.units import parse_size
 
         gpus, per_node = _ranks(gpus, nodes, gpus_per_node)
@@ -203,7 +208,8 @@ def plan_command(
 
         with err_console.status(f"planning {gpus} ranks..."), planning():
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
-                           gpus_per_node=per_node, data_parallel_modes=modes, tensor_parallel_degrees=tp_degrees)
+                           gpus_per_node=per_node, data_parallel_modes=modes, tensor_parallel_degrees=tp_degrees,
+                           schedules=allowed_schedules(allow_async))
         ensure_feasible(planned)
         shown = planned[:top]
         if json_output:

@@ -18,6 +18,7 @@ from autotune.cli.app import (
     start_fork_server,
 )
 from autotune.cli.options import (
+    AllowAsyncOpt,
     BatchOpt,
     DataParallelOpt,
     DeviceChoice,
@@ -95,6 +96,7 @@ def search(
     precision: PrecisionOpt = None,
     data_parallel: DataParallelOpt = "replicate,shard",
     tensor_parallel: TensorParallelOpt = None,
+    allow_async: AllowAsyncOpt = False,
     json_output: JsonOpt = False,
     gpus_per_node: Annotated[
         int | None,
@@ -111,7 +113,8 @@ def search(
     rule-of-thumb default, for comparison), then let Optuna's TPE sampler propose more. A candidate the simulator
     says cannot fit, or cannot come within 20 % of the best measured one, is recorded as pruned and not launched.
     Failed trials (oom, error, timeout) are recorded with their reason. At the end the top 3 are re-run side by side
-    and the best median wins, so a lucky run on a noisy machine does not decide.
+    and the best median wins, so a lucky run on a noisy machine does not decide. `--allow-async` adds the
+    asynchronous 2BW (one-step-stale updates, no flush between steps) to the schedules planned and tried.
 
     Ctrl-C stops the running trial, writes the best config so far and exits 130; `--resume` continues the study.
 
@@ -158,6 +161,7 @@ def search(
             precision=precision.value if precision is not None else None,
             data_parallel_modes=parse_data_parallel(data_parallel),
             tensor_parallel_degrees=parse_degrees(tensor_parallel, "--tensor-parallel"),
+            allow_async=allow_async,
             command=command_line(),
             worker=worker,
             gpus_per_node=cluster.gpus_per_node if cluster is not None else None,

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from autotune.candidate import stage_bounds
-from autotune.errors import UsageError
+from autotune.errors import ConfigError, UsageError
 from autotune.exports.deepspeed import export_deepspeed
 from autotune.exports.megatron import export_megatron
 from autotune.exports.roles import LayerPlan, layer_plan, model_file_hints
 from autotune.exports.targets import TARGETS, ExportFormat, TargetVersion, resolve_target
 from autotune.exports.torchtitan import export_torchtitan
 from autotune.exports.validate import Validation, check_export
+from autotune.schedules import SCHEDULES
 from autotune.tuned_config import TunedConfig
 
 __all__ = [
@@ -51,6 +52,13 @@ def export_config(
     Layer roles come from the config, else from LAYER_ROLES in the model file (`model_file`, default the config's
     `model` path where that file exists; read, not run)."""
     trainer = parse_format(fmt)
+    if SCHEDULES[config.candidate.schedule].asynchronous:
+        raise ConfigError(
+            f"{config.candidate.schedule.value} is asynchronous (one-step-stale updates, no flush) and "
+            f"{trainer.value} has no asynchronous schedule, so it would run something else; export a config of a "
+            f"synchronous schedule (autotune search without --allow-async), or run this one with "
+            f"autotune.runtime.setup_pipeline"
+        )
     row, why = resolve_target(trainer, target)
     hints = _hints(config, model_file)
     plan = layer_plan(config, hints.get("layer_roles"))

@@ -256,3 +256,14 @@ def test_plan_ranks_tensor_parallel_layouts_of_a_model_with_a_plan_and_says_what
     assert any(e["tensor_parallel_degree"] == 2 for e in json.loads(from_profile.stdout))
     refused = invoke("plan", "--profile", saved, "--gpus", 2, "--tensor-parallel", "4")
     assert refused.exit_code == 2 and "does not divide the 2 GPUs" in refused.output
+
+
+def test_plan_ranks_2bw_only_with_allow_async(model):
+    """2BW changes the optimizer's semantics: `plan` ranks it only with --allow-async (and only with a pipeline)."""
+    args = ("plan", model, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--json", "--top", 1000)
+    without = json.loads(invoke(*args).stdout)
+    assert without and not any(entry["schedule"] == "2BW" for entry in without)
+    result = invoke(*args, "--allow-async")
+    assert result.exit_code == 0, result.output
+    with_async = [entry for entry in json.loads(result.stdout) if entry["schedule"] == "2BW"]
+    assert with_async and all(entry["pipeline_degree"] == 2 for entry in with_async)

@@ -95,3 +95,21 @@ def test_ctrl_c_writes_the_best_so_far_and_resume_continues(model_file, tmp_path
     after = optuna.load_study(study_name=study.study_name, storage=storage).trials
     assert len(after) > before
     assert sum(bool(t.user_attrs.get("launched")) for t in after) == 6
+
+
+@pytest.mark.dist
+def test_a_search_with_allow_async_runs_2bw_trials(tmp_path):
+    """--allow-async on the MLP recipe: the planner's 2BW candidates run as real trials beside the synchronous ones
+    (the stderr lines of trials that ran name them), and the config of a 2BW winner says asynchronous. An odd batch
+    leaves one layout, pp 2 (no dp 2 to divide it), where 2BW is predicted ahead of 1F1B."""
+    from tests.conftest import RECIPES
+
+    args = search_args(RECIPES / "mlp.py", tmp_path, "--trials", "6", "--steps", "3", "--warmup", "1", "--json",
+                       "--allow-async")
+    args[args.index("--batch-size") + 1] = "63"
+    out = subprocess.run([sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ran = [line for line in out.stderr.splitlines() if " ok " in line]
+    assert any("2BW/" in line for line in ran), out.stderr
+    config = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert config.get("asynchronous", False) is (config["schedule"] == "2BW")

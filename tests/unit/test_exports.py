@@ -712,3 +712,13 @@ def test_tensor_parallel_in_every_target() -> None:
             text = export_config(config, fmt)
             words = ("tensor_parallel", "tensor-model", "tensor parallel", "sequence", " x tp ")
             assert [word for word in words if word in text] == [], fmt
+
+
+@pytest.mark.parametrize("fmt", list(ExportFormat))
+def test_an_asynchronous_schedule_is_not_exported(fmt: ExportFormat) -> None:
+    """No trainer autotune exports to has an asynchronous schedule: 2BW is refused in one line, not written as a
+    config the trainer would misread."""
+    from autotune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"2BW is asynchronous .* {fmt.value} has no asynchronous schedule"):
+        export_config(make_config(Schedule.TWO_BW), fmt)

@@ -73,3 +73,24 @@ def test_resharding_after_forward_is_planned_where_keeping_the_stages_gathered_d
     twin = kept[same.candidate.key.replace("+reshard", "")]
     assert not twin.estimate.feasible and max(same.estimate.peak_memory_bytes) < max(twin.estimate.peak_memory_bytes)
     assert same.estimate.step_time_ms > twin.estimate.step_time_ms
+
+
+def test_2bw_is_planned_only_when_allowed_and_ranks_above_1f1b_on_replicas():
+    """Without async allowed no 2BW candidate; with it, 2BW at pp > 1 on replicated replicas only, ranked above
+    1F1B at the same layout, B/M and split (no fill and drain per step), holding one more copy of the weights."""
+    from autotune.schedules import Schedule, allowed_schedules
+
+    profile = heavy(4, precision="fp32")
+    assert not any(p.candidate.schedule is Schedule.TWO_BW
+                   for p in plan(profile, gpus=4, batch_size=8, memory_limit_bytes=None, link=LINK, prune_within=None))
+    planned = plan(profile, gpus=4, batch_size=8, memory_limit_bytes=None, link=LINK, prune_within=None,
+                   schedules=allowed_schedules(True))
+    two_bw = [p for p in planned if p.candidate.schedule is Schedule.TWO_BW]
+    assert two_bw and all(p.candidate.pipeline_degree > 1 and not p.candidate.sharded for p in two_bw)
+    by_key = {p.candidate.key: p for p in planned}
+    pairs = [(p, by_key[p.candidate.key.replace("2BW", "1F1B")]) for p in two_bw
+             if p.candidate.key.replace("2BW", "1F1B") in by_key]
+    assert len(pairs) >= 3  # pp 4 at B/M 4 and 8, pp 2 x dp 2 at B/M 4
+    for p, twin in pairs:
+        assert p.estimate.step_time_ms < twin.estimate.step_time_ms
+        assert max(p.estimate.peak_memory_bytes) > max(twin.estimate.peak_memory_bytes)

@@ -47,6 +47,24 @@ def test_equal_stages_give_the_textbook_bubble(schedule, p, m):
     assert est.throughput_samples_per_s == pytest.approx(m / est.step_time_ms * 1e3)
 
 
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 9)])
+def test_2bw_pays_no_fill_or_drain_per_step_and_holds_two_weight_versions(p, m):
+    """2BW's steady state: m (f + b) per step against 1F1B's (m + p - 1)(f + b), no bubble; 1F1B's activations plus
+    one more copy of each rank's parameters; its lower bound is the busiest rank's work."""
+    prof = profile_of(*[layer(f=1.0, b=2.0, saved=1000, params=10**6)] * p)
+    two_bw = simulate(prof, candidate(Schedule.TWO_BW, p, m, [1] * p), link=FREE)
+    one_f_one_b = simulate(prof, candidate(Schedule.ONE_F_ONE_B, p, m, [1] * p), link=FREE)
+    assert two_bw.step_time_ms == pytest.approx(m * 3.0)
+    assert one_f_one_b.step_time_ms == pytest.approx((m + p - 1) * 3.0)
+    assert two_bw.bubble_fraction == pytest.approx(0.0)
+    # the peaks differ by the second version, as 1F1B's (torch's runtime keeps its sends to the step's end; they
+    # are empty here)
+    assert [a - b for a, b in zip(two_bw.peak_memory_bytes, one_f_one_b.peak_memory_bytes)] == [10**6] * p
+    bound = step_time_lower_bound([layer(f=1.0, b=2.0)] * p, candidate(Schedule.TWO_BW, p, m, [1] * p),
+                                  input_bytes=0, optimizer_ms_per_byte=0.0, link=FREE)
+    assert bound == pytest.approx(m * 3.0)
+
+
 def test_1f1b_first_rank_holds_p_microbatches_and_gpipe_holds_m():
     p, m, saved = 4, 8, 1000
     prof = profile_of(*[layer(saved=saved)] * p)

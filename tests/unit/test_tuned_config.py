@@ -183,6 +183,26 @@ def test_rank_order_and_nodes_are_optional_and_round_trip(tmp_path: Path) -> Non
         load_config(write_dict(tmp_path, data))
 
 
+def test_an_asynchronous_schedule_is_said_outright_and_round_trips(tmp_path: Path) -> None:
+    """2BW's config records `asynchronous: true` after the candidate's keys (a synchronous one's has no such key);
+    a file whose asynchronous contradicts its schedule is refused with the fix."""
+    assert "asynchronous" not in valid_dict()
+    config = make_config(schedule=Schedule.TWO_BW)
+    data = config.to_dict()
+    assert data["schedule"] == "2BW" and data["asynchronous"] is True
+    assert list(data).index("asynchronous") == list(data).index("precision") + 1  # the candidate's last key here
+    path = save_config(config, tmp_path / "autotune.yaml")
+    loaded = load_config(path)
+    assert loaded.candidate == config.candidate and loaded.to_dict() == data
+    data["asynchronous"] = False
+    with pytest.raises(ConfigError, match="asynchronous is False but schedule 2BW is asynchronous; set "
+                                          "asynchronous: true"):
+        load_config(write_dict(tmp_path, data))
+    data = valid_dict() | {"asynchronous": True}
+    with pytest.raises(ConfigError, match="schedule 1F1B is not asynchronous; set asynchronous: false"):
+        load_config(write_dict(tmp_path, data))
+
+
 def test_candidate_property_matches_the_config() -> None:
     config = interleaved()
     c = config.candidate
