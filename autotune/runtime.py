@@ -331,7 +331,9 @@ class RankPipeline:
         synchronous schedule runs step() for each. 2BW runs them as one window: one 1F1B over all their
         micro-batches, filled and drained once, each step on the weights one step older and its update made inside
         the window when a stage ends the step's last backward (autotune.weight_versions). Windows follow each other
-        with the same semantics; only the fill and drain are paid once per window."""
+        with the same semantics; only the fill and drain are paid once per window. Memory: torch's runtime keeps a
+        receive buffer per micro-batch of the longest window run so far (activations in, gradients back), so a
+        window of n steps holds n times one step's."""
         versions = self.weight_versions
         if versions is None:
             return [self.step(batch) for batch in batches]

@@ -162,7 +162,8 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     step_times_ms: list[float] = []
     losses: list[torch.Tensor] = []
     # 2BW runs the timed steps as one window (no flush between them): one time, the window's over its steps, which
-    # pays the pipeline's fill and drain once; a synchronous schedule pays them in every step.
+    # pays the pipeline's fill and drain once; a synchronous schedule pays them in every step. The window's own
+    # schedule is not tracked (its actions are not one step's list): a hang in it is attributed by the stacks.
     for _ in range(job.steps // window):
         dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
         start = time.perf_counter()
