@@ -352,16 +352,23 @@ class RankPipeline:
                                      **window.side)
             else:
                 self.windows[n].step(*window.args, return_outputs=False, **window.side)
+            versions.finish()  # the window's last update
         finally:
             versions.restore()
         versions.first_step += n
         return [losses[i * m : (i + 1) * m] for i in range(n)]
 
-    def _update(self) -> None:
-        """2BW: a step's gradient is complete on this rank: average it and step the optimizer."""
-        self.reduce_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def _start_update(self) -> Callable[[], None]:
+        """2BW: a step's gradient is complete on this rank: start averaging it over the replicas; the returned call
+        waits for that and steps the optimizer (WeightVersions calls it when the new weights are first needed)."""
+        finish = self.start_reduce(async_op=True)
+
+        def update() -> None:
+            self.finish_reduce(finish)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        return update
 
     def _rank_batch(self, inputs: Any, targets: torch.Tensor | None) -> RankBatch:
         if isinstance(inputs, RankBatch):
@@ -394,13 +401,20 @@ class RankPipeline:
         return losses
 
     def reduce_gradients(self) -> None:
+        """start_reduce, then finish_reduce at once."""
+        self.finish_reduce(self.start_reduce())
+
+    def start_reduce(self, *, async_op: bool = False) -> Callable[[], None] | None:
         """Sum tied gradients over the ranks holding them, then average every gradient over micro-batches and
         replicas: replicated, DistributedDataParallel averaged them over the replicas during the backward; sharded,
         FSDP2 did (reduce-scatter, in float32), except for the parameters it leaves whole (unsharded); the rest in
         one flat all-reduce over this rank's replicas. Sums of a tied parameter's shards are sums of its gradient:
         both holders shard it alike (same shape, same replicas). With tensor parallelism, the gradients each tp rank
         holds only its part of (per-head norms) are summed over the tp group first; a DTensor's gradient is averaged
-        as its local shard (every replica holds the same shard of it)."""
+        as its local shard (every replica holds the same shard of it).
+
+        With async_op the flat all-reduce is only started (2BW overlaps it with the next step's micro-batches).
+        Returns what completes the reduction (finish_reduce runs it); None when nothing is left to do."""
         if self.tp_group is not None:
             reduce_partial_gradients(self.tensor_parallel, self.tp_group)
         for params, group in self.shared_groups:
@@ -418,12 +432,25 @@ class RankPipeline:
                 local_tensor(p.grad).mul_(1.0 / self.candidate.n_microbatches)
         grads = [local_tensor(p.grad) for p in by_hand if p.grad is not None]
         if not grads:
-            return
+            return None
         flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat *= 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
-        for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
-            grad.copy_(reduced.view_as(grad))
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=async_op)
+        scale = 1.0 / (self.candidate.n_microbatches * self.candidate.data_parallel_degree)
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            flat.mul_(scale)
+            for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+                grad.copy_(reduced.view_as(grad))
+
+        return finish
+
+    @staticmethod
+    def finish_reduce(finish: Callable[[], None] | None) -> None:
+        """Complete what start_reduce started."""
+        if finish is not None:
+            finish()
 
 
 def _release_others(model: nn.Module, modules: list[nn.Module]) -> None:
@@ -625,7 +652,7 @@ def build_pipeline(
     if SCHEDULES[candidate.schedule].asynchronous:
         pipe.weight_versions = WeightVersions(modules, pipe.parameters(), candidate.n_microbatches)
         for stage in stages:
-            pipe.weight_versions.wrap(stage, pipe._update)
+            pipe.weight_versions.wrap(stage, pipe._start_update)
     return pipe
 
 

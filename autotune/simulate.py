@@ -425,8 +425,13 @@ def simulate_costs(
     if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
         allreduce_ms = [0.0] * pp
         sync_end = rank_end
-    elif SCHEDULES[candidate.schedule].splits_backward or asynchronous:
-        # runtime.overlaps_gradient_sync: one flat all-reduce after the schedule (2BW: at each update, in its window)
+    elif asynchronous:
+        # 2BW: one flat all-reduce per update, started when a rank ends the step's backwards and waited for when the
+        # step after next needs the weights: hidden behind the rank's work of a step, save what outlasts it
+        allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
+        rank_busy = [sum(map(dur.__getitem__, ids)) for ids in plan.rank_actions]
+        sync_end = [pipeline_ms + max(0.0, allreduce_ms[r] - rank_busy[r]) for r in range(pp)]
+    elif SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
         allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
         sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
     else:

@@ -19,6 +19,10 @@ stage recomputes its forward on them). The update writes W(j+1) into the buffer 
 The optimizer keeps the rank's original parameters (the masters): the update points each master's storage at the
 buffer it writes (so the optimizer state stays with its parameter) and steps it there; between windows the masters
 are back in the modules and hold the newest weights. Two copies of the weights in all, as in the paper.
+
+The update is started at the end of step j (the gradient's all-reduce over the replicas, asynchronous) and finished
+(the wait, the optimizer step) only when W(j+1) is first needed: at the first micro-batch of step j+2, at the next
+update (W(j+1) is its base) or at the end of the window; so the all-reduce overlaps step j+1's micro-batches.
 """
 
 from __future__ import annotations
@@ -56,19 +60,31 @@ class WeightVersions:
         self._buffers = [[nn.Parameter(p.data, requires_grad=p.requires_grad) for p in masters],
                          [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in masters]]
         self._installed: int | None = None
+        self._pending: tuple[int, Callable[[], None]] | None = None
+        """A started update: the buffer it writes, and what finishes it."""
 
     def step_of(self, chunk: int) -> int:
         """The optimizer step a micro-batch of the running window belongs to."""
         return self.first_step + chunk // self.n_microbatches
 
     def use(self, step: int) -> None:
-        """Point the modules' parameter slots at the version batch `step` runs on, W(step - 1)."""
+        """Point the modules' parameter slots at the version batch `step` runs on, W(step - 1), finishing its
+        update first if it is still under way."""
         buffer = (step + 1) % 2
+        if self._pending is not None and self._pending[0] == buffer:
+            self.finish()
         if self._installed == buffer:
             return
         for owner, name, i in self._slots:
             owner._parameters[name] = self._buffers[buffer][i]
         self._installed = buffer
+
+    def finish(self) -> None:
+        """Complete the started update, if any (its all-reduce, the optimizer step)."""
+        if self._pending is not None:
+            _, finish = self._pending
+            self._pending = None
+            finish()
 
     def restore(self) -> None:
         """Put the masters (the newest weights) back into the modules' slots."""
@@ -76,10 +92,12 @@ class WeightVersions:
             owner._parameters[name] = self.masters[i]
         self._installed = None
 
-    def end_of_step(self, step: int, update: Callable[[], None]) -> None:
+    def end_of_step(self, step: int, start_update: Callable[[], Callable[[], None]]) -> None:
         """Batch `step`'s last backward on this rank is done: hand its gradient (accumulated on W(step - 1)) to the
-        masters, copy W(step) into the buffer batch `step` used and let `update` (reduce the gradients, step the
-        optimizer) turn it into W(step + 1) there."""
+        masters, copy W(step) into the buffer batch `step` used and start the update (start_update: the gradients'
+        reduction) that turns it into W(step + 1) there; what it returns finishes the update (the optimizer step),
+        called when W(step + 1) is first needed."""
+        self.finish()  # W(step), the base, complete
         used, newest = self._buffers[(step + 1) % 2], self._buffers[step % 2]
         self.restore()
         with torch.no_grad():
@@ -87,11 +105,11 @@ class WeightVersions:
                 master.grad, old.grad = old.grad, None
                 old.copy_(new)
                 master.data = old.data
-        update()
+        self._pending = ((step + 1) % 2, start_update())
 
-    def wrap(self, stage: Any, update: Callable[[], None]) -> None:
-        """Make a torch PipelineStage run each micro-batch on its step's version, and update after a step's last
-        backward (1F1B runs every stage's backwards in micro-batch order)."""
+    def wrap(self, stage: Any, start_update: Callable[[], Callable[[], None]]) -> None:
+        """Make a torch PipelineStage run each micro-batch on its step's version, and start an update after a
+        step's last backward (1F1B runs every stage's backwards in micro-batch order)."""
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         @functools.wraps(forward)
@@ -105,7 +123,7 @@ class WeightVersions:
             self.use(step)
             result = backward(bwd_chunk_id, *args, **kwargs)
             if (bwd_chunk_id + 1) % self.n_microbatches == 0:
-                self.end_of_step(step, update)
+                self.end_of_step(step, start_update)
             return result
 
         stage.forward_one_chunk = forward_one_chunk

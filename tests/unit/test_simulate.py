@@ -65,6 +65,18 @@ def test_2bw_pays_no_fill_or_drain_per_step_and_holds_two_weight_versions(p, m):
     assert bound == pytest.approx(m * 3.0)
 
 
+@pytest.mark.parametrize("params", [10**5, 3 * 10**7])  # 0.1 ms: hidden; 30 ms: 18 ms outlast the 12
+def test_2bw_hides_the_replicas_all_reduce_behind_a_steps_work(params):
+    """pp 2 x dp 2: an update's all-reduce overlaps the next step's micro-batches, so only what outlasts a rank's
+    work of a step (m (f + b)) adds to the step."""
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    prof = profile_of(*[layer(f=1.0, b=2.0, params=params)] * 2)
+    est = simulate(prof, candidate(Schedule.TWO_BW, 2, 4, [1, 1], dp=2), link=link)
+    allreduce = link.allreduce_ms(params, 2)
+    assert est.allreduce_ms == pytest.approx(allreduce)
+    assert est.step_time_ms == pytest.approx(4 * 3.0 + max(0.0, allreduce - 4 * 3.0))
+
+
 def test_1f1b_first_rank_holds_p_microbatches_and_gpipe_holds_m():
     p, m, saved = 4, 8, 1000
     prof = profile_of(*[layer(saved=saved)] * p)
