@@ -143,7 +143,8 @@ class Profile:
     """Per micro-batch size: what checkpointing adds to the backward, over the plain forward (1 would be exactly
     one forward again); () means 1."""
     optimizer_step_ms: float = 0.0
-    """One optimizer step over the whole model; the simulator charges each rank its share by parameter bytes."""
+    """The optimizer steps of every block summed (each block is stepped on its own); the simulator charges each
+    rank optimizer_call_ms once and the rest by parameter bytes (optimizer_ms)."""
     optimizer_state_bytes: int | None = None
     """Optimizer state of the whole model after a step; None: assume AdamW (2 x parameter bytes)."""
     optimizer_peak_bytes: int | None = None
@@ -174,6 +175,11 @@ class Profile:
     cuBLAS's workspaces (one per thread and stream: the forward's and autograd's backward thread; 2 x 32 MiB on an
     H100/H200). Measured by the profiler on CUDA as what stays allocated after every block is released; 0 on CPU
     and in profiles saved before it was recorded. The simulator adds it to every rank's peak."""
+    optimizer_call_ms: float = 0.0
+    """What one optimizer step costs whatever it updates: a step over a one-element parameter, measured by the
+    profiler. On CUDA a foreach/fused step launches the same kernels for one tensor as for a block's, so a rank's
+    one step over its stages pays it once where the per-block steps summed in optimizer_step_ms paid it per block.
+    0 in profiles saved before it was recorded."""
     tensor_parallel_layers: tuple[TensorParallelLayer, ...] = ()
     """Per layer, what the model's tensor-parallel plan shards and which collectives it adds (measured at tp 1, the
     profile itself knows nothing of tp); () for a model without a plan, or a profile saved before it was recorded:
@@ -352,6 +358,7 @@ class Profile:
             ],
             "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
             **({"device_workspace_bytes": self.device_workspace_bytes} if self.device_workspace_bytes else {}),
+            **({"optimizer_call_ms": self.optimizer_call_ms} if self.optimizer_call_ms else {}),
             **({"tensor_parallel_layers": [t.to_dict() for t in self.tensor_parallel_layers]}
                if self.tensor_parallel_layers else {}),
             "layers": [
@@ -412,6 +419,7 @@ class Profile:
                 torch_version=str(data.get("torch_version", "")),
                 infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
                 device_workspace_bytes=int(data.get("device_workspace_bytes", 0)),
+                optimizer_call_ms=float(data.get("optimizer_call_ms", 0.0)),
                 tensor_parallel_layers=tuple(
                     TensorParallelLayer.from_dict(t) for t in data.get("tensor_parallel_layers", ())
                 ),

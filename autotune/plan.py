@@ -29,6 +29,7 @@ from autotune.simulate import (
     Estimate,
     LinkModel,
     max_in_flight,
+    optimizer_call_ms,
     optimizer_ms_per_byte,
     simulate_costs,
     step_time_lower_bound,
@@ -393,6 +394,7 @@ class _Costs:
         self.loss_saved = profile.loss_saved_bytes_at(micro_batch_size)
         self.workspace_bytes = profile.device_workspace_bytes
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
+        self.optimizer_call_ms = optimizer_call_ms(profile)
         self.time = layer_times(self.layers)
         self.time_checkpointed = layer_times(self.layers, checkpointing=True)
         self.saved_prefix = list(accumulate((c.saved_bytes for c in self.layers), initial=0))
@@ -418,6 +420,7 @@ class _Costs:
             candidate,
             input_bytes=self.input_bytes,
             optimizer_ms_per_byte=self.optimizer_ms_per_byte,
+            optimizer_call_ms=self.optimizer_call_ms,
             optimizer_state_ratio=self.state_ratio,
             optimizer_peak_ratio=self.step_ratio,
             optimizer_per_tensor=self.step_per_tensor,
@@ -445,7 +448,7 @@ class _Costs:
     def lower_bound(self, candidate: Candidate) -> float:
         return step_time_lower_bound(
             self.layers, candidate, input_bytes=self.input_bytes, optimizer_ms_per_byte=self.optimizer_ms_per_byte,
-            link=self.link,
+            optimizer_call_ms=self.optimizer_call_ms, link=self.link,
         )
 
     def stage_memory(self, candidate: Candidate) -> StageMemory:

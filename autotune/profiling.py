@@ -119,12 +119,14 @@ def profile_model(
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_bytes / total), index)
     workspace_bytes = 0
+    call_ms = 0.0
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
         measured, sizes, input_bytes, infeasible = _Walk(
             spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
+        call_ms = _optimizer_call_ms(spec, torch.device(device), clock, repeats)
     finally:
         # The walk (its batches and the tensors handed between blocks) is out of scope here, so what is still
         # allocated below is the libraries' workspaces alone, and the tuner keeps no model after profiling.
@@ -177,6 +179,7 @@ def profile_model(
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
         infeasible_micro_batch_sizes=tuple(infeasible),
         device_workspace_bytes=workspace_bytes,
+        optimizer_call_ms=call_ms,
         precision=precision,
         tensor_parallel_layers=_tensor_parallel_layers(spec),
     )
@@ -896,6 +899,28 @@ def _profile_optimizer(
     for p in params:
         p.grad = None
     return statistics.median(times), state, transient, grouped
+
+
+def _optimizer_call_ms(spec: ModelSpec, device: torch.device, clock: _Clock, repeats: int) -> float:
+    """Median time of one optimizer step over a one-element parameter: what a step costs whatever it updates
+    (Profile.optimizer_call_ms; on CUDA a foreach step's kernel launches). 0 when the model file's build_optimizer
+    cannot be built on such a parameter (one written for the model's own, grouping them by name)."""
+    param = nn.Parameter(torch.zeros(1, device=device))
+    param.grad = torch.zeros_like(param)
+    try:
+        optimizer = build_optimizer(spec, [param])
+        optimizer.step()
+    except Exception:  # noqa: BLE001 - the user's build_optimizer may reject it any way: then no fixed term
+        logger.debug("no optimizer call cost: build_optimizer refused a one-element parameter", exc_info=True)
+        return 0.0
+    times = []
+    for _ in range(max(repeats, 5)):
+        start = clock.mark()
+        optimizer.step()
+        end = clock.mark()
+        clock.sync()
+        times.append(clock.ms(start, end))
+    return statistics.median(times)
 
 
 def _step_transient_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:

@@ -289,6 +289,7 @@ def simulate(
         collective_ms=tp_costs.collective_ms,
         input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
         optimizer_ms_per_byte=optimizer_ms_per_byte(profile, link),
+        optimizer_call_ms=optimizer_call_ms(profile),
         optimizer_state_ratio=profile.optimizer_state_ratio,
         optimizer_peak_ratio=profile.optimizer_peak_ratio,
         optimizer_per_tensor=profile.device == "cpu",
@@ -348,6 +349,7 @@ def simulate_costs(
     optimizer_ms_per_byte: float,
     optimizer_state_ratio: float,
     link: LinkModel,
+    optimizer_call_ms: float = 0.0,
     optimizer_peak_ratio: float = 0.0,
     optimizer_per_tensor: bool = False,
     loss_saved_bytes: int = 0,
@@ -421,7 +423,8 @@ def simulate_costs(
     for s, r in enumerate(plan.stage_rank):
         rank_params[r] += stages.parameter_bytes[s]
     shards = dp_shards(candidate)
-    optimizer_ms = [p / shards * optimizer_ms_per_byte for p in rank_params]  # sharded: AdamW on its shards
+    # One step per rank over its stages (sharded: over its shards): the fixed cost once, the rest by bytes.
+    optimizer_ms = [optimizer_call_ms + p / shards * optimizer_ms_per_byte if p else 0.0 for p in rank_params]
     if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
         allreduce_ms = [0.0] * pp
         sync_end = rank_end
@@ -593,6 +596,7 @@ def step_time_lower_bound(
     input_bytes: int,
     optimizer_ms_per_byte: float,
     link: LinkModel,
+    optimizer_call_ms: float = 0.0,
 ) -> float:
     """A step time no schedule order can beat, without building the action lists (the planner prunes with it).
 
@@ -620,7 +624,7 @@ def step_time_lower_bound(
         params[r] += stages.parameter_bytes[s]
         lowest[r] = min(lowest[r], s)
     shards = dp_shards(candidate)
-    optimizer = [p / shards * optimizer_ms_per_byte for p in params]
+    optimizer = [optimizer_call_ms + p / shards * optimizer_ms_per_byte if p else 0.0 for p in params]
     if SCHEDULES[candidate.schedule].asynchronous:  # no flush, so no fill and drain in a step: each rank's own work
         return max(b + o for b, o in zip(busy, optimizer))
     last = optimizer[ranks[0]]
@@ -901,10 +905,19 @@ def _add_shard_costs(
 
 
 def optimizer_ms_per_byte(profile: Profile, link: LinkModel) -> float:
-    """Optimizer-step time per parameter byte: the profile's timed step, else the link model's throughput."""
+    """Optimizer-step time per parameter byte: the profile's timed steps net of the fixed cost each block's own step
+    paid (optimizer_call_ms, charged once per rank instead), else the link model's throughput."""
     if profile.optimizer_step_ms > 0 and profile.parameter_bytes > 0:
-        return profile.optimizer_step_ms / profile.parameter_bytes
+        steps = sum(1 for layer in profile.layers if layer.parameter_bytes > 0)
+        net = max(0.0, profile.optimizer_step_ms - steps * profile.optimizer_call_ms)
+        return net / profile.parameter_bytes
     return 1e3 / link.optimizer_bytes_per_s
+
+
+def optimizer_call_ms(profile: Profile) -> float:
+    """What a rank's one optimizer step costs whatever it updates (Profile.optimizer_call_ms; 0 when the profile
+    has no timed step, and the link model's throughput stands for it)."""
+    return profile.optimizer_call_ms if profile.optimizer_step_ms > 0 else 0.0
 
 
 def _ddp_accumulation(plan: ActionGraph, stages: _StageCosts, candidate: Candidate) -> tuple[list[int], list[int]]:

@@ -41,6 +41,8 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
         assert layer.output_bytes[1] == 4 * layer.output_bytes[0]  # 8 samples vs 2
     assert profile.input_bytes[1] == 4 * profile.input_bytes[0] > 0
     assert profile.optimizer_step_ms > 0
+    # a step over one element: what every one of the 10 per-block steps paid on top of its bytes
+    assert 0 < profile.optimizer_call_ms < profile.optimizer_step_ms
     assert profile.optimizer_state_bytes == pytest.approx(2 * profile.parameter_bytes, rel=0.01)  # AdamW
     assert 0 < profile.optimizer_peak_bytes <= 3 * profile.parameter_bytes  # foreach temporaries
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0

@@ -224,6 +224,25 @@ def test_static_memory_optimizer_and_data_parallel_all_reduce():
     assert replicated.throughput_samples_per_s == pytest.approx(4 / replicated.step_time_ms * 1e3)
 
 
+def test_a_ranks_optimizer_step_pays_the_fixed_call_cost_once_whatever_its_blocks():
+    """The profile sums one step per block, each paying the step's fixed cost (a CUDA foreach step's launches); a
+    rank steps once over all its stages: the fixed cost once, the rest by bytes."""
+    params = 1000
+    prof = dataclasses.replace(
+        profile_of(*(layer(params=params) for _ in range(4)), layer(), optimizer_step_ms=10.0), optimizer_call_ms=2.0)
+    assert prof.to_dict()["optimizer_call_ms"] == 2.0 and Profile.from_dict(prof.to_dict()) == prof
+    one_rank = simulate(prof, candidate(Schedule.GPIPE, 1, 1, [5]), link=FREE)
+    assert one_rank.optimizer_ms == pytest.approx(2.0 + (10.0 - 4 * 2.0))  # 4 blocks stepped on their own
+    two_ranks = simulate(prof, candidate(Schedule.GPIPE, 2, 1, [2, 3]), link=FREE)
+    assert two_ranks.optimizer_ms == pytest.approx(2.0 + (10.0 - 4 * 2.0) / 2)
+    older = simulate(dataclasses.replace(prof, optimizer_call_ms=0.0), candidate(Schedule.GPIPE, 2, 1, [2, 3]),
+                     link=FREE)
+    assert older.optimizer_ms == pytest.approx(5.0)  # profiles saved before: by bytes alone, as before
+    bound = step_time_lower_bound(prof.layer_costs(1), candidate(Schedule.GPIPE, 2, 1, [2, 3]), input_bytes=0,
+                                  optimizer_ms_per_byte=(10.0 - 8.0) / (4 * params), optimizer_call_ms=2.0, link=FREE)
+    assert bound <= two_ranks.step_time_ms + 1e-9
+
+
 def test_data_parallel_sync_overlaps_the_last_backward_bucket_by_bucket():
     """DistributedDataParallel's buckets (1 MiB, then 25 MiB each) are all-reduced as the last backward fills them,
     one after another; only what is left after the backward shows. A ring of 2 moves 1 MiB in 1 ms here."""
