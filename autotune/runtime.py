@@ -53,7 +53,14 @@ from autotune.process_groups import (  # RankLayout, init_groups: part of this m
     init_groups,
     new_group,
 )
-from autotune.schedules import SCHEDULES, action_lists, one_f_one_b, stages_of_rank, validate_schedule
+from autotune.schedules import (
+    SCHEDULES,
+    TIED_ASYNC,
+    action_lists,
+    one_f_one_b,
+    stages_of_rank,
+    validate_schedule,
+)
 from autotune.sharding import local_tensor
 from autotune.weight_versions import WeightVersions
 
@@ -611,6 +618,10 @@ def build_pipeline(
                 sharding.shard_stage(module, blocks.blocks[bounds[s]:bounds[s + 1]], mesh=shard_mesh,
                                      candidate=candidate, ignored=ignored)
         sharding.materialize_shards(spec, blocks.blocks, mine, modules, device=device, seed=SEED)
+    if SCHEDULES[candidate.schedule].asynchronous and blocks.shared_parameters():
+        from autotune.errors import ConfigError
+
+        raise ConfigError(TIED_ASYNC)  # every rank alike, before any group is made
     groups = _shared_groups(blocks, candidate, layout, modules)
     split = None if blocks.family == "sequential" else blocks.split_inputs
     _release_others(blocks.model, modules)

@@ -78,9 +78,17 @@ SYNCHRONOUS_SCHEDULES: tuple[Schedule, ...] = tuple(s for s in Schedule if not S
 """The schedules planned, searched and accepted by default: every one that flushes at each optimizer step."""
 
 
-def allowed_schedules(allow_async: bool) -> tuple[Schedule, ...]:
-    """The schedules a run may use: the synchronous ones, and with allow_async the asynchronous ones too."""
-    return tuple(Schedule) if allow_async else SYNCHRONOUS_SCHEDULES
+def allowed_schedules(allow_async: bool, *, tied: bool = False) -> tuple[Schedule, ...]:
+    """The schedules a run may use: the synchronous ones, and with allow_async the asynchronous ones too, unless the
+    model has parameters tied between blocks (tied: see TIED_ASYNC)."""
+    return tuple(Schedule) if allow_async and not tied else SYNCHRONOUS_SCHEDULES
+
+
+TIED_ASYNC = (
+    "2BW cannot yet run a model with parameters tied between blocks (GPT-2's embedding and LM head): the tied copies "
+    "on two pipeline ranks would need their delayed updates kept in step; use a synchronous schedule, or untie them"
+)
+"""Why a model with tied parameters gets no asynchronous schedule (a 2BW trial of tied GPT-2 hung at pp 2)."""
 
 
 def check_async_allowed(schedules: Iterable[Schedule], allow_async: bool) -> None:

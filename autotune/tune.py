@@ -258,7 +258,7 @@ def tune(
     from autotune.devices import cpu_oversubscription, device_memory_bytes, resolve_device
     from autotune.graph_cache import planning
     from autotune.plan import ensure_feasible, plan
-    from autotune.schedules import allowed_schedules
+    from autotune.schedules import TIED_ASYNC, allowed_schedules
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.shared_study import check_study_name
     from autotune.study_storage import default_worker, open_storage
@@ -286,13 +286,16 @@ def tune(
     )
     incumbent = _incumbent(request, spec, reporter)
     tp_degrees = search_tp_degrees(spec, request.gpus, request.gpus_per_node, request.tensor_parallel_degrees)
+    tied = bool(profile.shared_parameters)
+    if request.allow_async and tied:
+        reporter.warning(f"--allow-async: {TIED_ASYNC}; searching the synchronous schedules only")
     precision = profile.precision  # request.precision, else devices.default_precision: what the profile measured
     link = probed_link(profile.device, intra=request.intra_node_link, inter=request.inter_node_link)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
                        gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
                        data_parallel_modes=request.data_parallel_modes,
-                       schedules=allowed_schedules(request.allow_async))
+                       schedules=allowed_schedules(request.allow_async, tied=tied))
     ensure_feasible(planned)
     options = SearchOptions(
         gpus=request.gpus,
@@ -308,7 +311,7 @@ def tune(
         precision=precision,
         data_parallel_modes=request.data_parallel_modes,
         tensor_parallel_degrees=tp_degrees,
-        schedules=allowed_schedules(request.allow_async),
+        schedules=allowed_schedules(request.allow_async, tied=tied),
         incumbent=incumbent.candidate if incumbent else None,
         worker=request.worker or default_worker(),
         gpus_per_node=request.gpus_per_node,

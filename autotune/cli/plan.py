@@ -163,7 +163,7 @@ def plan_command(
     with errors_to_exit_codes(json_output):
         from autotune.devices import device_memory_bytes, resolve_device
         from autotune.plan import ensure_feasible, plan, recommended_microbatch_range
-        from autotune.schedules import allowed_schedules
+        from autotune.schedules import TIED_ASYNC, allowed_schedules
         from autotune.units import parse_size
 
         gpus, per_node = _ranks(gpus, nodes, gpus_per_node)
@@ -206,10 +206,13 @@ def plan_command(
         link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
         from autotune.graph_cache import planning
 
+        if allow_async and profile.shared_parameters:
+            err_console.print(f"[yellow]warning:[/yellow] --allow-async: {TIED_ASYNC}; planning the synchronous "
+                              "schedules only", highlight=False)
         with err_console.status(f"planning {gpus} ranks..."), planning():
             planned = plan(profile, gpus=gpus, batch_size=batch_size, memory_limit_bytes=limit, link=link,
                            gpus_per_node=per_node, data_parallel_modes=modes, tensor_parallel_degrees=tp_degrees,
-                           schedules=allowed_schedules(allow_async))
+                           schedules=allowed_schedules(allow_async, tied=bool(profile.shared_parameters)))
         ensure_feasible(planned)
         shown = planned[:top]
         if json_output:

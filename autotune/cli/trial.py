@@ -134,7 +134,13 @@ def trial(
         from autotune.devices import cpu_oversubscription, default_precision, resolve_device
         from autotune.errors import UsageError
         from autotune.model_file import check_model, load_model_file
-        from autotune.schedules import check_async_allowed, default_stages_per_rank, parse_schedule
+        from autotune.schedules import (
+            SCHEDULES,
+            TIED_ASYNC,
+            check_async_allowed,
+            default_stages_per_rank,
+            parse_schedule,
+        )
         from autotune.trial import TrialOptions, run_trial
         from autotune.units import parse_size
         from autotune.watchdog import MODEL_CHECK, time_limit
@@ -153,6 +159,8 @@ def trial(
         with time_limit(timeout_s, path=model, what=MODEL_CHECK):
             spec = load_model_file(model, split_at=parse_split_at(split_at))
             check_model(spec, batch_size)
+        if SCHEDULES[chosen].asynchronous and spec.shared:
+            raise UsageError(f"{model}: {TIED_ASYNC}")
         if tensor_parallel > 1:
             from autotune.models import plan_for_degree
 

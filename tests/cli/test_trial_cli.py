@@ -250,6 +250,39 @@ def test_2bw_needs_allow_async_and_replicated_replicas(model_file):
     one_line_error(sharded, "does not run with FSDP2-sharded replicas", "--data-parallel replicate")
 
 
+TIED = """
+import torch
+from torch import nn
+
+def build_model():
+    first, last = nn.Linear(8, 8), nn.Linear(8, 8)
+    last.weight = first.weight  # tied between the first and the last block, as GPT-2's embedding and head
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), last)
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+
+def test_2bw_refuses_a_model_with_tied_parameters_and_plan_leaves_it_out(tmp_path):
+    """Tied copies on two pipeline ranks would need their delayed updates kept in step (a 2BW trial of tied GPT-2
+    hung): the trial is refused in one line before any rank starts, and plan --allow-async warns and plans the
+    synchronous schedules only."""
+    path = tmp_path / "tied.py"
+    path.write_text(TIED)
+    one_line_error(invoke(*trial_args(path)[:-1], "2BW", "--allow-async"), "tied between blocks",
+                   "use a synchronous schedule")
+    planned = invoke("plan", path, "--gpus", 2, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--json",
+                     "--top", 1000, "--allow-async")
+    assert planned.exit_code == 0, planned.output
+    assert "tied between blocks" in " ".join(planned.stderr.split())  # a terminal may wrap it
+    entries = json.loads(planned.stdout)
+    assert entries and not any(entry["schedule"] == "2BW" for entry in entries)
+
+
 @pytest.mark.dist
 def test_a_2bw_trial_runs_its_timed_steps_as_one_window():
     """--allow-async --schedule 2BW on pp 2: it runs, the JSON names the schedule, and the timed steps are one
