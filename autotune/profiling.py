@@ -35,6 +35,13 @@ MAX_DEFAULT_SIZES = 6
 QUICK_BLOCK_MS = 1.0
 QUICK_BLOCK_SAMPLES = 4
 """A block whose forward takes under QUICK_BLOCK_MS gets this many plain / checkpointed samples per round."""
+WINDOW_BLOCKS = 32
+WINDOW_PARAMETER_BYTES = 64 * 2**20
+"""Consecutive blocks measured together (a window) are timed in one pass through all of them, as a stage runs its
+layers: a block timed alone, over and over, runs with its weights and inputs warm in the caches and measured
+13-29 % faster than inside a pass of the model (the mlp recipe's layers at micro-batch 1 on the CPU), so timings
+of small blocks only match a stage's in place. A window holds at most this many blocks and parameter bytes (with a
+memory limit, at most a sixteenth of it), so a model larger than the device is still measured a block at a time."""
 
 
 class ProgressFn(Protocol):
@@ -277,6 +284,22 @@ class _BlockResult:
     """The step works on all its tensors at once (foreach or fused)."""
 
 
+@dataclass(kw_only=True)
+class _Open:
+    """A block of the window being measured: real on the device, what is measured of it alone taken, its timing
+    (in the window's passes) to come."""
+
+    index: int
+    block: nn.Module
+    unit: _Unit | None
+    samples: dict[int, _SizeSamples]
+    optimizer: tuple[float, int, int, bool]
+
+    @property
+    def outputs(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        return {m: samples.outputs for m, samples in self.samples.items()}
+
+
 class _Walk:
     """The blocks in model order: each measured (or its twin's measurement reused), its outputs the next's inputs."""
 
@@ -319,65 +342,85 @@ class _Walk:
 
     def run(self, *, every_block: bool) -> list[_BlockResult]:
         n = self.skeleton.n_blocks
-        results: list[_BlockResult] = []
-        seen: dict[Hashable, _BlockResult] = {}
+        results: dict[int, _BlockResult] = {}
+        seen: dict[Hashable, int] = {}
         carried: dict[int, tuple[torch.Tensor, ...]] | None = dict(self.first)
         specs = {m: [_spec(t) for t in args] for m, args in self.first.items()}
-        for i in range(n):
-            if not self.sizes:
-                break
-            # Input shapes at the smallest size stand for all (they scale with it), and it is the size kept last
-            # when larger ones run out of memory: the signature does not change when sizes are dropped.
-            signature = block_signature(self.skeleton, i, [tuple(specs[self.sizes[0]])])
-            twin = None if every_block else seen.get(signature)
-            if twin is None:
-                inputs = carried if carried is not None else {m: _synthesize(specs[m], self.device, seed=i)
-                                                              for m in self.sizes}
-                result, outputs = self._measure(i, inputs)
-                seen.setdefault(signature, result)
-                carried = outputs if i + 1 < n else None
-            else:
-                result = _BlockResult(**{**twin.__dict__, "index": i})
-                if carried is not None and any(twin.outputs[m] != specs[m] for m in self.sizes):
-                    carried = None  # a block changing shapes was skipped: the next measured one gets made-up inputs
-            results.append(result)
-            specs = result.outputs
-            if self.progress is not None:
-                self.progress(i + 1, n, f"block {i + 1} of {n}" + (" (as an earlier one)" if twin else ""))
+        window: list[_Open] = []
+        try:
+            for i in range(n):
+                if not self.sizes:
+                    break
+                # Input shapes at the smallest size stand for all (they scale with it), and it is the size kept
+                # last when larger ones run out of memory: the signature does not change when sizes are dropped.
+                signature = block_signature(self.skeleton, i, [tuple(specs[self.sizes[0]])])
+                twin = None if every_block else seen.get(signature)
+                if twin is not None or carried is None or not self._has_room(window, i):
+                    self._close(window, results)  # the window ends: a twin's figures must be final to be reused
+                if twin is None:
+                    inputs = carried if carried is not None else {m: _synthesize(specs[m], self.device, seed=i)
+                                                                  for m in self.sizes}
+                    opened = self._open(i, inputs, window)
+                    window.append(opened)
+                    seen.setdefault(signature, i)
+                    carried = opened.outputs if i + 1 < n else None
+                    specs = {m: [_spec(t) for t in opened.outputs[m]] for m in self.sizes}
+                else:
+                    results[i] = _BlockResult(**{**results[twin].__dict__, "index": i})
+                    self._report(i, n, twin=True)
+                    if carried is not None and any(results[twin].outputs[m] != specs[m] for m in self.sizes):
+                        carried = None  # a block changing shapes was skipped: the next measured one gets made-up inputs
+                    specs = results[i].outputs
+            self._close(window, results)
+        finally:
+            self._release(window)
         if not self.sizes:
             raise InfeasibleError(
                 f"{self.spec.path}: even micro-batch size {self.infeasible[0]} runs out of memory for one block "
                 f"on its own{self._limit_text()}; use smaller micro-batches (--micro-batch-size), a smaller model, "
                 f"or a device with more memory"
             )
-        return results
+        return [results[i] for i in range(len(results))]
+
+    def _has_room(self, window: list[_Open], index: int) -> bool:
+        """Whether block `index` may join the window (WINDOW_BLOCKS, WINDOW_PARAMETER_BYTES)."""
+        if not window:
+            return True
+        budget = WINDOW_PARAMETER_BYTES if self.limit is None else min(WINDOW_PARAMETER_BYTES, self.limit // 16)
+        held = sum(self.spec.parameter_bytes[o.index] for o in window)
+        return len(window) < WINDOW_BLOCKS and held + self.spec.parameter_bytes[index] <= budget
+
+    def _report(self, index: int, n: int, *, twin: bool) -> None:
+        if self.progress is not None:
+            self.progress(index + 1, n, f"block {index + 1} of {n}" + (" (as an earlier one)" if twin else ""))
 
     def _limit_text(self) -> str:
         if self.limit is None:
             return ""
         return f" under the memory limit of {format_bytes(self.limit)} (--memory-limit)"
 
-    def _measure(
-        self, index: int, inputs: dict[int, tuple[torch.Tensor, ...]]
-    ) -> tuple[_BlockResult, dict[int, tuple[torch.Tensor, ...]]]:
-        """Materialise block `index`, measure it at every size that still fits, release it."""
+    def _open(self, index: int, inputs: dict[int, tuple[torch.Tensor, ...]], window: list[_Open]) -> _Open:
+        """Materialise block `index` beside the window's and take what is measured of it alone: its optimizer step
+        and, per size that still fits, its tracked step, saved bytes and outputs (the next block's inputs). Under a
+        memory limit the window's other blocks' parameters do not count against it: alone, the block would not
+        hold them."""
         spec, skeleton = self.spec, self.skeleton
         materialize(skeleton.model, skeleton.blocks, skeleton.names, [index], device=self.device,
                     init_weights=spec.init_weights, seed=SEED)
         block = skeleton.blocks[index]
+        held = sum(spec.parameter_bytes[o.index] for o in window)
         try:
             stage = skeleton.stage(index, index + 1).to(self.device)
             stage.train()
             unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1, autocast=self.autocast)
             own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
-            optimizer_ms, state_bytes, peak_bytes, grouped = self._optimizer(index, own, unit)
+            optimizer = self._optimizer(index, own, unit, held)
             samples: dict[int, _SizeSamples] = {}
-            outputs: dict[int, tuple[torch.Tensor, ...]] = {}
             for m in list(self.sizes):
                 try:
                     samples[m] = _SizeSamples(unit, self._inputs(index, inputs[m], m), self._loss(unit, m),
-                                              self.clock, track_limit=self.limit if self.device.type == "cpu"
-                                              else None)
+                                              self.clock, track_limit=self.limit + held
+                                              if self.limit is not None and self.device.type == "cpu" else None)
                 except (ModelFileError, UsageError):
                     raise
                 except Exception as exc:  # the user's model can raise anything
@@ -385,39 +428,74 @@ class _Walk:
                         raise self._failed(index, m, exc) from exc
                     self._drop_from(m, index, exc)
                     break
-                outputs[m] = samples[m].outputs
             unit.zero_grad(set_to_none=True)
-            for _ in range(self.repeats):  # round-robin: interference slows every size a little, not one a lot
-                for m in self.sizes:
-                    samples[m].sample(with_checkpoint=True)
-            result = _BlockResult(
-                index=index,
-                sizes={m: samples[m].result() for m in self.sizes},
-                outputs={m: [_spec(t) for t in outputs[m]] for m in self.sizes},
-                parameter_groups=sum(1 for module in block.modules()
+        except BaseException:
+            self._release([_Open(index=index, block=block, unit=None, samples={}, optimizer=(0.0, 0, 0, False))])
+            raise
+        return _Open(index=index, block=block, unit=unit, samples=samples, optimizer=optimizer)
+
+    def _close(self, window: list[_Open], results: dict[int, _BlockResult]) -> None:
+        """Time the window's blocks in place (WINDOW_BLOCKS): per round and size, one untimed pass through all of
+        them, a timed full one and a timed input-grad one, then each block plain and checkpointed as a stage; then
+        release them. A window that runs out of memory at some size is timed a block at a time instead."""
+        if not window:
+            return
+        try:
+            self._rounds([window])
+        except Exception as exc:
+            if len(window) == 1 or not is_out_of_memory(exc):
+                raise
+            logger.info("blocks %s-%s run out of memory timed together; timing them one at a time: %s",
+                        window[0].index, window[-1].index, exc)
+            for opened in window:
+                for samples in opened.samples.values():
+                    samples.clear()
+            self._rounds([[opened] for opened in window])
+        n = self.skeleton.n_blocks
+        for opened in window:
+            optimizer_ms, state_bytes, peak_bytes, grouped = opened.optimizer
+            results[opened.index] = _BlockResult(
+                index=opened.index,
+                sizes={m: opened.samples[m].result() for m in self.sizes},
+                outputs={m: [_spec(t) for t in opened.samples[m].outputs] for m in self.sizes},
+                parameter_groups=sum(1 for module in opened.block.modules()
                                      if next(module.parameters(recurse=False), None) is not None),
                 optimizer_ms=optimizer_ms,
                 optimizer_state_bytes=state_bytes,
                 optimizer_peak_bytes=peak_bytes,
                 optimizer_grouped=grouped,
             )
-            kept = {m: tuple(t.detach() for t in outputs[m]) for m in self.sizes}
-            del samples, outputs, unit, stage
-        finally:
-            gc.collect()  # graphs and optimizer state held in reference cycles let go of the parameters
-            for p in block.parameters():
+            self._report(opened.index, n, twin=False)
+        self._release(window)
+        window.clear()
+
+    def _rounds(self, chains: list[list[_Open]]) -> None:
+        for _ in range(self.repeats):  # round-robin: interference slows every size a little, not one a lot
+            for m in self.sizes:
+                for chain in chains:
+                    _sample_chain([opened.samples[m] for opened in chain], self.clock)
+
+    def _release(self, window: list[_Open]) -> None:
+        """Let go of the blocks' parameters (and the graphs and optimizer state that hold them)."""
+        for opened in window:
+            opened.samples.clear()
+            opened.unit = None
+        gc.collect()  # graphs and optimizer state held in reference cycles let go of the parameters
+        for opened in window:
+            for p in opened.block.parameters():
                 p.grad = None
                 release(p)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        return result, kept
+        if window and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def _optimizer(self, index: int, params: list[nn.Parameter], unit: _Unit) -> tuple[float, int, int, bool]:
+    def _optimizer(
+        self, index: int, params: list[nn.Parameter], unit: _Unit, held: int
+    ) -> tuple[float, int, int, bool]:
         """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a
         memory limit on CPU, the block's parameters, gradients and state must fit under it (on CUDA the allocator
-        enforces it)."""
+        enforces it); held: the window's other blocks' parameter bytes, not counted."""
         try:
-            limit = self.limit * self.state_shards if self.limit is not None else None
+            limit = self.limit * self.state_shards + held if self.limit is not None else None
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
                                       limit=limit if self.device.type == "cpu" else None)
         except Exception as exc:
@@ -624,28 +702,24 @@ class _SizeSamples:
         _unit_pass(unit, (self.args, self.side), loss, clock, checkpointed=True)
         unit.zero_grad(set_to_none=True)
 
-    def _pass(self, *, full: bool) -> tuple[float, float, float, float]:
+    def _pass(self, *, full: bool) -> tuple[list[float], float, list[float], float]:
         args = self.args if full else self.partial_args
-        return _timed_pass(self.unit, (args, self.side), self.loss, self.clock, full=full)
+        return _chain_pass([self.unit], (args, self.side), self.loss, self.clock, full=full)
 
-    def sample(self, *, with_checkpoint: bool) -> None:
-        """One round: a full and an input-grad-only pass (with an untimed full pass first, as the previous round
-        ran another size); with_checkpoint: also the block plain and checkpointed as a stage."""
-        self._pass(full=True)
-        for is_full, into in ((True, self.full), (False, self.partial)):
-            f, lf, b, lb = self._pass(full=is_full)
-            self.forward.append(f)
-            into.append(b)
-            self.loss_forward.append(lf)
-            if is_full:
-                self.loss_backward.append(lb)
-        if with_checkpoint:
-            inputs = (self.args, self.side)
-            # A block of well under a millisecond is easily hit by the machine's other work: more samples of it.
-            quick = bool(self.forward) and min(self.forward) < QUICK_BLOCK_MS
-            for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
-                self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
-                self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
+    def clear(self) -> None:
+        """Forget the timings taken so far (the window is timed again another way)."""
+        for times in (self.forward, self.full, self.partial, self.loss_forward, self.loss_backward, self.plain,
+                      self.checkpointed):
+            times.clear()
+
+    def sample_checkpoint(self) -> None:
+        """The block plain and checkpointed as a stage (what the checkpointing ratios come from)."""
+        inputs = (self.args, self.side)
+        # A block of well under a millisecond is easily hit by the machine's other work: more samples of it.
+        quick = bool(self.forward) and min(self.forward) < QUICK_BLOCK_MS
+        for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
+            self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
+            self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
         self.unit.zero_grad(set_to_none=True)
 
     def result(self) -> _SizeResult:
@@ -722,51 +796,86 @@ def _checkpoint_ratios(
     return ratio, max(0.0, extra)
 
 
-def _timed_pass(
-    unit: _Unit,
+def _sample_chain(chain: Sequence[_SizeSamples], clock: _Clock) -> None:
+    """One round of a window at one size: an untimed pass through its blocks (the previous round ran another
+    size), a timed full pass and a timed input-grad pass, each block's times taken in place; then each block plain
+    and checkpointed on its own."""
+    first, last = chain[0], chain[-1]
+    units = [samples.unit for samples in chain]
+    _chain_pass(units, (first.args, first.side), last.loss, clock, full=True)
+    for full in (True, False):
+        forward, loss_forward, backward, loss_backward = _chain_pass(
+            units, (first.args if full else first.partial_args, first.side), last.loss, clock, full=full)
+        for samples, f, b in zip(chain, forward, backward):
+            samples.forward.append(f)
+            (samples.full if full else samples.partial).append(b)
+        last.loss_forward.append(loss_forward)
+        if full:
+            last.loss_backward.append(loss_backward)
+    for samples in chain:
+        samples.sample_checkpoint()
+
+
+def _chain_pass(
+    units: Sequence[_Unit],
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     loss_fn: Callable[[Any], torch.Tensor],
     clock: _Clock,
     *,
     full: bool,
-) -> tuple[float, float, float, float]:
-    """One forward and one backward of the block, with timestamps at its boundaries: (forward, loss forward,
-    backward, loss backward) ms.
+) -> tuple[list[float], float, list[float], float]:
+    """One forward and one backward through consecutive blocks (each a one-block stage, the one's outputs the
+    next's inputs), with timestamps at each block's boundaries: (forward per block, loss forward, backward per
+    block, loss backward) ms.
 
-    Forward: the block's pre-hook and hook (what a stage computes once for all its layers, a Hugging Face layer's
-    masks and rotary embeddings, is computed before the pre-hook: it is not the layer's). Backward: a hook on the
-    block's output fires when backward enters the block; the block's backward ends when backward returns.
+    Forward: each block's pre-hook and hook (what a stage computes once for all its layers, a Hugging Face layer's
+    masks and rotary embeddings, is computed before the pre-hook: it is not the layer's). Backward: a hook on a
+    block's output fires when backward enters the block; the block's backward ends when the previous block's output
+    hook fires (the first block's, when backward returns).
 
-        forward   |pre ... post| loss |
-        backward  |bwd start| loss |grad| block |end|
+        forward   |pre0 ... post0|pre1 ... post1| ... |postN-1| loss |
+        backward  |bwd start| loss |gradN-1| block N-1 |gradN-2| ... |grad0| block 0 |end|
 
-    full=False asks torch.autograd.grad for the gradients of the float inputs only (a stage's received
-    activations), so the backward computes input gradients and skips weight gradients; a block whose inputs are
-    token ids gets 0 input-grad time."""
-    marks: dict[str, Any] = {}
+    full=False asks torch.autograd.grad for the gradients of the first block's float inputs (a stage's received
+    activations), or, without any, of the first block output that has one, so the backward computes input
+    gradients and skips weight gradients; the blocks before that output (an embedding of token ids) get 0."""
+    n = len(units)
+    marks: list[dict[str, Any]] = [{} for _ in range(n)]
     args, side = inputs
-    block = unit.block
-    handles = [
-        block.register_forward_pre_hook(_prepare_context, with_kwargs=True),
-        block.register_forward_pre_hook(lambda module, a: marks.__setitem__("pre", clock.mark())),
-        block.register_forward_hook(_post_hook(marks, clock)),
-    ]
+    handles = []
+    for unit, block_marks in zip(units, marks):
+        handles += [
+            unit.block.register_forward_pre_hook(_prepare_context, with_kwargs=True),
+            unit.block.register_forward_pre_hook(lambda module, a, into=block_marks: into.__setitem__(
+                "pre", clock.mark())),
+            unit.block.register_forward_hook(_post_hook(block_marks, clock)),
+        ]
     try:
-        output = unit(args, side)
+        outputs: list[list[torch.Tensor]] = []
+        x = args
+        for unit in units:
+            output = unit(x, side)
+            outputs.append(_flat(output))
+            x = tuple(outputs[-1])
         loss_start = clock.mark()
         loss = loss_fn(output)
         loss_end = clock.mark()
-        if unit.last and not loss.requires_grad:
+        if units[-1].last and not loss.requires_grad:
             raise ModelFileError(
                 "the loss does not depend on any parameter (requires_grad is False); build_model() must return "
                 "layers with trainable parameters"
             )
+        first_timed = 0
         backward_start = clock.mark()
         if loss.requires_grad:
             if full:
                 loss.backward()
             else:
                 wanted = [a for a in args if a.requires_grad]
+                if not wanted:
+                    first_timed = next((k + 1 for k, out in enumerate(outputs) if any(t.requires_grad for t in out)),
+                                       n)
+                    wanted = [t for t in outputs[first_timed - 1] if t.requires_grad] if first_timed <= n - 1 else []
                 if wanted:
                     torch.autograd.grad(loss, wanted)
         backward_end = clock.mark()
@@ -774,10 +883,18 @@ def _timed_pass(
         for handle in handles:
             handle.remove()
     clock.sync()
-    grad = marks.get("grad")
-    backward_ms = clock.ms(grad, backward_end) if grad is not None else 0.0
-    loss_backward_ms = clock.ms(backward_start, grad) if grad is not None else 0.0
-    return clock.ms(marks["pre"], marks["post"]), clock.ms(loss_start, loss_end), backward_ms, loss_backward_ms
+    backward_ms = []
+    for k in range(n):
+        grad = marks[k].get("grad")
+        end = marks[k - 1].get("grad") if k > first_timed else None
+        if k < first_timed or grad is None:
+            backward_ms.append(0.0)
+        else:
+            backward_ms.append(clock.ms(grad, end if end is not None else backward_end))
+    last_grad = marks[-1].get("grad")
+    loss_backward_ms = clock.ms(backward_start, last_grad) if last_grad is not None else 0.0
+    return ([clock.ms(m["pre"], m["post"]) for m in marks], clock.ms(loss_start, loss_end), backward_ms,
+            loss_backward_ms)
 
 
 def _prepare_context(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
