@@ -270,6 +270,9 @@ class Measurement:
     plus the CUDA context and NCCL's buffers, and other processes on a shared card); () on CPU."""
     loss: float | None = None
     """Mean loss of the last measured step."""
+    losses: tuple[float, ...] = ()
+    """Mean loss of every step the trial trained, warm-up steps first, in order (2BW's one step late: its steps
+    train on weights one version old); () for measurements from before it was recorded."""
     error: TrialError | None = None
     wall_time_s: float = 0.0
     """The whole trial, launch to teardown, as the parent saw it."""
@@ -291,6 +294,7 @@ class Measurement:
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "peak_activation_bytes": list(self.peak_activation_bytes),
             "loss": self.loss,
+            "losses": list(self.losses),
             "step_times_ms": list(self.step_times_ms),
             "wall_time_s": self.wall_time_s,
             "phases_s": dict(self.phases_s),
@@ -315,6 +319,7 @@ class Measurement:
             peak_memory_bytes=tuple(data.get("peak_memory_bytes", ())),
             peak_activation_bytes=tuple(data.get("peak_activation_bytes", ())),
             loss=data.get("loss"),
+            losses=tuple(data.get("losses") or ()),
             error=TrialError(**error) if error else None,
             wall_time_s=float(data.get("wall_time_s", 0.0)),
             phases_s=dict(data.get("phases_s", {})),

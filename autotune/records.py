@@ -43,6 +43,8 @@ class TrialRecord:
     """Measured median step time."""
     peak_memory_bytes: tuple[int, ...] = ()
     """Measured peak memory per global rank."""
+    losses: tuple[float, ...] = ()
+    """Measured mean loss of every step the run trained, in order (Measurement.losses); () when not recorded."""
     predicted_throughput_samples_per_s: float | None = None
     """The simulator's throughput."""
     predicted_peak_memory_bytes: tuple[int, ...] = ()

@@ -435,6 +435,7 @@ def record_from_attrs(number: int, attrs: Mapping[str, Any], state: TrialState |
         throughput_samples_per_s=measurement.get("throughput_samples_per_s"),
         step_time_ms=measurement.get("step_time_ms"),
         peak_memory_bytes=tuple(measurement.get("peak_memory_bytes", ())),
+        losses=tuple(measurement.get("losses") or ()),
         predicted_throughput_samples_per_s=predicted.get("throughput_samples_per_s"),
         predicted_peak_memory_bytes=tuple(predicted.get("peak_memory_bytes", ())),
         phase=attrs.get(PHASE, "explore"),

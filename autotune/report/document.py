@@ -13,6 +13,7 @@ from autotune.records import TrialRecord
 from autotune.report.facts import ReportFacts
 from autotune.report.figures import FigureImage, is_repeat
 from autotune.report.measures import describe_gain
+from autotune.schedules import SCHEDULES
 from autotune.simulate import Estimate
 from autotune.tuned_config import mask_password
 from autotune.units import format_bytes
@@ -130,7 +131,11 @@ def _summary(facts: ReportFacts) -> list[Block]:
         text += "; it *is* the rule-of-thumb default: nothing the search tried beat it"
     elif gain is not None:
         text += f"; the rule-of-thumb default `{gain.default.key}` could not run ({gain.note})"
-    blocks: list[Block] = [Paragraph(text + ".")]
+    text += "."
+    if SCHEDULES[c.schedule].asynchronous:  # its speed is not the whole story: say so beside it
+        text += (f" **It is asynchronous**: {c.schedule.value} trains each step on weights one step old, so its "
+                 f"training differs from a synchronous schedule's; read the first warning below before adopting it.")
+    blocks: list[Block] = [Paragraph(text)]
     if facts.estimate is not None:
         blocks.append(_glance(facts, chosen, facts.estimate))
     return blocks

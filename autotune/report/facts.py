@@ -13,6 +13,7 @@ from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
     Gain,
+    LossCurve,
     ParallelismBest,
     RunMemory,
     StageBalance,
@@ -20,6 +21,7 @@ from autotune.report.measures import (
     bm_curves,
     compare_with_default,
     leader_memory,
+    loss_curves,
     ms_per_sample,
     parallelism_comparison,
 )
@@ -76,6 +78,9 @@ class ReportFacts:
     parallelisms: tuple[ParallelismBest, ...] = ()
     """Pipeline or FSDP: the best measured run of each kind of parallelism the search asked about (measures.
     parallelism_comparison); empty when it asked about one kind."""
+    loss_curves: tuple[LossCurve, ...] = ()
+    """Loss per step of the fastest asynchronous (2BW) configuration and of the fastest synchronous one (measures.
+    loss_curves); empty without a 2BW run that recorded its losses."""
 
 
 def gather_facts(
@@ -115,7 +120,8 @@ def gather_facts(
     curves, recommended = bm_curves(predict, gpus, batch, chosen.candidate if chosen else None)
     rivals = leader_memory(result, chosen)
     chosen_runs = len(result.leaders[0].step_times_ms) if chosen and result.leaders else 0
-    warnings = warnings_for(result, chosen, batchnorm_layers, config_candidate, config_path)
+    losses = loss_curves(result)
+    warnings = warnings_for(result, chosen, batchnorm_layers, config_candidate, config_path, losses)
     per_sample = (
         (ms_per_sample(profile, chosen.candidate), ms_per_sample(profile, result.default))
         if chosen and result.default else None
@@ -154,6 +160,7 @@ def gather_facts(
         exports=tuple(exports),
         batchnorm_layers=tuple(batchnorm_layers),
         parallelisms=parallelism_comparison(result),
+        loss_curves=losses,
     )
 
 

@@ -11,10 +11,11 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from autotune.candidate import Candidate
 from autotune.records import TrialRecord
-from autotune.report.measures import Curve, RunMemory, StageBalance
+from autotune.report.measures import Curve, LossCurve, RunMemory, StageBalance
 from autotune.schedules import Schedule
 from autotune.simulate import TimelineEvent
 
@@ -437,6 +438,41 @@ def stage_balance(balance: StageBalance) -> FigureImage:
         "chosen one. The slowest rank sets the pipeline's pace; dotted lines are the mean rank."
     )
     return _image("stage_balance", "Stage balance", caption, figure, width, height)
+
+
+# --- loss per step -----------------------------------------------------------------------------------------------
+
+
+def loss_per_step(curves: Sequence[LossCurve]) -> FigureImage:
+    """The fastest asynchronous (2BW) configuration's loss per trained step beside the fastest synchronous one's,
+    on one axis: how its stale gradients change what the trial's steps computed."""
+    figure, width, height = _new(4.6)
+    ax = figure.add_axes((0.08, 0.27, 0.9, 0.63))
+    for curve in curves:
+        c = curve.candidate
+        kind = "asynchronous" if curve.asynchronous else "synchronous"
+        ax.plot(range(1, len(curve.losses) + 1), curve.losses, marker="o", markersize=4,
+                linestyle="--" if curve.asynchronous else "-", color=SCHEDULE_COLOURS[c.schedule],
+                label=f"{kind}, trial {curve.trial}: {_short(c.key, 80)}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step trained (warm-up steps first)")
+    ax.set_ylabel("loss (mean over the step's micro-batches)")
+    stale = next(curve for curve in curves if curve.asynchronous).candidate.schedule.value
+    ax.set_title(f"Loss per step: the fastest {stale} config"
+                 + (" and the fastest synchronous one" if len(curves) > 1 else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize=8, frameon=False)
+    caption = (
+        "Every trial trains the same batch from the same initial weights, warm-up steps and timed steps alike; each "
+        "point is one step's loss, the mean over its micro-batches (and replicas). Synchronous schedules follow one "
+        f"curve (up to float rounding). {stale} computes each step's gradient on the weights one version old "
+        "(W(t+1) = W(t) - lr * grad f(W(t-1))): its first two steps train the same weights and its curve departs "
+        "from the synchronous one. A few steps on one repeated batch say nothing about convergence on real data: "
+        "see the warning above."
+        + (f" The {stale} trial trains more steps: its warm-up ends with a window as long as its timed one."
+           if len({len(curve.losses) for curve in curves}) > 1 else "")
+    )
+    return _image("loss_per_step", "Loss per step", caption, figure, width, height)
 
 
 # --- search history ----------------------------------------------------------------------------------------------

@@ -13,7 +13,14 @@ from autotune.errors import AutotuneError
 from autotune.partition import balanced_split, part_costs
 from autotune.plan import PlannedCandidate, recommended_microbatch_range
 from autotune.records import SearchResult, TrialRecord
-from autotune.schedules import SYNCHRONOUS_SCHEDULES, Schedule, default_stages_per_rank, stage_ranks, validate_schedule
+from autotune.schedules import (
+    SCHEDULES,
+    SYNCHRONOUS_SCHEDULES,
+    Schedule,
+    default_stages_per_rank,
+    stage_ranks,
+    validate_schedule,
+)
 from autotune.simulate import Estimate, Predictor
 
 GainBasis = Literal["measured", "predicted"]
@@ -266,6 +273,47 @@ def parallelism_comparison(result: SearchResult) -> tuple[ParallelismBest, ...]:
             pruned=sum(1 for r in records if r.outcome == "pruned"),
         ))
     return tuple(rows)
+
+
+# --- loss per step (asynchronous schedules) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossCurve:
+    """One run's mean loss per trained step, for comparing an asynchronous schedule's training with a synchronous
+    one's: every trial trains the same batch from the same initial weights, so synchronous schedules follow one
+    curve and 2BW, its gradients one step stale, another."""
+
+    candidate: Candidate
+    trial: int
+    """The trial number of the run."""
+    losses: tuple[float, ...]
+    """Per step, warm-up steps first."""
+
+    @property
+    def asynchronous(self) -> bool:
+        return SCHEDULES[self.candidate.schedule].asynchronous
+
+
+def asynchronous_leaders(result: SearchResult) -> list[Candidate]:
+    """Configurations of an asynchronous schedule (2BW) that ran ok, fastest first: what a user might adopt."""
+    return [leader.candidate for leader in result.leaders if SCHEDULES[leader.candidate.schedule].asynchronous]
+
+
+def loss_curves(result: SearchResult) -> tuple[LossCurve, ...]:
+    """The fastest asynchronous configuration's loss per step, then the fastest synchronous one's (when one ran), each
+    from its first run that recorded its losses; empty when no asynchronous configuration ran ok with its losses
+    recorded (a search without 2BW, or one stored before trials recorded them)."""
+    curves: dict[bool, LossCurve] = {}
+    for leader in result.leaders:  # fastest first
+        kind = SCHEDULES[leader.candidate.schedule].asynchronous
+        run = next((r for r in result.records
+                    if r.candidate == leader.candidate and r.outcome == "ok" and r.launched and r.losses), None)
+        if kind not in curves and run is not None:
+            curves[kind] = LossCurve(candidate=leader.candidate, trial=run.number, losses=run.losses)
+    if True not in curves:
+        return ()
+    return tuple(curves[kind] for kind in (True, False) if kind in curves)
 
 
 # --- memory of the leaders ---------------------------------------------------------------------------------------

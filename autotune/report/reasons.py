@@ -13,13 +13,15 @@ from autotune.costs import Profile
 from autotune.errors import AutotuneError
 from autotune.plan import PlannedCandidate, plan
 from autotune.records import SearchResult, TrialRecord
-from autotune.report.measures import Gain, StageBalance, percent
-from autotune.schedules import Schedule
+from autotune.report.measures import Gain, LossCurve, StageBalance, asynchronous_leaders, percent
+from autotune.schedules import SCHEDULES, Schedule
 from autotune.simulate import Estimate, LinkModel, Predictor
 from autotune.tuned_config import mask_password
 from autotune.units import format_bytes
 
-WarningKind = Literal["batchnorm", "oom_neighbour", "too_noisy", "interrupted", "no_result", "config_differs"]
+WarningKind = Literal[
+    "batchnorm", "oom_neighbour", "too_noisy", "interrupted", "no_result", "config_differs", "asynchronous"
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,9 +234,11 @@ def warnings_for(
     batchnorm_layers: Sequence[str],
     config_candidate: Candidate | None,
     config_path: str | None,
+    loss_curves: Sequence[LossCurve] = (),
 ) -> tuple[ReportWarning, ...]:
     """Each warning whose condition holds: nothing ran, interrupted, BatchNorm over micro-batches, an OOM next to
-    the choice, leaders within noise, a config file that kept an earlier choice."""
+    the choice, leaders within noise, a config file that kept an earlier choice, an asynchronous schedule (2BW) that
+    ran ok: first when it is the choice, last otherwise."""
     warnings = []
     if chosen is None:
         counts = _outcome_counts(result.records)
@@ -285,7 +289,54 @@ def warnings_for(
             text=f"The config file keeps `{config_candidate.key}`; the search's best was `{chosen.candidate.key}` but "
             f"did not beat it by the required margin (--min-improvement).",
         ))
+    stale = _asynchronous_warning(result, chosen, loss_curves)
+    if stale is not None:
+        chosen_is_stale = chosen is not None and SCHEDULES[chosen.candidate.schedule].asynchronous
+        warnings.insert(0 if chosen_is_stale else len(warnings), stale)
     return tuple(warnings)
+
+
+def _asynchronous_warning(
+    result: SearchResult, chosen: Measurement | None, loss_curves: Sequence[LossCurve]
+) -> ReportWarning | None:
+    """A 2BW configuration ran ok: it is fast partly because it changes what training computes, which a few trial
+    steps on one batch cannot judge; say so in words, with the measured curves when the trials recorded them."""
+    found = asynchronous_leaders(result)
+    if not found:
+        return None
+    if chosen is not None and SCHEDULES[chosen.candidate.schedule].asynchronous:
+        c = chosen.candidate
+        title = f"The chosen config is asynchronous ({c.schedule.value}): it trains on weights one step old"
+        lead = f"The chosen config `{c.key}` runs **{c.schedule.value}**, an asynchronous schedule."
+        adopt = "Before adopting it"
+    else:
+        c = found[0]
+        title = f"Asynchronous {c.schedule.value} ran too: it trains on weights one step old"
+        lead = (f"{len(found)} configuration{'s' if len(found) != 1 else ''} of the asynchronous schedule "
+                f"**{c.schedule.value}** ran (the fastest: `{c.key}`); the chosen config is synchronous.")
+        adopt = f"Before adopting a {c.schedule.value} config"
+    figure = ""
+    stale = next((curve for curve in loss_curves if curve.asynchronous), None)
+    synchronous = next((curve for curve in loss_curves if not curve.asynchronous), None)
+    if stale is not None:
+        figure = (f" (figure *Loss per step*: over the {len(stale.losses)} steps of trial {stale.trial} its loss went "
+                  f"from {stale.losses[0]:.4g} to {stale.losses[-1]:.4g}")
+        if synchronous is not None:
+            figure += (f"; the fastest synchronous config `{synchronous.candidate.key}`'s, over "
+                       f"{len(synchronous.losses)} steps, from {synchronous.losses[0]:.4g} to "
+                       f"{synchronous.losses[-1]:.4g}")
+        figure += ")"
+    text = (
+        f"{lead} PipeDream-2BW updates the weights one step late: each step's gradient is computed on the weights "
+        f"one version old, W(t+1) = W(t) - lr * grad f(W(t-1)), where a synchronous schedule uses grad f(W(t)). "
+        f"Its loss per step therefore differs from synchronous training{figure}. A trial trains only a few steps "
+        f"on one repeated batch: that cannot show whether training converges as well, or to as good a loss. "
+        f"**{adopt}, train your own model with it** long enough to compare its loss with a synchronous schedule's "
+        f"(same data, same learning rate); the staleness may call for a lower learning rate or a longer warm-up. "
+        f"Exports to torchtitan, DeepSpeed and Megatron refuse it (none of them has an asynchronous schedule): run "
+        f"it with `autotune.runtime.setup_pipeline` in your training script."
+    )
+    return ReportWarning(kind="asynchronous", title=title, text=text)
 
 
 def oom_neighbours(chosen: Candidate, records: Sequence[TrialRecord]) -> list[TrialRecord]:

@@ -18,6 +18,7 @@ from autotune.report.facts import ReportFacts, gather_facts
 from autotune.report.figures import (
     FigureImage,
     MeasuredPoint,
+    loss_per_step,
     memory_per_rank,
     pipeline_timeline,
     search_history,
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FIGURE_NAMES = ("throughput_vs_bm", "timeline", "stage_balance", "memory_per_rank", "search_history")
+FIGURE_NAMES = ("loss_per_step", "throughput_vs_bm", "timeline", "stage_balance", "memory_per_rank", "search_history")
+"""Every figure a report may draw (loss_per_step only when an asynchronous configuration ran)."""
 _EXPORTS = (("torchtitan", "toml"), ("deepspeed", "json"), ("megatron", "bash"))
 
 
@@ -91,6 +93,8 @@ def draw_figures(facts: ReportFacts) -> list[FigureImage]:
     result = facts.result
     chosen = facts.chosen
     figures = []
+    if facts.loss_curves:  # first: whether 2BW trains as the user needs decides before its speed matters
+        figures.append(loss_per_step(facts.loss_curves))
     measured = [
         MeasuredPoint(schedule=r.candidate.schedule, n_microbatches=r.candidate.n_microbatches,
                       data_parallel_degree=r.candidate.data_parallel_degree,

@@ -335,6 +335,8 @@ def measure(
         per_step = [max(steps) for steps in zip(*(r["step_times_ms"] for r in per_rank))]
         step_ms = statistics.median(per_step)
         losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+        # Each replica's last stage trains its own rows: a step's loss is their mean, as `loss` is.
+        step_losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank if r.get("losses")))]
         wire_errors = [r["wire_grad_rel_error"] for r in per_rank if r.get("wire_grad_rel_error") is not None]
         phases = {k: max(r["phases_s"].get(k, 0.0) for r in per_rank) for k in per_rank[0]["phases_s"]}
         return Measurement(
@@ -347,6 +349,7 @@ def measure(
             peak_reserved_bytes=tuple(int(r["peak_reserved_bytes"]) for r in per_rank if "peak_reserved_bytes" in r),
             device_used_bytes=tuple(int(r["device_used_bytes"]) for r in per_rank if "device_used_bytes" in r),
             loss=sum(losses) / len(losses) if losses else None,
+            losses=tuple(step_losses),
             phases_s=phases,
             wire_grad_rel_error=max(wire_errors) if wire_errors else None,
             rank_nodes=_rank_nodes(outcomes),

@@ -145,33 +145,37 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     wire_error = None
     if job.measure_wire_error and measures_wire_error(candidate):
         wire_error, peak_bytes = _measured(lambda: _wire_grad_error(pipe, batch), job, device)
+    # Every trained step's micro-batch losses, in order (empty lists off the last stage): kept as tensors and read
+    # only after the timed steps, so that reading them adds no device sync to what is timed.
+    step_losses: list[list[torch.Tensor]] = []
     for i in range(n_warmup):
         if i == n_warmup - 1:
-            step_peak, activation_bytes = _tracked_step(pipe, batch, job, device)
+            step_peak, activation_bytes, losses = _tracked_step(pipe, batch, job, device)
             peak_bytes = max(peak_bytes, step_peak)
+            step_losses.append(losses)
         else:
-            pipe.step(batch)
+            step_losses.append(pipe.step(batch))
     # The tracked step runs every operator through Python and disturbs caches and the allocator: the first step
     # after it ran ~1.5x slower here. One more untracked step before timing; for 2BW a window as long as the timed
     # one, whose first run builds torch's schedule of that many steps (shape inference, link warm-up).
     window = job.steps if pipe.weight_versions is not None else 1
-    pipe.train_steps([batch] * window)
+    step_losses += pipe.train_steps([batch] * window)
     phases["warmup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     step_times_ms: list[float] = []
-    losses: list[torch.Tensor] = []
     # 2BW runs the timed steps as one window (no flush between them): one time, the window's over its steps, which
     # pays the pipeline's fill and drain once; a synchronous schedule pays them in every step. The window's own
     # schedule is not tracked (its actions are not one step's list): a hang in it is attributed by the stacks.
     for _ in range(job.steps // window):
         dist.barrier()  # all ranks start the step together, so each rank's time covers the same step
         start = time.perf_counter()
-        losses = pipe.train_steps([batch] * window)[-1]
+        step_losses += pipe.train_steps([batch] * window)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times_ms.append((time.perf_counter() - start) * 1000 / window)
     phases["steps"] = time.perf_counter() - t0
+    per_step = [float(torch.stack(losses).float().mean()) for losses in step_losses if losses]
 
     cuda_memory = _cuda_memory(device)
     t0 = time.perf_counter()
@@ -185,7 +189,8 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
         "median_step_time_ms": statistics.median(step_times_ms) if step_times_ms else None,
         "peak_memory_bytes": peak_bytes,
         "peak_activation_bytes": activation_bytes,
-        "loss": float(torch.stack(losses).float().mean()) if losses else None,
+        "loss": per_step[-1] if per_step else None,
+        "losses": per_step or None,
         "phases_s": phases,
         "wire_grad_rel_error": wire_error,
     }
@@ -265,21 +270,24 @@ def _measured(run: Callable[[], T], job: RankJob, device: torch.device) -> tuple
     return result, tracker.peak_bytes
 
 
-def _tracked_step(pipe: RankPipeline, batch: RankBatch, job: RankJob, device: torch.device) -> tuple[int, int]:
-    """One step, measured: (peak memory bytes, peak saved-activation bytes) of this rank. The rank's micro-batches
-    are on the device already (counted in the peak, as a loader's prefetched batch is); the micro-batches the first
-    stage saves are views of them, excluded from the activations: they are there whatever the schedule."""
+def _tracked_step(
+    pipe: RankPipeline, batch: RankBatch, job: RankJob, device: torch.device
+) -> tuple[int, int, list[torch.Tensor]]:
+    """One step, measured: (peak memory bytes, peak saved-activation bytes, the step's micro-batch losses) of this
+    rank. The rank's micro-batches are on the device already (counted in the peak, as a loader's prefetched batch
+    is); the micro-batches the first stage saves are views of them, excluded from the activations: they are there
+    whatever the schedule."""
     activations = SavedActivationBytes(exclude=[*pipe.parameters(), *batch.tensors()])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with activations:
-            pipe.step(batch)
+            losses = pipe.step(batch)
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device)), activations.peak_bytes
+        return int(torch.cuda.max_memory_allocated(device)), activations.peak_bytes, losses
     with LiveTensorBytes(limit_bytes=job.memory_limit_bytes) as tracker, activations:
-        pipe.step(batch)
-    return tracker.peak_bytes, activations.peak_bytes
+        losses = pipe.step(batch)
+    return tracker.peak_bytes, activations.peak_bytes, losses
 
 
 def _classify(rank: int, exc: BaseException) -> dict[str, Any]:

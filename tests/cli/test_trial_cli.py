@@ -184,6 +184,9 @@ def test_trial_json_in_a_real_subprocess():
         assert key in data
     assert data["status"] == "ok" and data["error"] is None
     assert data["layers_per_stage"] == [2, 2, 2, 2] and len(data["peak_memory_bytes"]) == 2
+    # every step trained has its loss (1 warm-up, 1 untracked, 2 timed); each trains weights the last one updated
+    losses = data["losses"]
+    assert len(losses) == 4 and losses[-1] == pytest.approx(data["loss"]) and losses[1] != losses[0]
 
 
 @pytest.mark.dist
@@ -286,7 +289,9 @@ def test_2bw_refuses_a_model_with_tied_parameters_and_plan_leaves_it_out(tmp_pat
 @pytest.mark.dist
 def test_a_2bw_trial_runs_its_timed_steps_as_one_window():
     """--allow-async --schedule 2BW on pp 2: it runs, the JSON names the schedule, and the timed steps are one
-    measurement (one window: the pipeline filled and drained once over the 3 steps)."""
+    measurement (one window: the pipeline filled and drained once over the 3 steps), and every step it trained has
+    its loss: 1 warm-up step, the untracked window of 3 and the timed one, the first two on the same weights W(0)
+    (W(t+1) = W(t) - lr * grad f(W(t-1)), W(-1) = W(0)), the third on W(1)."""
     result = invoke("trial", RECIPES / "mlp.py", "--gpus", "2", "--device", "cpu", "--batch-size", "16",
                     "--microbatches", "4", "--schedule", "2BW", "--allow-async", "--steps", "3", "--warmup", "1",
                     "--json")
@@ -294,3 +299,6 @@ def test_a_2bw_trial_runs_its_timed_steps_as_one_window():
     data = json.loads(result.stdout)
     assert data["status"] == "ok", data["error"]
     assert data["schedule"] == "2BW" and len(data["step_times_ms"]) == 1 and data["loss"] > 0
+    losses = data["losses"]
+    assert len(losses) == 7 and losses[-1] == pytest.approx(data["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] != pytest.approx(losses[1], rel=1e-6)

@@ -47,6 +47,7 @@ def test_round_trips_through_dict():
     m = Measurement(candidate=c, status="oom", error=TrialError(rank=1, kind="oom", message="x", bytes_requested=9))
     assert Measurement.from_dict(m.to_dict()) == m
     on_cuda = Measurement(candidate=c, status="ok", step_time_ms=1.0, peak_memory_bytes=(10, 20),
-                          peak_reserved_bytes=(12, 22), device_used_bytes=(900, 910), device="cuda")
+                          peak_reserved_bytes=(12, 22), device_used_bytes=(900, 910), device="cuda",
+                          losses=(2.5, 2.25))
     assert Measurement.from_dict(on_cuda.to_dict()) == on_cuda
     assert "peak_reserved_bytes" not in m.to_dict()  # a CPU trial has no allocator beyond its tensors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -54,6 +55,9 @@ def test_stored_records_by_state():
     attrs = {"candidate": A.to_dict(), "outcome": "ok", "reason": "", "launched": True,
              "measurement": run(A, 5.0).to_dict(), "phase": "seed"}
     assert record_from_attrs(3, attrs, "complete").outcome == "ok"
+    assert record_from_attrs(3, attrs, "complete").losses == ()  # stored before trials recorded their losses
+    attrs["measurement"] = dataclasses.replace(run(A, 5.0), losses=(2.5, 2.25, 2.0)).to_dict()
+    assert record_from_attrs(3, attrs, "complete").losses == (2.5, 2.25, 2.0)
     running = record_from_attrs(4, {"candidate": A.to_dict(), "launched": True}, "running")
     assert (running.outcome, running.reason) == ("interrupted", "stopped before it finished")
     died = record_from_attrs(5, {"candidate": A.to_dict(), "launched": True}, "fail")

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from torch import nn
 
-from autotune.candidate import Candidate
+from autotune.candidate import Candidate, uniform_split
 from autotune.config_file import save_config
 from autotune.model_file import ModelSpec, load_model_file
 from autotune.plan import plan
@@ -38,7 +38,10 @@ WARNING_TITLES = {
     "batchnorm": "BatchNorm statistics come from small micro-batches",
     "oom": "Out of memory next to the chosen config",
     "noise": "Measurements too noisy to separate the leaders",
+    "asynchronous": "trains on weights one step old",
 }
+SYNCHRONOUS_FIGURES = [name for name in FIGURE_NAMES if name != "loss_per_step"]
+"""What a search without an asynchronous (2BW) run draws."""
 
 
 make_profile = synthetic_profile
@@ -102,7 +105,7 @@ def record(number: int, candidate: Candidate, outcome: str, **fields) -> TrialRe
 def test_every_image_report_md_names_exists_and_is_a_png(study, tmp_path):
     markdown, _ = write(study, tmp_path)
     paths = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
-    assert sorted(Path(p).stem for p in paths) == sorted(FIGURE_NAMES)
+    assert sorted(Path(p).stem for p in paths) == sorted(SYNCHRONOUS_FIGURES)
     for relative in paths:
         assert not Path(relative).is_absolute() and relative.startswith("figures/")
         with Image.open(tmp_path / "report" / relative) as image:
@@ -114,7 +117,7 @@ def test_html_is_one_self_contained_file(study, tmp_path):
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//|file:)""", html, re.IGNORECASE)
     assert "<script" not in html.lower() and "<link" not in html.lower() and "@import" not in html
     images = re.findall(r"<img\b[^>]*>", html)
-    assert len(images) == len(FIGURE_NAMES)
+    assert len(images) == len(SYNCHRONOUS_FIGURES)
     for tag in images:
         src = re.search(r'src="([^"]+)"', tag).group(1)
         assert src.startswith("data:image/png;base64,")
@@ -264,6 +267,89 @@ def test_too_noisy_leaders_are_warned_about(study):
     markdown, _ = text(dataclasses.replace(study, too_noisy=True))
     assert WARNING_TITLES["noise"] in markdown
     assert study.leaders[0].candidate.key in markdown and study.leaders[1].candidate.key in markdown
+
+
+# --- asynchronous (2BW) runs ----------------------------------------------------------------------------------
+
+SYNC_LOSSES = (2.30, 2.10, 1.90, 1.72, 1.55)
+STALE_LOSSES = (2.30, 2.30, 2.12, 1.95, 1.80)  # 2BW: the first two steps train W(0), then one step behind
+
+
+def with_2bw(study: SearchResult, *, chosen: bool, losses: bool = True) -> SearchResult:
+    """The study plus an ok 2BW run (the fastest, when chosen) and a run of the synchronous best that recorded its
+    losses per step; losses=False: both stored before trials recorded them."""
+    from autotune.records import Leader
+
+    best = study.best
+    stale = dataclasses.replace(best.candidate, schedule=Schedule.TWO_BW,
+                                layers_per_stage=uniform_split(sum(best.candidate.layers_per_stage), 2))
+    stale_ms = best.step_time_ms * (0.8 if chosen else 1.25)
+    n = len(study.records)
+    records = (*study.records,
+               record(n, best.candidate, "ok", step_time_ms=best.step_time_ms, losses=SYNC_LOSSES if losses else (),
+                      throughput_samples_per_s=best.throughput_samples_per_s, peak_memory_bytes=best.peak_memory_bytes),
+               record(n + 1, stale, "ok", step_time_ms=stale_ms, losses=STALE_LOSSES if losses else (),
+                      throughput_samples_per_s=stale.global_batch_size / stale_ms * 1000,
+                      peak_memory_bytes=best.peak_memory_bytes))
+    leaders = sorted((*study.leaders, Leader(candidate=stale, step_times_ms=(stale_ms,))),
+                     key=lambda leader: leader.step_time_ms)
+    result = dataclasses.replace(study, records=records, leaders=tuple(leaders))
+    if chosen:
+        result = dataclasses.replace(result, best=dataclasses.replace(
+            best, candidate=stale, step_time_ms=stale_ms, throughput_samples_per_s=stale.global_batch_size / stale_ms
+            * 1000))
+    return result
+
+
+def warning_callouts(markdown: str) -> list[str]:
+    """The Warnings section's callouts, in order."""
+    section = markdown.split("## Warnings")[1].split("\n## ")[0]
+    return [block for block in section.split("\n\n") if block.strip()]
+
+
+def test_a_search_without_2bw_draws_no_loss_figure_and_says_nothing_of_staleness(study):
+    facts = gather_facts(study, profile=make_profile(), memory_limit_bytes=LIMIT)
+    assert facts.loss_curves == ()
+    markdown, _ = text(study)
+    assert "asynchronous" not in markdown.lower() and "Loss per step" not in markdown
+
+
+def test_2bw_runs_that_were_not_chosen_get_the_loss_figure_and_a_warning(study, tmp_path):
+    result = with_2bw(study, chosen=False)
+    facts = gather_facts(result, profile=make_profile(), memory_limit_bytes=LIMIT)
+    stale, synchronous = facts.loss_curves
+    assert stale.candidate.schedule is Schedule.TWO_BW and stale.losses == STALE_LOSSES
+    assert synchronous.candidate == study.best.candidate and synchronous.losses == SYNC_LOSSES
+    markdown, html = write(result, tmp_path)
+    paths = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
+    assert sorted(Path(p).stem for p in paths) == sorted(FIGURE_NAMES)
+    assert "### Loss per step" in markdown and "first two steps train the same weights" in markdown
+    warning = warning_callouts(markdown)[-1]  # not the choice: after the other warnings
+    assert WARNING_TITLES["asynchronous"] in warning and stale.candidate.key in warning
+    for words in ("one step late", "W(t+1) = W(t) - lr * grad f(W(t-1))", "loss per step therefore differs",
+                  "one repeated batch", "train your own model with it", "torchtitan, DeepSpeed and Megatron refuse",
+                  "from 2.3 to 1.8", "from 2.3 to 1.55", study.best.candidate.key):
+        assert words in warning, words
+    assert "It is asynchronous" not in markdown  # the chosen config is synchronous
+    assert WARNING_TITLES["asynchronous"] in html
+
+
+def test_a_chosen_2bw_config_is_flagged_where_it_is_stated_and_warned_about_first(study):
+    result = with_2bw(study, chosen=True)
+    markdown, html = text(result)
+    summary = markdown.split("## Warnings")[0]
+    assert "Chosen configuration: `" in summary and "**It is asynchronous**: 2BW trains each step" in summary
+    first = warning_callouts(markdown)[0]
+    assert "The chosen config is asynchronous (2BW)" in first and "Before adopting it" in first
+    assert "It is asynchronous" in html
+
+
+def test_2bw_runs_stored_without_losses_are_warned_about_without_a_figure(study):
+    result = with_2bw(study, chosen=False, losses=False)
+    facts = gather_facts(result, profile=make_profile(), memory_limit_bytes=LIMIT)
+    assert facts.loss_curves == ()
+    markdown, _ = text(result)
+    assert WARNING_TITLES["asynchronous"] in markdown and "Loss per step" not in markdown
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
