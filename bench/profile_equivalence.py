@@ -112,12 +112,14 @@ def main() -> None:
             "summed fwd + bwd ms of all layers, per micro-batch size": _results.markdown_table(
                 ["recipe", "micro-batch", "new 1", "new 2", "old 1", "old 2", "new / old - 1 (means)"], sum_rows)},
         data=data | {"sums": sum_rows},
-        notes=("new: this checkout (each block measured on its own; identical blocks once). old: the source given "
-               "with --old (the whole model built and trained at every size). 'within noise': the difference "
-               "between versions is at most 1.5 x the larger run-to-run difference of either version, plus 2 "
-               "points. Bytes are exact. Times: nothing else ran on the 2-core machine but one helper's occasional "
-               "tests. The per-layer medians are dominated by layers of tens of microseconds, where the harness's own "
-               "cost differs between the two methods; the summed table weighs layers by their time."),
+        notes=("new: this checkout (blocks made real a window at a time and timed in place in one pass through the "
+               "window; of identical blocks four in a row measured, the rest copied; the optimizer stepped per "
+               "block). old: the source given with --old (the whole model built and trained at every size). "
+               "'within noise': the difference between versions is at most 1.5 x the larger run-to-run difference "
+               "of either version, plus 2 points. Bytes are exact. Times: run on the 2-core machine with nothing "
+               "else running (a busy machine makes the run-to-run columns large and the verdicts meaningless). The "
+               "per-layer medians are dominated by layers of tens of microseconds; the summed table weighs layers "
+               "by their time."),
     )
 
 

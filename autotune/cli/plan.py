@@ -50,11 +50,12 @@ def profile_command(
     ] = None,
 ) -> None:
     """Measure every block at several micro-batch sizes: forward, input-grad and weight-grad backward time,
-    saved-activation, output and parameter bytes (one thread on CPU, like one rank). Blocks run one at a time on
-    the device, each as its own stage: the model never needs to fit there. Blocks that are the same are measured
-    once (`--profile-every-block` measures all). A micro-batch size that runs out of memory (`--memory-limit`
-    binds the profiler as it binds trials) is left out and said so. `--precision bf16` measures each block under
-    torch.autocast(bfloat16): bf16's times and activation bytes.
+    saved-activation, output and parameter bytes (one thread on CPU, like one rank). Blocks are made real a few at
+    a time (up to 64 MiB of parameters; one at a time when larger), each as its own stage, and timed in place in one
+    pass through them: the model never needs to fit there. Of blocks that are the same, four in a row are measured
+    and the rest take their figures (`--profile-every-block` measures all). A micro-batch size that runs out of
+    memory (`--memory-limit` binds the profiler as it binds trials) is left out and said so. `--precision bf16`
+    measures each block under torch.autocast(bfloat16): bf16's times and activation bytes.
 
     `--output profile.json` saves it, so `autotune plan --profile profile.json --nodes N --gpus-per-node G` can plan
     a cluster run anywhere, without the model or its hardware.

@@ -117,14 +117,15 @@ def test_profile_json_with_repeated_and_comma_sizes(model):
 def test_profile_every_block_and_a_memory_limit_that_rules_out_the_largest_size(model, tmp_path, monkeypatch):
     import autotune.profiling
 
+    monkeypatch.setattr(autotune.profiling, "IN_PLACE_COPIES", 2)
     measured = []
     real = autotune.profiling.materialize
     monkeypatch.setattr(autotune.profiling, "materialize",
-                        lambda *args, **kwargs: measured.extend(args[3]) or real(*args, **kwargs))
+                        lambda *args, **kwargs: measured.append(list(args[3])[-1]) or real(*args, **kwargs))
     wide = tmp_path / "wide.py"
     wide.write_text(
         "import torch\nfrom torch import nn\n"
-        "def build_model():\n    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])\n"
+        "def build_model():\n    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(5)])\n"
         "def make_batch(b):\n    return torch.randn(b, 256), torch.randn(b, 256)\n"
         "def loss_fn(o, t):\n    return nn.functional.mse_loss(o, t)\n"
         "def build_optimizer(params):\n    return torch.optim.SGD(params, lr=0.1)\n"
@@ -132,13 +133,13 @@ def test_profile_every_block_and_a_memory_limit_that_rules_out_the_largest_size(
     result = invoke("profile", wide, "--batch-size", 8, "--device", "cpu", "--repeats", 1, "--profile-every-block",
                     "-M", "2,8", "--json")
     assert result.exit_code == 0, result.output
-    assert measured == [0, 1, 2, 3]  # without the flag, blocks 1 and 2 would share one measurement
+    assert measured == [0, 1, 2, 3, 4]  # without the flag, block 3 would take block 2's figures
     assert json.loads(result.stdout)["infeasible_micro_batch_sizes"] == []
     measured.clear()
     result = invoke("profile", wide, "--batch-size", 4096, "--device", "cpu", "--repeats", 1, "-M", "2,4096",
                     "--memory-limit", "24MiB")
     assert result.exit_code == 0, result.output
-    assert measured == [0, 1, 3]
+    assert measured == [0, 1, 2, 4]
     assert "out of memory for one block at micro-batch size(s) 4096" in result.stdout
     assert "micro-batch size(s) 4096 ran out of memory" in result.stderr
 
