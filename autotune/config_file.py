@@ -325,10 +325,12 @@ def dump_config(config: TunedConfig, *, command: str | None = None, filename: st
     ]
     if command:
         header.append(f"# Command: {' '.join(command.splitlines())}")
-    header += [
-        f"# Check it still holds: autotune check {filename}",
-        f"# Use it elsewhere:     autotune export {filename} --format torchtitan|deepspeed|megatron",
-    ]
+    header.append(f"# Check it still holds: autotune check {filename}")
+    if SCHEDULES[config.candidate.schedule].asynchronous:  # no trainer has an asynchronous schedule: export refuses it
+        header.append("# Use it:               autotune.runtime.setup_pipeline in your training script under "
+                      "torchrun (2BW: asynchronous, exports refuse it)")
+    else:
+        header.append(f"# Use it elsewhere:     autotune export {filename} --format torchtitan|deepspeed|megatron")
     body = yaml.dump(config.to_dict(), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10_000)
     comments = dict(_INLINE_COMMENTS)
     if config.memory_limit_bytes is not None:

@@ -194,6 +194,11 @@ def test_an_asynchronous_schedule_is_said_outright_and_round_trips(tmp_path: Pat
     path = save_config(config, tmp_path / "autotune.yaml")
     loaded = load_config(path)
     assert loaded.candidate == config.candidate and loaded.to_dict() == data
+    # the header points at setup_pipeline, not at export (which refuses 2BW)
+    header = path.read_text().split("\nversion:")[0]
+    assert "autotune.runtime.setup_pipeline" in header and "autotune export" not in header
+    synchronous = save_config(make_config(), tmp_path / "sync.yaml").read_text()
+    assert "autotune export" in synchronous and "setup_pipeline" not in synchronous
     data["asynchronous"] = False
     with pytest.raises(ConfigError, match="asynchronous is False but schedule 2BW is asynchronous; set "
                                           "asynchronous: true"):
