@@ -19,7 +19,7 @@ from autotune.compat import is_batch_norm
 from autotune.errors import ModelFileError
 from autotune.models import BlockModel, Role, SharedParameter, check_blocks, check_cut, cut_model, split_points_from
 from autotune.models.check import head_rows
-from autotune.models.materialize import materialize, parameters_on_meta, release
+from autotune.models.materialize import materialize, parameters_on_meta, release_block
 from autotune.models.tensor_parallel import TpPlanHook, tp_plan_hook
 
 REQUIRED = ("build_model", "make_batch", "loss_fn")
@@ -330,7 +330,7 @@ def check_model(spec: ModelSpec, batch_size: int) -> None:
     try:
         if large:  # one block real at a time: the check must not need what the whole model needs
             output = check_blocks(blocks, inputs, rows=rows, before=lambda i: _materialize_block(spec, blocks, i),
-                                  after=lambda i: _release_block(blocks, i))
+                                  after=lambda i: release_block(blocks.blocks[i]))
         else:
             output = check_blocks(blocks, inputs, rows=rows)
             if blocks.family != "sequential":
@@ -370,9 +370,6 @@ def _materialize_block(spec: ModelSpec, blocks: BlockModel, index: int) -> None:
     materialize(blocks.model, blocks.blocks, blocks.names, [index], init_weights=spec.init_weights, seed=SEED)
 
 
-def _release_block(blocks: BlockModel, index: int) -> None:
-    for p in blocks.blocks[index].parameters():
-        release(p)
 
 
 def build_optimizer(spec: ModelSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -25,7 +25,7 @@ from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
 from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
 from autotune.models.hf import Layer as HFLayer
-from autotune.models.materialize import home_blocks, materialize, release
+from autotune.models.materialize import home_blocks, materialize, release_block
 from autotune.models.signature import TensorSpec, block_signature
 from autotune.trial.memory import is_out_of_memory, requested_bytes
 from autotune.units import format_bytes
@@ -511,9 +511,7 @@ class _Walk:
             opened.unit = None
         gc.collect()  # graphs and optimizer state held in reference cycles let go of the parameters
         for opened in window:
-            for p in opened.block.parameters():
-                p.grad = None
-                release(p)
+            release_block(opened.block)
         if window and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -1032,19 +1030,13 @@ def _profile_optimizer(
             optimizer.step()  # creates the state
     else:
         optimizer.step()
-    times = []
-    for _ in range(repeats):
-        start = clock.mark()
-        optimizer.step()
-        end = clock.mark()
-        clock.sync()
-        times.append(clock.ms(start, end))
+    step_ms = _median_step_ms(optimizer, clock, repeats)
     state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     transient = _step_transient_bytes(optimizer, params[0].device)
     unit.zero_grad(set_to_none=True)
     for p in params:
         p.grad = None
-    return statistics.median(times), state, transient, grouped
+    return step_ms, state, transient, grouped
 
 
 def _optimizer_call_ms(spec: ModelSpec, device: torch.device, clock: _Clock, repeats: int) -> float:
@@ -1059,8 +1051,14 @@ def _optimizer_call_ms(spec: ModelSpec, device: torch.device, clock: _Clock, rep
     except Exception:  # noqa: BLE001 - the user's build_optimizer may reject it any way: then no fixed term
         logger.debug("no optimizer call cost: build_optimizer refused a one-element parameter", exc_info=True)
         return 0.0
+    return _median_step_ms(optimizer, clock, max(repeats, 5))
+
+
+def _median_step_ms(optimizer: torch.optim.Optimizer, clock: _Clock, repeats: int) -> float:
+    """Median time of `repeats` optimizer steps, each one's marks bracketing its own work and synchronised before the
+    next, so a slow step (an allocation, a late kernel) is not what is reported."""
     times = []
-    for _ in range(max(repeats, 5)):
+    for _ in range(repeats):
         start = clock.mark()
         optimizer.step()
         end = clock.mark()

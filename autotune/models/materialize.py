@@ -144,6 +144,15 @@ def release(p: torch.Tensor) -> None:
         setattr(p, _RELEASED_SHAPE, shape)
 
 
+def release_block(block: nn.Module) -> None:
+    """Let go of a block's parameters once it has run: their gradients are dropped (a gradient would keep its own
+    storage) and each goes back to the meta device, keeping its identity, so every view, stage and tie that holds it
+    sees it released and materialize() can give it storage again."""
+    for p in block.parameters():
+        p.grad = None
+        release(p)
+
+
 _RELEASED_SHAPE = "_autotune_released_shape"
 
 
