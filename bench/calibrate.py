@@ -154,7 +154,7 @@ def main() -> None:
     link = dataclasses.asdict(LinkModel.for_device(args.device))
     tables["link model (the simulator's defaults for this device)"] = _results.markdown_table(
         ["field", "value"], [[k, v] for k, v in link.items()])
-    _results.write("calibration", title="Simulator calibration: predicted vs measured", device=args.device,
+    _results.write(args.name, title="Simulator calibration: predicted vs measured", device=args.device,
                    tables=tables, data={"results": results, "link": link})
 
 
