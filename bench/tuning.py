@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--searches", type=int, default=3, help="independent searches (seeds 0..N-1); medians")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--name", default="tuning", help="results file name under bench/results/")
     args = parser.parse_args()
 
     spec = load_model_file(args.model)
@@ -201,7 +202,7 @@ def main() -> None:
         for name, c in contenders.items()
     ]
     _results.write(
-        "tuning",
+        args.name,
         title="Tuning quality and cost",
         device=args.device,
         tables={
