@@ -370,8 +370,6 @@ def _materialize_block(spec: ModelSpec, blocks: BlockModel, index: int) -> None:
     materialize(blocks.model, blocks.blocks, blocks.names, [index], init_weights=spec.init_weights, seed=SEED)
 
 
-
-
 def build_optimizer(spec: ModelSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if spec.build_optimizer is None:
         return torch.optim.AdamW(params)

@@ -416,8 +416,11 @@ class _Walk:
         if not window:
             return True
         budget = WINDOW_PARAMETER_BYTES if self.limit is None else min(WINDOW_PARAMETER_BYTES, self.limit // 16)
-        held = sum(self.spec.parameter_bytes[o.index] for o in window)
-        return len(window) < WINDOW_BLOCKS and held + self.spec.parameter_bytes[index] <= budget
+        return len(window) < WINDOW_BLOCKS and self._held(window) + self.spec.parameter_bytes[index] <= budget
+
+    def _held(self, window: list[_Open]) -> int:
+        """The parameter bytes of the window's blocks (real on the device)."""
+        return sum(self.spec.parameter_bytes[opened.index] for opened in window)
 
     def _report(self, index: int, n: int, *, twin: bool) -> None:
         if self.progress is not None:
@@ -439,7 +442,7 @@ class _Walk:
         materialize(skeleton.model, skeleton.blocks, skeleton.names, [*(o.index for o in window), index],
                     device=self.device, init_weights=spec.init_weights, seed=SEED)
         block = skeleton.blocks[index]
-        held = sum(spec.parameter_bytes[o.index] for o in window)
+        held = self._held(window)
         try:
             stage = skeleton.stage(index, index + 1).to(self.device)
             stage.train()
@@ -461,7 +464,7 @@ class _Walk:
                     break
             unit.zero_grad(set_to_none=True)
         except BaseException:
-            self._release([_Open(index=index, block=block, unit=None, samples={}, optimizer=(0.0, 0, 0, False))])
+            self._free([block])
             raise
         return _Open(index=index, block=block, unit=unit, samples=samples, optimizer=optimizer)
 
@@ -509,10 +512,14 @@ class _Walk:
         for opened in window:
             opened.samples.clear()
             opened.unit = None
+        self._free([opened.block for opened in window])
+
+    def _free(self, blocks: list[nn.Module]) -> None:
+        """Release the blocks' parameters, once nothing of a pass holds them."""
         gc.collect()  # graphs and optimizer state held in reference cycles let go of the parameters
-        for opened in window:
-            release_block(opened.block)
-        if window and self.device.type == "cuda":
+        for block in blocks:
+            release_block(block)
+        if blocks and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _optimizer(
