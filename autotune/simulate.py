@@ -48,6 +48,20 @@ collective's call and wait. bench/tp_block.py on the 2-core development machine 
 layer (hidden 64, micro-batch 4 x 32 tokens) took 2.0 ms whole and 16.3 ms at tp 2 with its 7 collectives, whose
 gloo all-reduce alone takes 0.67 ms (bench/results/tp_block.md): (16.3 - 2.0 / 2) / 7 - 0.67 = 1.5 ms."""
 
+COLLECTIVE_WAKE_CPU_MS = 2.0
+"""What a collective a CPU rank waits for costs beyond its wire time: gloo's threads sleep while the rank computes,
+and waking them is slow on a VM (up to a 4 ms scheduler tick at the development machine's 250 Hz).
+`python bench/gloo_wake.py --repeats 3` (bench/results/gloo_wake.md; 2 one-thread ranks, bench/models/mlp13.py):
+- a 64 B all-reduce: 0.31 ms back to back, 0.7-3.6 ms (median, by run) after 8 ms of compute;
+- FSDP2 (13 units, one at a time): 1.4-1.5 ms per all-gather and 2.3-2.7 ms per reduce-scatter beyond half the
+  one-rank compute, against ~0.55 ms of wire each on LinkModel.for_device("cpu"); `autotune trial
+  bench/models/mlp13.py --gpus 2 --device cpu --batch-size 256 --microbatches 1 --dp 2 --data-parallel shard
+  --schedule 1F1B` stepped in 58-67 ms against 10.9 predicted without this term: 1.8-2.2 ms per collective;
+- DistributedDataParallel (a 1 MiB and a 2.2 MB bucket): 3.5-5.7 ms more per forward and backward than without it,
+  4.4-6.8 (median 5.5) in six runs by hand the same way, against 3.1 ms for the two all-reduces' wire. Its buckets
+  queue back to back on gloo's thread, which stays awake: 13 buckets cost ~0.35 ms each beyond two.
+One figure, 2.0 ms: paid by each FSDP2 unit's collective, and once by DDP's sync."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LinkModel:
@@ -78,6 +92,14 @@ class LinkModel:
     tensor_parallel_overhead_ms: float = 0.0
     """Tensor parallel: what each tp collective costs the rank beyond the wire (DTensor's bookkeeping around it, the
     call itself), per call."""
+    gradient_sync_overlaps: bool = True
+    """Whether DistributedDataParallel's bucketed all-reduces run beside the backward that fills them (NCCL on its
+    own stream); False where they take the rank's own time (gloo on the CPU core the rank computes on)."""
+    collective_wake_ms: float = 0.0
+    """What a data-parallel collective the rank waits for costs it beyond the wire time, where the collectives'
+    threads sleep while the rank computes (gloo on the CPU stand-in, COLLECTIVE_WAKE_CPU_MS): paid by each FSDP2
+    unit's all-gather and reduce-scatter, and once per step by DistributedDataParallel's sync (its buckets queue back
+    to back behind the first)."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -103,7 +125,8 @@ class LinkModel:
         elif device == "cpu":
             base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 0.5e-3, "per_action_overhead_ms": 0.3,
                     "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05,
-                    "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS}
+                    "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
+                    "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s"}
@@ -435,13 +458,18 @@ def simulate_costs(
         rank_busy = [sum(map(dur.__getitem__, ids)) for ids in plan.rank_actions]
         sync_end = [pipeline_ms + max(0.0, allreduce_ms[r] - rank_busy[r]) for r in range(pp)]
     elif SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
-        allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
+        dp = candidate.data_parallel_degree
+        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) + (link.collective_wake_ms if p and dp > 1 else 0.0)
+                        for p in rank_params]
         sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
     else:
         dp = candidate.data_parallel_degree
-        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) for p in rank_params]
+        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) + (link.collective_wake_ms if p and dp > 1 else 0.0)
+                        for p in rank_params]
         bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
-        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms)
+        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms,
+                                        overlaps=link.gradient_sync_overlaps,
+                                        overhead_ms=link.collective_wake_ms if dp > 1 else 0.0)
     step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
     tensor_parallel_ms = [0.0] * pp
@@ -533,10 +561,21 @@ def _replay(
         rank = plan.rank
         posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
+        posted = None if posted_late else _receives_posted(plan)
+        busy: dict[tuple[int, int], tuple[float, float]] = {}  # (from rank, to rank): its last transfer's start, end
         for a in plan.order:
             t = finish[prev[a]]
             w = wire[a]
-            if w:
+            if w and posted is not None:
+                s, r = rank[dep[a]], rank[a]
+                at = finish[posted[a]]  # r gets to the receive in its list and posts it
+                back_start, back_end = busy.get((r, s), (0.0, 0.0))
+                if back_start <= at < back_end:  # its readiness waits behind the transfer r -> s on the wire
+                    at = back_end
+                start = max(finish[dep[a]], busy.get((s, r), (0.0, 0.0))[1], at)
+                u = start + w
+                busy[(s, r)] = (start, u)
+            elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 start = max(finish[dep[a]], free.get(pair, 0.0))
                 if posted_late and t > start:  # t: the rank gets to a and posts the receive
@@ -556,6 +595,38 @@ def _replay(
     return finish
 
 
+@functools.lru_cache(maxsize=64)
+def _receives_posted(plan: ActionGraph) -> list[int]:
+    """Per action whose tensor crosses ranks, the action on its own rank after which torch's runtime posts the
+    receive (-1: before its first): torch's _add_send_recv walks the ranks in lock step, one compute action per rank
+    per round, and puts a receive in the receiving rank's list when the sender's action goes into the sender's."""
+    n = len(plan.kind)
+    posted = [-1] * n
+    receivers: list[list[int]] = [[] for _ in range(n)]
+    for a in range(n):
+        if plan.cross[a]:
+            receivers[plan.dep[a]].append(a)
+    done = bytearray(n)
+    head = [0] * len(plan.rank_actions)
+    last = [-1] * len(plan.rank_actions)
+    moved = True
+    while moved:
+        moved = False
+        for r, ids in enumerate(plan.rank_actions):
+            if head[r] >= len(ids):
+                continue
+            a = ids[head[r]]
+            if plan.dep[a] >= 0 and not done[plan.dep[a]]:
+                continue
+            done[a] = 1
+            head[r] += 1
+            last[r] = a
+            moved = True
+            for x in receivers[a]:
+                posted[x] = last[plan.rank[x]]
+    return posted
+
+
 DDP_FIRST_BUCKET_BYTES = 2**20
 DDP_BUCKET_BYTES = 25 * 2**20
 """torch's DistributedDataParallel buckets: the first (the last layers' gradients) 1 MiB, the others 25 MiB."""
@@ -563,12 +634,14 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def _overlapped_sync_end(
     plan: ActionGraph, finish: list[float], dur: list[float], parameter_bytes: list[int], rank_end: list[float],
-    allreduce_ms: Callable[[float], float],
+    allreduce_ms: Callable[[float], float], *, overlaps: bool = True, overhead_ms: float = 0.0,
 ) -> list[float]:
     """When each rank's data-parallel gradient sync ends under DistributedDataParallel (runtime.
     overlaps_gradient_sync): a stage's gradients become ready evenly over its last backward, last layers first, and
     each of DDP's buckets is all-reduced, one after another on the rank, once it is full. With one bucket nothing
-    overlaps: the all-reduce follows the backward, as the flat one did."""
+    overlaps: the all-reduce follows the backward, as the flat one did. Where the link's collectives do not overlap
+    compute (LinkModel.gradient_sync_overlaps), every bucket waits for the backward's end; a rank with buckets pays
+    overhead_ms (LinkModel.collective_wake_ms) once."""
     last_b: dict[int, int] = {}
     for a in range(len(dur)):
         if plan.kind[a] == "B" and (plan.stage[a] not in last_b or finish[a] > finish[last_b[plan.stage[a]]]):
@@ -579,12 +652,14 @@ def _overlapped_sync_end(
         while done < total:
             size = min(total - done, DDP_FIRST_BUCKET_BYTES if done == 0 else DDP_BUCKET_BYTES)
             done += size
-            ready[plan.stage_rank[stage]].append((finish[a] - dur[a] + dur[a] * done / total, size))
+            at = finish[a] - dur[a] + dur[a] * done / total if overlaps else finish[a]
+            ready[plan.stage_rank[stage]].append((at, size))
     ends = []
     for r, buckets in enumerate(ready):
-        t = 0.0
+        t, wake = 0.0, overhead_ms  # paid by the first bucket, after which gloo's threads are awake
         for at, size in sorted(buckets):
-            t = max(t, at) + allreduce_ms(size)
+            t = max(t, at) + wake + allreduce_ms(size)
+            wake = 0.0
         ends.append(max(t, rank_end[r]))
     return ends
 
@@ -689,6 +764,9 @@ class _StageCosts:
     """Sharded: the stage's gathered parameters (memory_model.working_copy_bytes); 0 replicated."""
     gather_unit_bytes: list[int]
     """Sharded: the largest layer's share of the working copy: an FSDP2 unit, gathered with nothing to hide it."""
+    shard_units: list[int]
+    """Sharded: the stage's FSDP2 units (its blocks that hold parameters, each fully_shard-ed: one collective each
+    per gather and per reduce-scatter); 0 replicated."""
     forward_copy_bytes: list[int]
     """Sharded with reshard_after_forward: what a forward that gathers holds at once (two units, the one computing
     and the next, prefetched); 0 otherwise."""
@@ -799,6 +877,7 @@ def _stage_costs(
         copy = int(working_copy_bytes(stage_parameters, candidate=candidate))
         result["working_copy_bytes"].append(copy)
         result["gather_unit_bytes"].append(int(min(largest, stage_parameters) * param_factor) if sharded else 0)
+        result["shard_units"].append(sum(1 for p in parameter_bytes[a:b] if p) if sharded else 0)
         two_units = int(min(2 * largest, stage_parameters) * param_factor)
         result["forward_copy_bytes"].append(two_units if sharded and candidate.reshard_after_forward else 0)
         result["gather_buffer_bytes"].append(int(gather_buffer_bytes(largest, candidate=candidate)))
@@ -892,6 +971,9 @@ def _add_shard_costs(
     rest = [link.all_gather_ms(c - b, dp, n_nodes) for c, b in zip(stages.working_copy_bytes,
                                                                      stages.gather_unit_bytes)]
     reduce = [link.reduce_scatter_ms(g, dp, n_nodes) for g in stages.unsharded_grad_bytes]
+    if link.collective_wake_ms:  # each unit's collective is waited for on its own (LinkModel.collective_wake_ms)
+        unit = [u + link.collective_wake_ms * n for u, n in zip(unit, stages.shard_units)]
+        reduce = [r + link.collective_wake_ms * n for r, n in zip(reduce, stages.shard_units)]
     gather_ms = [0.0] * candidate.pipeline_degree
     reduce_ms = [0.0] * candidate.pipeline_degree
     for a, s in enumerate(plan.stage):

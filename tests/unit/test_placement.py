@@ -181,11 +181,12 @@ def test_across_nodes_two_ranks_move_one_tensor_at_a_time_between_them():
     assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(48.0)
 
 
-def test_on_torchs_runtime_a_transfer_does_not_wait_for_the_receiver_but_still_goes_one_at_a_time():
+def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_posts_it():
     # GPipe's action lists (2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, 10 ms on the wire) run by a
-    # schedule on torch's runtime, which posts receives early: F1's activation goes as soon as F0's is through,
-    # 11-21 (F1 21-22, B0 22-24, B1 24-26), B0's gradient 24-34 (B0 34-36), B1's 34-44 (B1 44-46). GPipe itself
-    # waits for rank 1 to post each receive: 49 ms (above); inside one node 29 ms.
+    # schedule on torch's runtime, which posts each receive where _add_send_recv puts it in the receiver's list: F0's
+    # before rank 1's first action, so it goes at once, 1-11 (F0 11-12); F1's after rank 1's F0, 12-22 (F1 22-23);
+    # B0's after rank 0's F1, 25-35 (B0 35-37); B1's after rank 0's B0, 37-47 (B1 47-49). Here that is as late as
+    # GPipe's own receives (49 ms, above); inside one node 29 ms.
     from autotune.simulate import simulate_costs
 
     cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
@@ -202,5 +203,45 @@ def test_on_torchs_runtime_a_transfer_does_not_wait_for_the_receiver_but_still_g
                               gpus_per_node=per_node).step_time_ms
 
     assert step(runtime, 2) == pytest.approx(29.0)
-    assert step(runtime, 1) == pytest.approx(46.0)
+    assert step(runtime, 1) == pytest.approx(49.0)
     assert step(dataclasses.replace(runtime, schedule=Schedule.GPIPE), 1) == pytest.approx(49.0)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [(Schedule.V_HALF, 2, 4), (Schedule.INTERLEAVED_1F1B, 2, 4),
+                                             (Schedule.ZBV_ZERO_BUBBLE, 2, 6), (Schedule.LOOPED_BFS, 3, 6)])
+def test_receives_are_posted_where_torchs_runtime_puts_them(schedule, pp, m):
+    """Across nodes a runtime schedule's transfer starts no earlier than its receive is posted (gloo moves no byte
+    before), and torch's _add_send_recv decides where each receive sits in the receiving rank's list."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from autotune.action_graph import compiled_graph
+    from autotune.schedules import action_lists, default_stages_per_rank
+    from autotune.simulate import _receives_posted
+
+    n_stages = pp * default_stages_per_rank(schedule)
+    kinds = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
+    ctype = torch_schedules._ComputationType
+    lists = action_lists(schedule, pp, m, n_stages)
+    graph = compiled_graph(schedule, pp, m, n_stages)
+    where = {(graph.stage[a], graph.kind[a], graph.microbatch[a]): a for a in range(len(graph.kind))}
+    to_rank = dict(enumerate(graph.stage_rank))
+    with_comms = torch_schedules._add_send_recv(
+        {r: [torch_schedules._Action(a.stage, getattr(ctype, kinds[a.kind]), a.microbatch) for a in actions]
+         for r, actions in enumerate(lists)}, to_rank.__getitem__, n_stages)
+    names = {getattr(ctype, name): letter for letter, name in kinds.items()}
+    posted = _receives_posted(graph)
+    checked = 0
+    for actions in with_comms.values():
+        last = -1
+        for act in actions:
+            kind = act.computation_type
+            if kind in names:
+                last = where[(act.stage_index, names[kind], act.microbatch_index)]
+            elif kind in (ctype.RECV_F, ctype.RECV_B):
+                backward = kind == ctype.RECV_B
+                receiver = where.get((act.stage_index, "B" if backward else "F", act.microbatch_index))
+                if receiver is None:
+                    receiver = where[(act.stage_index, "I", act.microbatch_index)]
+                assert graph.cross[receiver] and posted[receiver] == last, act
+                checked += 1
+    assert checked == sum(graph.cross)

@@ -262,6 +262,28 @@ def test_data_parallel_sync_overlaps_the_last_backward_bucket_by_bucket():
     assert est.step_time_ms == pytest.approx(end)  # not 201 + 76 = 277, the flat all-reduce after the backward
 
 
+def test_where_collectives_take_the_ranks_own_time_the_buckets_follow_the_backward_and_pay_the_wake_once():
+    """On the CPU stand-in gloo's all-reduces run on the core the rank computes on (DistributedDataParallel measured
+    no faster than one all-reduce after the backward): every bucket waits for the backward's end, and the sync pays
+    LinkModel.collective_wake_ms once (waking gloo's threads), not per bucket; a lone replica pays nothing."""
+    mib = 2**20
+    link = LinkModel(bandwidth_bytes_per_s=mib * 1e3, latency_s=0.0, per_action_overhead_ms=0.0,
+                     optimizer_bytes_per_s=1e30, gradient_sync_overlaps=False, collective_wake_ms=3.0)
+    prof = profile_of(layer(f=1.0, b=200.0, params=mib + 3 * 25 * mib))
+    est = simulate(prof, candidate(Schedule.GPIPE, 1, 1, [1], dp=2), link=link)
+    assert est.step_time_ms == pytest.approx(201.0 + 3.0 + 76.0)
+    assert est.allreduce_ms == pytest.approx(3.0 + 76.0)
+    alone = simulate(prof, candidate(Schedule.GPIPE, 1, 1, [1]), link=link)
+    assert alone.step_time_ms == pytest.approx(201.0) and alone.allreduce_ms == 0.0
+    # a split backward's flat all-reduce after the schedule pays it too
+    split = profile_of(*[layer(f=1.0, b=100.0, w=100.0, params=(mib + 3 * 25 * mib) // 2)] * 2)
+    zb = simulate(split, candidate(Schedule.ZBV_ZERO_BUBBLE, 1, 2, [1, 1], batch=4, dp=2), link=link)
+    assert zb.allreduce_ms == pytest.approx(3.0 + 76.0)
+    cpu = LinkModel.for_device("cpu")
+    assert not cpu.gradient_sync_overlaps and cpu.collective_wake_ms > 0
+    assert LinkModel.for_device("cuda").gradient_sync_overlaps
+
+
 def test_feasible_is_judged_against_the_limit():
     prof = profile_of(layer(saved=100), layer(saved=100))
     c = candidate(Schedule.GPIPE, 2, 4, [1, 1])
