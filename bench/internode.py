@@ -58,10 +58,11 @@ def _mbit(rate: str) -> float | None:
     return None if rate == "none" else float(rate)
 
 
-def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int) -> None:
+def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int, repeats: int) -> None:
     """One node of the fixed set: node 0 probes the link at every rate, then runs every trial across both nodes at
     every rate in turn (the rates of one trial back to back, so that a machine whose load drifts compares them at one
-    load) and writes out; node 1 serves its ranks until node 0 is done."""
+    load), `repeats` rounds of them, keeps each trial's median round and writes out; node 1 serves its ranks until
+    node 0 is done."""
     from _netns import NamespacePair
 
     from autotune.cli.app import start_fork_server
@@ -92,11 +93,17 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
         spec = load_model_file(MODEL)
         runs: dict[str, list[Any]] = {rate: [] for rate in rates}
         for c in candidates():
+            rounds: dict[str, list[Any]] = {rate: [] for rate in rates}
+            for _ in range(repeats):
+                for rate in rates:
+                    pair.shape(_mbit(rate))
+                    m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
+                    print(f"{rate} {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
+                    rounds[rate].append(m)
             for rate in rates:
-                pair.shape(_mbit(rate))
-                m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
-                print(f"{rate} {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
-                runs[rate].append(m.to_dict())
+                ok = sorted((m for m in rounds[rate] if m.step_time_ms), key=lambda m: m.step_time_ms)
+                kept = ok[(len(ok) - 1) // 2] if ok else rounds[rate][0]
+                runs[rate].append({**kept.to_dict(), "rounds_ms": [m.step_time_ms for m in rounds[rate]]})
         result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
         code = 0
     finally:
@@ -216,11 +223,12 @@ def predictor(profile: Any, probed: tuple[float, float] | None) -> Any:
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 
-def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str]) -> dict[str, Any]:
+def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str], repeats: int) -> dict[str, Any]:
     """The fixed trials across the link, per rate: the probe's (latency s, bandwidth B/s) and every measurement."""
     out = folder / "fixed.json"
     run_nodes(pair, [str(Path(__file__).resolve()), "node", "--out", str(out), "--steps", str(steps),
-                     "--warmup", str(warmup), "--tag", pair.tag, "--subnet", str(pair.subnet), "--rates", *rates],
+                     "--warmup", str(warmup), "--tag", pair.tag, "--subnet", str(pair.subnet), "--repeats",
+                     str(repeats), "--rates", *rates],
               folder, timeout_s=1800)
     return json.loads(out.read_text())
 
@@ -273,6 +281,8 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["none", "200", "20"], help="tbf rates in Mbit/s; none: unshaped")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the fixed set; each trial's median round is compared (the spread is shown)")
     parser.add_argument("--search-trials", type=int, default=3, help="0: no search")
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results")
     parser.add_argument("--from-json", type=Path, help="predict a saved run's measurements again (no namespaces)")
@@ -304,7 +314,8 @@ def main() -> None:
 
     run: dict[str, Any] = {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                            "started": time.strftime("%H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
-                           "steps": args.steps, "warmup": args.warmup, "search_trials": args.search_trials}
+                           "steps": args.steps, "warmup": args.warmup, "search_trials": args.search_trials,
+                           "repeats": args.repeats}
     _, profile = load_and_profile(MODEL, BATCH, "cpu", gpus=2)
     results = []
     with NamespacePair() as pair, tempfile.TemporaryDirectory(prefix="internode-") as tmp:
@@ -314,7 +325,7 @@ def main() -> None:
             tcp = pair.transfer_rate(8 * 2**20 if (mbit or 1e9) >= 100 else 2 * 2**20)
             results.append({"rate_mbit": mbit, "tcp_bytes_per_s": tcp, "p2p": p2p(pair, Path(tmp))})
             print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s", file=sys.stderr)
-        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates)
+        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates, args.repeats)
         for rate, entry in zip(args.rates, results):
             entry["fixed"] = fixed[rate]
             print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
@@ -366,8 +377,8 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                 continue
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
-        rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None)
-                for r in e["fixed"]["runs"]]
+        rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None,
+                 r.get("rounds_ms")) for r in e["fixed"]["runs"]]
         for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
             key = Candidate.from_dict(r).key
             base = unshaped.get(key)
@@ -377,10 +388,11 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                 added_rows.append([rate, key, r["step_time_ms"] - base["step_time_ms"],
                                    r["predicted_ms"] - base["predicted_ms"]])
         rows += [("search", Candidate.from_dict(r["candidate"]).key, r["status"], r["measured_ms"],
-                  r["predicted_ms"], r["search_predicted_ms"]) for r in e.get("search", {}).get("rows", [])]
-        for where, key, status, measured, predicted, searched in rows:
+                  r["predicted_ms"], r["search_predicted_ms"], None) for r in e.get("search", {}).get("rows", [])]
+        for where, key, status, measured, predicted, searched, rounds in rows:
             error = f"{(predicted - measured) / measured:+.0%}" if measured and predicted else "-"
-            trial_rows.append([rate, where, key, status, measured or "-", predicted or "-", error,
+            spread = " / ".join(f"{t:.3g}" if t else "-" for t in rounds) if rounds and len(rounds) > 1 else "-"
+            trial_rows.append([rate, where, key, status, measured or "-", spread, predicted or "-", error,
                                searched if searched else "-"])
     tables = {
         "probe vs shaping": _results.markdown_table(
@@ -393,7 +405,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
             _results.markdown_table(["tbf rate Mbit/s", "bytes", "measured ms", "LinkModel.allreduce_ms"],
                                     reduce_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
-            ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "predicted ms", "error",
+            ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "rounds ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),
         "what the link added: step time at the rate minus the same trial's unshaped": _results.markdown_table(
             ["tbf rate Mbit/s", "candidate", "measured ms", "predicted ms"], added_rows),
@@ -404,8 +416,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
     }
     notes = (f"{HOW_TO_READ}\n\nMeasured by `{run.get('command', '?')}` from {run['started']} to "
              f"{run.get('ended', '?')}; load average before "
-             f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, warmup "
-             f"{run['warmup']}, search trials {run['search_trials']}, batch {BATCH}, model bench/models/mlp13.py.")
+             f"{run['load_before'][0]:.2f}, `uptime` after: {run.get('uptime', '?')}. Steps {run['steps']}, "
+             f"rounds {run.get('repeats', 1)}, warmup {run['warmup']}, search trials {run['search_trials']}, "
+             f"batch {BATCH}, model bench/models/mlp13.py.")
     if no_write:
         print("\n\n".join(f"## {heading}\n\n{table}" for heading, table in tables.items()))
         print(notes)
@@ -429,8 +442,9 @@ if __name__ == "__main__":
         node_args.add_argument("--rates", nargs="+", required=True)
         node_args.add_argument("--tag", required=True)
         node_args.add_argument("--subnet", type=int, required=True)
+        node_args.add_argument("--repeats", type=int, default=1)
         a = node_args.parse_args()
-        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet)
+        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet, a.repeats)
     else:
         try:
             main()
