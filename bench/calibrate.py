@@ -115,7 +115,7 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
         by_schedule.setdefault(r["candidate"].split("/")[0], []).append(r["peak_error"])
     return {"recipe": recipe, "batch_size": batch_size,
             "peak_error_by_schedule": {k: [min(v), max(v)] for k, v in by_schedule.items()},
-            "profile": profile.to_dict() if memory_only else None, "configs": len(rows), "mape": mape, "spearman": rho,
+            "profile": profile.to_dict(), "configs": len(rows), "mape": mape, "spearman": rho,
             "pass_to_pass_spearman": retest,
             "peak_memory_mape": peak_err, "wall_s": time.time() - started, "rows": rows}
 

@@ -1,0 +1,87 @@
+"""The link's rank-side costs fitted to a study's own runs (autotune.link_fit), and the search predicting with them."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.candidate import Candidate
+from autotune.link_fit import MIN_TRIALS, fit_link, measured_steps, scaled
+from autotune.model_file import load_model_file
+from autotune.plan import plan
+from autotune.records import TrialRecord
+from autotune.schedules import Schedule
+from autotune.search import SearchOptions, run_search
+from autotune.simulate import LinkModel, Predictor, simulate
+from tests.conftest import RECIPES
+from tests.fakes import SimulatedRunner, synthetic_profile
+
+
+def candidates(n: int) -> list[Candidate]:
+    profile = synthetic_profile()
+    return [p.candidate for p in plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None)[:n]]
+
+
+def test_the_fit_finds_the_factor_the_machine_pays():
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    machine = scaled(given.link, 0.5)  # half the per-action and per-message costs the defaults assume
+    measured = [(c, simulate(profile, c, link=machine).step_time_ms) for c in candidates(6)]
+    fit = fit_link(given, measured)
+    assert fit is not None and fit.trials == 6
+    assert fit.scale == pytest.approx(0.5)
+    assert fit.error_before > 0.01 and fit.error_after == pytest.approx(0.0, abs=1e-9)
+    assert fit.link.per_action_overhead_ms == pytest.approx(given.link.per_action_overhead_ms / 2)
+    assert fit.link.bandwidth_bytes_per_s == given.link.bandwidth_bytes_per_s  # the wire is left alone
+    assert fit.to_dict()["scale"] == fit.scale
+
+
+def test_no_fit_on_too_few_runs_and_no_change_without_a_gain():
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    exact = [(c, given(c).step_time_ms) for c in candidates(MIN_TRIALS)]
+    assert fit_link(given, exact[:MIN_TRIALS - 1]) is None
+    fit = fit_link(given, exact)
+    assert fit is not None and fit.scale == 1.0 and fit.error_after == pytest.approx(0.0)
+
+
+def test_measured_steps_are_the_launched_ok_runs_median_per_candidate():
+    a, b, c = candidates(3)
+
+    def record(n, candidate, ms, outcome="ok", launched=True):
+        return TrialRecord(number=n, candidate=candidate, outcome=outcome, reason="", step_time_ms=ms,
+                           launched=launched)
+
+    records = [record(0, a, 10.0), record(1, a, 30.0), record(2, a, 12.0), record(3, b, 5.0),
+               record(4, c, 1.0, outcome="pruned", launched=False), record(5, c, None, outcome="oom")]
+    assert measured_steps(records) == [(b, 5.0), (a, 12.0)]
+
+
+class Phases:
+    def __init__(self):
+        self.lines = []
+
+    def phase(self, text):
+        self.lines.append(text)
+
+    def trial(self, record, best, launched, budget):
+        pass
+
+
+def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
+    profile = synthetic_profile()
+    machine = scaled(LinkModel.for_device(profile.device), 0.5)
+    runner = SimulatedRunner(link=machine)
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1)
+    phases = Phases()
+    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
+                        memory_limit_bytes=None), options, study_name="s",
+                        storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner, reporter=phases)
+    fitted = [line for line in phases.lines if line.startswith("predictions fitted")]
+    assert fitted and "x0.5 " in fitted[-1], phases.lines
+    # what the search asked after the fit was predicted with the machine's costs, as was its chosen candidate
+    last = [r for r in result.records if r.predicted_throughput_samples_per_s][-1]
+    assert last.predicted_throughput_samples_per_s == pytest.approx(
+        simulate(profile, last.candidate, link=machine).throughput_samples_per_s)
+    assert result.best_estimate.step_time_ms == pytest.approx(
+        simulate(profile, result.best.candidate, link=machine).step_time_ms)
+    assert Schedule(result.best.candidate.schedule)
