@@ -20,7 +20,7 @@ from autotune.candidate import Candidate
 from autotune.records import TrialRecord
 from autotune.simulate import LinkModel, Predictor
 
-MIN_TRIALS = 3
+MIN_TRIALS = 5
 """Distinct measured candidates before a fit is tried: fewer pin nothing down."""
 MAX_SCALE = 4.0
 COARSE = tuple(i / 4 for i in range(int(MAX_SCALE * 4) + 1))
@@ -28,7 +28,7 @@ COARSE = tuple(i / 4 for i in range(int(MAX_SCALE * 4) + 1))
 MAX_CANDIDATES = 16
 """The fastest measured candidates a fit uses: the ones pruning and ordering compare against, and a bound on the
 fit's cost (each factor tried simulates every one)."""
-MIN_GAIN = 0.01
+MIN_GAIN = 0.02
 """A fit is kept only if it lowers the mean relative error by at least this much (absolute): else 1.0 stays."""
 
 
