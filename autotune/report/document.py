@@ -12,7 +12,7 @@ from autotune.candidate import Measurement
 from autotune.records import TrialRecord
 from autotune.report.facts import ReportFacts
 from autotune.report.figures import FigureImage, is_repeat
-from autotune.report.measures import describe_gain
+from autotune.report.measures import NodeLink, describe_gain, percent
 from autotune.schedules import SCHEDULES
 from autotune.simulate import Estimate
 from autotune.tuned_config import mask_password
@@ -78,6 +78,8 @@ def build_document(facts: ReportFacts, figures: Sequence[FigureImage]) -> list[B
         blocks += [Heading(2, "Why this configuration"), Bullets(facts.why)]
     if facts.parallelisms:
         blocks += [Heading(2, "Pipeline or FSDP?"), *_parallelisms(facts)]
+    if facts.node_link is not None:
+        blocks += [Heading(2, "Link between nodes"), *_node_link(facts.node_link, facts.device)]
     if facts.result.workers:
         blocks += [Heading(2, "Workers"), *_workers(facts)]
     if figures:
@@ -220,6 +222,46 @@ def _parallelisms(facts: ReportFacts) -> list[Block]:
         blocks.append(Paragraph(text + ". Each row is that kind's fastest configuration by its median over runs; "
                                 "peak memory is the highest rank's."))
     return blocks
+
+
+def _node_link(nodes: NodeLink, device: str) -> list[Block]:
+    """The probed link beside the default the planner would otherwise assume, and whether the predictions it fed
+    held for the configurations that crossed nodes."""
+    link, default = nodes.link, nodes.default
+    ranks = f"{nodes.gpus_per_node} rank{'s' if nodes.gpus_per_node != 1 else ''}"
+    intro = (f"The search ran over nodes of {ranks} and probed the link between them before planning: the "
+             f"simulator charged every send and collective that crosses nodes at the *between nodes* figures (from "
+             f"the probe, never faster than inside a node). Without the probe the planner assumes the {device} "
+             f"default everywhere, between nodes too.")
+    table = Table(
+        ("", "between nodes (probed)", "inside a node (this search)", f"{device} default"),
+        (("latency", _latency(link.inter_node_latency_s or link.latency_s), _latency(link.latency_s),
+          _latency(default.latency_s)),
+         ("bandwidth", _rate(link.inter_node_bandwidth_bytes_per_s or link.bandwidth_bytes_per_s),
+          _rate(link.bandwidth_bytes_per_s), _rate(default.bandwidth_bytes_per_s))),
+        ("left", "right", "right", "right"),
+    )
+    worst, middle = nodes.worst, nodes.median_error
+    if worst is None or middle is None:
+        verdict = (f"No configuration over more than one node (more than {ranks}) was measured, so how far the "
+                   f"predictions over nodes were from real runs is unknown.")
+    else:
+        runs = len(nodes.errors)
+        verdict = (f"Over the {runs} measured run{'s' if runs != 1 else ''} of configurations spanning nodes, the "
+                   f"predicted step time was off by **{percent(middle, signed=True)}** (median; + predicted slower "
+                   f"than measured). The worst: `{worst.candidate.key}` (trial #{worst.trial}), predicted "
+                   f"{worst.predicted_ms:.1f} ms against {worst.measured_ms:.1f} ms measured, "
+                   f"**{percent(worst.error, signed=True)}**.")
+    return [Paragraph(intro), table, Paragraph(verdict)]
+
+
+def _latency(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def _rate(bytes_per_s: float) -> str:
+    """As the search's probe line says it: GB/s, or MB/s below one."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
 
 
 def _workers(facts: ReportFacts) -> list[Block]:

@@ -14,6 +14,7 @@ from autotune.report.measures import (
     Curve,
     Gain,
     LossCurve,
+    NodeLink,
     ParallelismBest,
     RunMemory,
     StageBalance,
@@ -23,6 +24,7 @@ from autotune.report.measures import (
     leader_memory,
     loss_curves,
     ms_per_sample,
+    node_link,
     parallelism_comparison,
 )
 from autotune.report.reasons import ReportWarning, memory_choice_reason, reproduce_commands, warnings_for, why_chosen
@@ -81,6 +83,9 @@ class ReportFacts:
     loss_curves: tuple[LossCurve, ...] = ()
     """Loss per step of the fastest asynchronous (2BW) configuration and of the fastest synchronous one (measures.
     loss_curves); empty without a 2BW run that recorded its losses."""
+    node_link: NodeLink | None = None
+    """A multi-node search: its probed link beside the device default, and its predictions against its runs over
+    nodes (measures.node_link); None on one node or without a probe."""
 
 
 def gather_facts(
@@ -161,6 +166,7 @@ def gather_facts(
         batchnorm_layers=tuple(batchnorm_layers),
         parallelisms=parallelism_comparison(result),
         loss_curves=losses,
+        node_link=node_link(result, predict, device),
     )
 
 

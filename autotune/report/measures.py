@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from statistics import median
 from typing import Literal
 
 from autotune.candidate import PARALLELISMS, Candidate, Measurement, WireDtype, uniform_split
@@ -21,7 +22,7 @@ from autotune.schedules import (
     stage_ranks,
     validate_schedule,
 )
-from autotune.simulate import Estimate, Predictor
+from autotune.simulate import Estimate, LinkModel, Predictor
 
 GainBasis = Literal["measured", "predicted"]
 
@@ -273,6 +274,66 @@ def parallelism_comparison(result: SearchResult) -> tuple[ParallelismBest, ...]:
             pruned=sum(1 for r in records if r.outcome == "pruned"),
         ))
     return tuple(rows)
+
+
+# --- the link between nodes --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossNodeError:
+    """One run of a configuration spanning nodes: the simulator's step time beside the measured one."""
+
+    candidate: Candidate
+    trial: int
+    predicted_ms: float
+    """global_batch_size / the trial's predicted throughput (what the search predicted when it asked)."""
+    measured_ms: float
+
+    @property
+    def error(self) -> float:
+        """Signed, relative to the measurement: +0.2 predicted 20 % slower than it ran."""
+        return self.predicted_ms / self.measured_ms - 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLink:
+    """A multi-node search's link between nodes, as the simulator charged it after the probe, beside the device's
+    default (what the planner assumes without a probe, between nodes too), and how far the predictions for
+    configurations spanning nodes were from their runs: the probe is the one input a single-node calibration
+    cannot check."""
+
+    gpus_per_node: int
+    link: LinkModel
+    """The search's link: its inter-node figures from the probe, its intra-node ones the search's too."""
+    default: LinkModel
+    """LinkModel.for_device of the search's device."""
+    errors: tuple[CrossNodeError, ...]
+    """Launched trials of configurations over more than one node with a measured step time and a prediction, in
+    trial order; empty when none ran."""
+
+    @property
+    def median_error(self) -> float | None:
+        return median(e.error for e in self.errors) if self.errors else None
+
+    @property
+    def worst(self) -> CrossNodeError | None:
+        return max(self.errors, key=lambda e: abs(e.error), default=None)
+
+
+def node_link(result: SearchResult, predict: Predictor, device: str) -> NodeLink | None:
+    """The link section's numbers; None unless the search ran over nodes with a probed link (its predictor has
+    gpus_per_node and inter-node figures). A configuration spans nodes when its ranks outnumber one node's."""
+    per_node, link = predict.gpus_per_node, predict.link
+    if per_node is None or link.inter_node_bandwidth_bytes_per_s is None:
+        return None
+    errors = tuple(
+        CrossNodeError(candidate=r.candidate, trial=r.number, measured_ms=r.step_time_ms,
+                       predicted_ms=r.candidate.global_batch_size / r.predicted_throughput_samples_per_s * 1e3)
+        for r in result.records
+        if r.launched and r.candidate is not None and r.candidate.world_size > per_node
+        and r.step_time_ms and r.predicted_throughput_samples_per_s
+    )
+    return NodeLink(gpus_per_node=per_node, link=link, default=LinkModel.for_device(device), errors=errors)
 
 
 # --- loss per step (asynchronous schedules) ----------------------------------------------------------------------

@@ -515,3 +515,67 @@ def test_a_tensor_parallel_choice_shows_tp_beside_pp_and_dp(study):
     assert "| pp x dp x tp | 1 x 1 x 2 | " in markdown
     assert "Each stage is split over 2 consecutive ranks with the model's tensor-parallel plan" in markdown
     assert "tensor parallel" in markdown.split("## Pipeline or FSDP?")[1]
+
+
+def over_nodes(study: SearchResult, records: tuple[TrialRecord, ...], *, gpus_per_node: int | None = 1,
+               probed: bool = True) -> tuple[str, str]:
+    """The report of `study` as if it had run over nodes of gpus_per_node ranks with (or without) a probed link."""
+    link = LinkModel.for_device("cpu")
+    if probed:  # the probe's figures, as tune.probed_link gives them without an intra-node probe
+        link = link.with_probe(inter_latency_s=5e-3, inter_bandwidth_bytes_per_s=2e7)
+    setup = {**study.setup, "device": "cpu", "link": dataclasses.asdict(link),
+             **({"gpus_per_node": gpus_per_node} if gpus_per_node else {})}
+    facts = gather_facts(dataclasses.replace(study, records=records), profile=make_profile(),
+                         memory_limit_bytes=LIMIT, setup=setup)
+    blocks = build_document(facts, [])
+    return render_markdown(blocks), render_html(blocks, title=facts.title)
+
+
+def timed(number: int, candidate: Candidate, *, measured_ms: float | None, predicted_ms: float | None,
+          outcome: str = "ok") -> TrialRecord:
+    """A trial that ran in measured_ms after the search predicted predicted_ms for it."""
+    rate = candidate.global_batch_size / predicted_ms * 1e3 if predicted_ms else None
+    return record(number, candidate, outcome, step_time_ms=measured_ms, predicted_throughput_samples_per_s=rate)
+
+
+def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_nodes_were(study):
+    """Issue 27: beside the default link, the probed one; over the runs spanning nodes (2 ranks, nodes of 1), the
+    median signed error of the predicted step time and the worst; runs inside one node, not launched, or without a
+    measurement or a prediction do not count."""
+    spans = study.best.candidate
+    assert spans.world_size == 2
+    one_rank = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=1, data_parallel_degree=1,
+                         global_batch_size=spans.global_batch_size, n_microbatches=2,
+                         layers_per_stage=(sum(spans.layers_per_stage),))
+    records = (
+        timed(0, spans, measured_ms=100.0, predicted_ms=80.0),  # -20 %
+        timed(1, spans, measured_ms=50.0, predicted_ms=65.0),  # +30 %: the worst
+        timed(2, spans, measured_ms=200.0, predicted_ms=210.0),  # +5 %: the median
+        timed(3, one_rank, measured_ms=100.0, predicted_ms=10.0),  # one node: not counted
+        timed(4, spans, measured_ms=None, predicted_ms=10.0, outcome="oom"),  # nothing measured
+        timed(5, spans, measured_ms=100.0, predicted_ms=None),  # nothing predicted
+        timed(6, spans, measured_ms=None, predicted_ms=1.0, outcome="pruned"),  # not launched
+    )
+    markdown, html = over_nodes(study, records)
+    section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
+    assert "nodes of 1 rank and probed" in section
+    assert "| latency | 5.00 ms | 500 us | 500 us |" in section
+    assert "| bandwidth | 20 MB/s | 3.00 GB/s | 3.00 GB/s |" in section
+    assert "Over the 3 measured runs of configurations spanning nodes" in section
+    assert "off by **+5 %** (median" in section
+    assert (f"The worst: `{spans.key}` (trial #1), predicted 65.0 ms against 50.0 ms measured, **+30 %**."
+            in section)
+    assert "Link between nodes" in html and "<strong>+30 %</strong>" in html
+
+    markdown, _ = over_nodes(study, records[3:])
+    section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
+    assert "No configuration over more than one node (more than 1 rank) was measured" in section
+    assert "| latency | 5.00 ms |" in section
+
+
+def test_a_one_node_report_says_nothing_of_a_link_between_nodes(study):
+    records = (timed(0, study.best.candidate, measured_ms=100.0, predicted_ms=80.0),)
+    assert "Link between nodes" in over_nodes(study, records)[0]  # the same runs over nodes would show it
+    for markdown in (text(study)[0], over_nodes(study, records, gpus_per_node=None)[0],
+                     over_nodes(study, records, probed=False)[0]):
+        assert "Link between nodes" not in markdown
