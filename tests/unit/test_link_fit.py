@@ -24,13 +24,13 @@ def candidates(n: int) -> list[Candidate]:
 def test_the_fit_finds_the_factor_the_machine_pays():
     profile = synthetic_profile()
     given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
-    machine = scaled(given.link, 0.5)  # half the per-action and per-message costs the defaults assume
+    machine = scaled(given.link, 2.5)  # 2.5 times the per-action and per-message costs the defaults assume
     measured = [(c, simulate(profile, c, link=machine).step_time_ms) for c in candidates(6)]
     fit = fit_link(given, measured)
     assert fit is not None and fit.trials == 6
-    assert fit.scale == pytest.approx(0.5)
-    assert fit.error_before > 0.01 and fit.error_after == pytest.approx(0.0, abs=1e-9)
-    assert fit.link.per_action_overhead_ms == pytest.approx(given.link.per_action_overhead_ms / 2)
+    assert fit.scale == pytest.approx(2.5)
+    assert fit.error_before > 0.02 and fit.error_after == pytest.approx(0.0, abs=1e-9)
+    assert fit.link.per_action_overhead_ms == pytest.approx(given.link.per_action_overhead_ms * 2.5)
     assert fit.link.bandwidth_bytes_per_s == given.link.bandwidth_bytes_per_s  # the wire is left alone
     assert fit.to_dict()["scale"] == fit.scale
 
@@ -69,7 +69,7 @@ class Phases:
 
 def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
     profile = synthetic_profile()
-    machine = scaled(LinkModel.for_device(profile.device), 0.5)
+    machine = scaled(LinkModel.for_device(profile.device), 2.5)
     runner = SimulatedRunner(link=machine)
     options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1)
     phases = Phases()
@@ -77,7 +77,7 @@ def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
                         memory_limit_bytes=None), options, study_name="s",
                         storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner, reporter=phases)
     fitted = [line for line in phases.lines if line.startswith("predictions fitted")]
-    assert fitted and "x0.5 " in fitted[-1], phases.lines
+    assert fitted and "x2.5 " in fitted[-1], phases.lines
     # what the search asked after the fit was predicted with the machine's costs, as was its chosen candidate
     last = [r for r in result.records if r.predicted_throughput_samples_per_s][-1]
     assert last.predicted_throughput_samples_per_s == pytest.approx(
@@ -85,3 +85,19 @@ def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
     assert result.best_estimate.step_time_ms == pytest.approx(
         simulate(profile, result.best.candidate, link=machine).step_time_ms)
     assert Schedule(result.best.candidate.schedule)
+
+
+def test_the_report_says_how_far_the_fit_moved_the_predictions(tmp_path):
+    from autotune.report.document import Paragraph, build_document
+    from autotune.report.facts import gather_facts
+
+    profile = synthetic_profile()
+    machine = scaled(LinkModel.for_device(profile.device), 2.5)
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1)
+    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
+                        memory_limit_bytes=None), options, study_name="s",
+                        storage=f"sqlite:///{tmp_path / 's.db'}", runner=SimulatedRunner(link=machine))
+    facts = gather_facts(result, profile=profile, memory_limit_bytes=None)
+    assert facts.link_fit is not None and facts.link_fit.scale == pytest.approx(2.5)
+    text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
+    assert "fitted the simulator's per-action and per-message costs" in text and "(x2.5)" in text
