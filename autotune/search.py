@@ -37,7 +37,6 @@ from autotune.candidate import (
 )
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
-from autotune.link_fit import LinkFit, fit_link, measured_steps
 from autotune.model_file import ModelSpec
 from autotune.placement import RankOrder
 from autotune.plan import PlannedCandidate
@@ -317,9 +316,6 @@ class _Engine:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
         self.shared, self.study = shared, shared.study
         self.runner, self.reporter, self.predict = runner, reporter, predict
-        self.given = predict
-        """The predictor the search started with; self.predict is it with the link fitted to the study's runs."""
-        self.fit: LinkFit | None = None
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
@@ -345,21 +341,6 @@ class _Engine:
         if candidate.key not in self._estimates:
             self._estimates[candidate.key] = self.predict(candidate)
         return self._estimates[candidate.key]
-
-    def refit(self) -> None:
-        """Fit the link's rank-side costs to what the study has measured so far (autotune.link_fit) and predict with
-        the fitted link from now on: pruning and the sampler's order rest on the predictions, and per-action and
-        per-message costs differ from machine to machine. Says so when the factor changes."""
-        fit = fit_link(self.given, measured_steps(self.records))
-        if fit is None:
-            return
-        if fit.scale != (self.fit.scale if self.fit else 1.0):
-            self.predict = replace(self.given, link=fit.link)
-            self._estimates.clear()
-            self.reporter.phase(
-                f"predictions fitted to {fit.trials} measured candidates: per-action and per-message costs "
-                f"x{fit.scale:g} (mean error {fit.error_before:.0%} -> {fit.error_after:.0%})")
-        self.fit = fit
 
     def best_record(self) -> TrialRecord | None:
         ok = [r for r in self.records if r.outcome == "ok" and r.throughput_samples_per_s]
@@ -419,7 +400,6 @@ class _Engine:
         max_idle = max(self.options.n_trials, MIN_IDLE_ASKS)
         patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
-        self.refit()  # a resumed or joined study has runs already
         while self._budget_left() > reserve:
             if deadline is not None and time.time() >= deadline:
                 self.reporter.phase("search timeout reached: no new trials")
@@ -517,10 +497,7 @@ class _Engine:
         if measurement.error and measurement.error.rank is not None:
             node = "" if measurement.error.node is None else f"node {measurement.error.node} "
             reason = f"{node}rank {measurement.error.rank}: {reason}"
-        record = self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
-        if measurement.status == "ok":
-            self.refit()
-        return record
+        return self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
 
     def _tell(
         self,

@@ -134,7 +134,7 @@ def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=["mlp", "gpt", "cnn"])
+    parser.add_argument("--recipes", nargs="*", default=["mlp", "gpt", "cnn"], help="none: only --models")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--configs", type=int, default=24)
     parser.add_argument("--passes", type=int, default=2)

@@ -9,7 +9,6 @@ from typing import Any
 
 from autotune.candidate import Candidate, Measurement
 from autotune.costs import Profile
-from autotune.link_fit import LinkFit, fit_link, measured_steps
 from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
@@ -87,9 +86,6 @@ class ReportFacts:
     node_link: NodeLink | None = None
     """A multi-node search: its probed link beside the device default, and its predictions against its runs over
     nodes (measures.node_link); None on one node or without a probe."""
-    link_fit: LinkFit | None = None
-    """The factor on the link's rank-side costs that the study's runs support (autotune.link_fit, as the search
-    fitted it); None before enough candidates ran."""
 
 
 def gather_facts(
@@ -171,7 +167,6 @@ def gather_facts(
         parallelisms=parallelism_comparison(result),
         loss_curves=losses,
         node_link=node_link(result, predict, device),
-        link_fit=fit_link(predict, measured_steps(result.records)),
     )
 
 
