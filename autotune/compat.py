@@ -15,6 +15,8 @@
     reading torch's failures                 its error texts (broken connections, out of memory) and source paths
     a rank's completed compute actions       PipelineStage.forward_one_chunk, backward_one_chunk,
                                              backward_weight_one_chunk (what torch's schedules call per action)
+    what a split backward's I holds and      stage_backward_input (pipelining._backward), run on one block by the
+    keeps for its W                          profiler
     split backwards of FSDP2 stages that     PipelineStage.backward_maybe_with_nosync (where torch's stage reads
     reshard after forward                    the weights its input-only backward leaves for W)
     storage for FSDP2 shards built on meta   nn.Module._apply (FSDPModule overrides it to re-pad its shards)
@@ -89,12 +91,14 @@ check_torch_version()
 
 _PIPELINING_SCHEDULES = "torch.distributed.pipelining.schedules"
 _VISUALIZER = "torch.distributed.pipelining._schedule_visualizer"
+_BACKWARD = "torch.distributed.pipelining._backward"
 
 SYMBOLS: tuple[tuple[str, str], ...] = (
     (_VISUALIZER, "get_schedule_ops"),
     (_PIPELINING_SCHEDULES, "_PipelineScheduleRuntime"),
     (_PIPELINING_SCHEDULES, "_Action"),
     (_PIPELINING_SCHEDULES, "_ComputationType"),
+    (_BACKWARD, "stage_backward_input"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_flatten"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
@@ -281,6 +285,19 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_initialized():
         clear()
+
+
+def stage_backward_input(
+    outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
+    weights: list[torch.nn.Parameter],
+) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
+    """A split backward's I as torch's stage runs it: the inputs' gradients (also left in their .grad), and the
+    parameter groups holding what its W needs (the gradients of the weight ops' outputs); the outputs are detached
+    in place."""
+    run = symbol(_BACKWARD, "stage_backward_input")
+    result: tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]] = run(outputs, output_grads, inputs,
+                                                                               iter(weights))
+    return result
 
 
 def is_batch_norm(module: torch.nn.Module) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,45 @@ from autotune.candidate import PRECISIONS, Precision
 from autotune.errors import UsageError
 
 PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardBytes:
+    """What one layer's backward holds on top of what was alive before it, for one micro-batch (profiled per size:
+    profiling._backward_bytes). Each a pair: (the gradient of the layer's output made inside the backward, counted
+    and let go of once used, as a later layer of a stage or the loss makes it; that gradient handed in, held
+    throughout and not counted, as torch's stage hands a stage's last layer its receive buffer)."""
+
+    first: tuple[int, int]
+    """A whole backward with no .grad yet (a stage's first of the step), at its most: its temporaries (an MLP's
+    hidden gradients, attention's) and input and weight gradients (the latter kept), less the saved activations it
+    lets go of on the way."""
+    later: tuple[int, int]
+    """The same with .grad there (a later backward: fresh weight gradients added into it and let go of)."""
+    input_peak: tuple[int, int]
+    """A split backward's I (torch's stage_backward_input), at its most, its input's gradient included: it lets go
+    of no saved activation (its W needs them)."""
+    input_kept: tuple[int, int]
+    """What that I leaves for its W beside its input's gradient: the gradients of the weight ops' outputs."""
+
+    def map(self, fn: Callable[[int], int]) -> BackwardBytes:
+        """Each figure through fn (a tp rank's share)."""
+        return BackwardBytes(**{f: (fn(a), fn(b)) for f, (a, b) in self.to_dict().items()})
+
+    def to_dict(self) -> dict[str, tuple[int, int]]:
+        return {"first": self.first, "later": self.later, "input_peak": self.input_peak,
+                "input_kept": self.input_kept}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BackwardBytes:
+        return cls(**{f: (int(data[f][0]), int(data[f][1])) for f in ("first", "later", "input_peak", "input_kept")})
+
+    @classmethod
+    def interpolated(cls, per_size: Sequence[BackwardBytes], at: Callable[[Sequence[float]], float]) -> BackwardBytes:
+        """Each figure interpolated over the profile's sizes (at: Profile's _Interpolator)."""
+        rows = [b.to_dict() for b in per_size]
+        return cls(**{f: (math.ceil(at([r[f][0] for r in rows])), math.ceil(at([r[f][1] for r in rows])))
+                      for f in rows[0]})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +83,14 @@ class LayerCost:
     autocast_copy_bytes: int = 0
     """bf16: the bfloat16 copies torch.autocast makes of the layer's parameters in one forward, which that forward's
     graph keeps until its backward (not part of saved_bytes); 0 in fp32."""
+    saved_input_bytes: int | None = None
+    """Of saved_bytes, the layer's input (a Linear's, a LayerNorm's; not a ReLU's): a stage starting here saves the
+    tensor it received, held already. None: not profiled."""
+    saved_output_bytes: int = 0
+    """Of saved_bytes, the layer's output (a ReLU's): a stage ending here saves the tensor it sends. 0: none, or not
+    profiled."""
+    backward_bytes: BackwardBytes | None = None
+    """What the layer's backward holds on top of what was alive before it; None: not profiled."""
 
     @property
     def backward_ms(self) -> float:
@@ -76,6 +123,12 @@ class LayerProfile:
     """bf16 profiles: bytes of the bfloat16 copies torch.autocast made of the layer's parameters for one forward
     (matmul and convolution weights; autograd saves them for the backward), kept out of saved_bytes because only
     the autocast runtime (replicate) makes them: a sharded bf16 stage computes on bfloat16 parameters already."""
+    saved_input_bytes: tuple[int, ...] = ()
+    """Of saved_bytes, the layer's input, per micro-batch size; () in profiles saved before it was recorded."""
+    saved_output_bytes: tuple[int, ...] = ()
+    """Of saved_bytes, the layer's output, per micro-batch size; () as above."""
+    backward_bytes: tuple[BackwardBytes, ...] = ()
+    """LayerCost.backward_bytes per micro-batch size; () as above."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +183,9 @@ class Profile:
     """Per layer, in model order."""
     input_bytes: tuple[int, ...]
     """Bytes of the model's input for one micro-batch, per micro-batch size."""
+    target_bytes: tuple[int, ...] = ()
+    """Bytes of the loss's targets for one micro-batch, per micro-batch size; () in profiles saved before it was
+    recorded (0)."""
     loss_forward_ms: tuple[float, ...] = ()
     """loss_fn forward time per micro-batch size (charged to the last layer by layer_costs); () means 0."""
     loss_backward_ms: tuple[float, ...] = ()
@@ -194,9 +250,11 @@ class Profile:
         if not self.layers:
             raise UsageError("a profile needs at least one layer")
         per_size = [self.input_bytes, *(getattr(layer, f) for layer in self.layers for f in _SERIES)]
+        per_size += [getattr(layer, f) for layer in self.layers for f in _MEMORY_SERIES if getattr(layer, f)]
+        per_size += [layer.backward_bytes for layer in self.layers if layer.backward_bytes]
         per_size += [
             s
-            for s in (self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
+            for s in (self.target_bytes, self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
                       self.checkpoint_forward_ratio, self.checkpoint_recompute_ratio)
             if s
         ]
@@ -268,6 +326,10 @@ class Profile:
                         int(layer.parameter_bytes > 0) if layer.parameter_groups is None else layer.parameter_groups
                     ),
                     autocast_copy_bytes=layer.autocast_copy_bytes,
+                    saved_input_bytes=math.ceil(at(layer.saved_input_bytes)) if layer.saved_input_bytes else None,
+                    saved_output_bytes=math.ceil(at(layer.saved_output_bytes)) if layer.saved_output_bytes else 0,
+                    backward_bytes=(BackwardBytes.interpolated(layer.backward_bytes, at) if layer.backward_bytes
+                                    else None),
                 )
             )
         return costs
@@ -292,6 +354,12 @@ class Profile:
         if not self.loss_backward_ms:
             return 0.0
         return _Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_backward_ms)
+
+    def target_bytes_at(self, micro_batch_size: float) -> int:
+        """Bytes of the loss's targets for one micro-batch of size M (0 when not profiled)."""
+        if not self.target_bytes:
+            return 0
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.target_bytes))
 
     def input_bytes_at(self, micro_batch_size: float) -> int:
         """Bytes of the model's input for one micro-batch of size M."""
@@ -324,6 +392,9 @@ class Profile:
                     output_bytes=(c.output_bytes,),
                     parameter_groups=c.parameter_groups or None,
                     autocast_copy_bytes=c.autocast_copy_bytes,
+                    saved_input_bytes=() if c.saved_input_bytes is None else (c.saved_input_bytes,),
+                    saved_output_bytes=(c.saved_output_bytes,) if c.saved_output_bytes else (),
+                    backward_bytes=() if c.backward_bytes is None else (c.backward_bytes,),
                 )
                 for i, c in enumerate(costs)
             ),
@@ -344,6 +415,7 @@ class Profile:
             "torch_version": self.torch_version,
             "micro_batch_sizes": list(self.micro_batch_sizes),
             "input_bytes": list(self.input_bytes),
+            **({"target_bytes": list(self.target_bytes)} if self.target_bytes else {}),
             "loss_forward_ms": list(self.loss_forward_ms),
             "loss_backward_ms": list(self.loss_backward_ms),
             "loss_saved_bytes": list(self.loss_saved_bytes),
@@ -365,7 +437,9 @@ class Profile:
                 {"name": layer.name, "parameter_bytes": layer.parameter_bytes,
                  "parameter_groups": layer.parameter_groups,
                  **({"autocast_copy_bytes": layer.autocast_copy_bytes} if layer.autocast_copy_bytes else {}),
-                 **{field: list(getattr(layer, field)) for field in _SERIES}}
+                 **{field: list(getattr(layer, field)) for field in _SERIES},
+                 **{field: list(getattr(layer, field)) for field in _MEMORY_SERIES if getattr(layer, field)},
+                 **({"backward_bytes": [b.to_dict() for b in layer.backward_bytes]} if layer.backward_bytes else {})}
                 for layer in self.layers
             ],
         }
@@ -392,10 +466,13 @@ class Profile:
                             None if layer.get("parameter_groups") is None else int(layer["parameter_groups"])
                         ),
                         autocast_copy_bytes=int(layer.get("autocast_copy_bytes", 0)),
+                        **{field: tuple(int(x) for x in layer.get(field, ())) for field in _MEMORY_SERIES},
+                        backward_bytes=tuple(BackwardBytes.from_dict(b) for b in layer.get("backward_bytes", ())),
                     )
                     for layer in data["layers"]
                 ),
                 input_bytes=tuple(int(x) for x in data["input_bytes"]),
+                target_bytes=tuple(int(x) for x in data.get("target_bytes", ())),
                 shared_parameters=tuple(
                     (tuple(int(i) for i in p["layers"]), int(p["bytes"])) for p in data.get("shared_parameters", ())
                 ),
@@ -443,6 +520,8 @@ def load_profile(path: Path) -> Profile:
 
 
 _SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
+_MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes")
+"""Per-size series a profile may lack (saved before they were recorded): () there (and so backward_bytes)."""
 
 
 class _Interpolator:

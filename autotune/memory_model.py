@@ -1,15 +1,21 @@
 """Pure: what one pipeline rank holds in memory, rule by rule. The simulator walks a rank's actions with these rules
-(autotune.simulate) and the planner's memory-aware split caps one stage with them (stage_memory_bytes), so both
-count the same bytes.
+(autotune.simulate) and the planner's memory-aware split caps one stage with them (stage_memory_bytes, which keeps
+the simpler, larger rules where this says so).
 
-    parameters, their gradients, optimizer state   parameter_bytes x (2 + optimizer_state_ratio)   always
+    parameters, optimizer state                     parameter_bytes x (1 + optimizer_state_ratio)   always
+    their gradients                                 parameter_bytes                                 1st backward
+                                                    (gradients_made_in_step; else always)           -> optimizer
                                                     (sharded: the parameter and optimizer-state      always
                                                     shards, x (1 + ratio) / dp; the gradient shards, reduce ->
                                                     / dp, from the reduce-scatter)                   optimizer
     receive buffers                                 n_microbatches x (stage input + output grad)     always
-    the global batch's inputs                       n_microbatches x the model input                 always
+    the batch (batch_bytes)                         n_microbatches x (the inputs on the first        always
+                                                    stage's rank, the targets on the last's)
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
-                                                    + the stage output torch keeps until the backward
+                                                    + the stage output torch keeps until the backward,
+                                                    less what of them is the stage's input (the batch
+                                                    or a receive buffer: input_held_elsewhere_bytes)
+                                                    or its output (output_saved_bytes)
     tensor parallel (tp > 1, on each tp rank)       the plan's sharded parameters (their gradients   as above
                                                     and state) / tp, the rest whole; saved
                                                     activations: the hidden states a block saves
@@ -18,8 +24,9 @@ count the same bytes.
     sent tensors                                    each output sent on, each input gradient sent    F / B to the
                                                     back (torch waits for its sends at the end)      step's end
     one backward (transient)                        the loss's gradients (last stage: 2 x output),   during B / I
-                                                    or a layer's weight, input and output gradients
-    a split backward's I, for its W                 the weight ops' output gradients                 I to W
+                                                    or the worst layer's backward (layer_backward_
+                                                    bytes: profiled, costs.BackwardBytes)
+    a split backward's I, for its W                 what it leaves (input_backward_bytes: profiled)  I to W
     checkpointed backward                           the stage's saved activations, rebuilt for one micro-batch
     optimizer step                                  its temporaries (optimizer_step_bytes)           after the
                                                     + split schedules' input gradients (on buffers)  pipeline
@@ -50,19 +57,22 @@ A split backward's I also leaves the input gradient on the receive buffer's .gra
 is still there during the optimizer step. Between two stages of one rank (V placement) nothing is sent: the output
 becomes the next stage's receive buffer and the input gradient the previous stage's, counted with those.
 
-What the profile cannot tell, and so is counted one way: the tensor between two stages is saved either by the stage
-after (a Linear or LayerNorm saves its input: then it is that stage's float32 receive buffer) or by the stage before
-(a ReLU saves its output: then it is the output that stage keeps); both sides count it, over by one boundary tensor
-per micro-batch held, on one of the two ranks (recipes/cnn.py: +2 % to +22 %). What a layer allocates inside its own
-backward (an MLP's hidden gradient, attention's gradients) is not measured, so not counted (a 2-block GPT: down to
--7 % on the rank where a full backward's first layer sets the peak). Both need the profile to record them per layer.
+What a layer's backward holds (its temporaries: an MLP's hidden gradient, attention's; its input and weight
+gradients, less the saved activations it lets go of) and what a split backward's I keeps for its W are profiled
+per layer (profiling._backward_bytes), each with the output's gradient made inside (a later layer of the stage or
+the loss makes it, and it goes once used) and handed in (a stage's last layer, from its receive buffer). Profiles
+saved before then fall back to counting a layer's input, output and weight gradients and split_kept_bytes
+(bench/models/gpt2block.py: -7 % with 1F1B, up to +10 % with the split backwards). Not counted: side inputs (masks)
+every rank gets; under tp, a layer's backward figures are split as its saved activations are (not measured).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from autotune.candidate import Candidate
+from autotune.costs import BackwardBytes
 from autotune.schedules import SCHEDULES, Schedule
 
 
@@ -82,15 +92,28 @@ def dp_shards(candidate: Candidate) -> int:
     return candidate.data_parallel_degree if candidate.sharded else 1
 
 
-def parameter_memory_bytes(parameter_bytes: float, optimizer_state_ratio: float, shards: int = 1) -> float:
-    """What a stage holds for the whole step: its parameters, their gradients and the optimizer state
-    (optimizer_state_ratio x the parameters; AdamW: 2), float32. Sharded over `shards` ranks (dp_shards > 1): the
-    parameter and optimizer-state shards only; the gradients are unsharded until the stage's reduce-scatter
-    (unsharded_gradient_bytes) and sharded after it, until the optimizer step (gradient_shard_bytes: the runtime
-    sets them to None before each step)."""
+def parameter_memory_bytes(
+    parameter_bytes: float, optimizer_state_ratio: float, shards: int = 1, *, gradients: bool = True
+) -> float:
+    """What a stage holds for the whole step: its parameters, their gradients (not with gradients=False:
+    gradients_made_in_step) and the optimizer state (optimizer_state_ratio x the parameters; AdamW: 2), float32.
+    Sharded over `shards` ranks (dp_shards > 1): the parameter and optimizer-state shards only; the gradients are
+    unsharded until the stage's reduce-scatter (unsharded_gradient_bytes) and sharded after it, until the optimizer
+    step (gradient_shard_bytes: the runtime sets them to None before each step)."""
     if shards == 1:
-        return parameter_bytes * (2 + optimizer_state_ratio)
+        return parameter_bytes * (1 + int(gradients) + optimizer_state_ratio)
     return parameter_bytes * (1 + optimizer_state_ratio) / shards
+
+
+def gradients_made_in_step(candidate: Candidate) -> bool:
+    """Whether a stage's gradients exist only from its first backward of the step on (counted then, not with the
+    parameters): torch's zero_grad(set_to_none=True) lets them go after each optimizer step (runtime.RankPipeline.
+    step). One replica, unsharded, synchronous only: DistributedDataParallel's buckets (the gradients are views of
+    them) stay, sharded stages walk their unsharded gradients apart (unsharded_gradient_bytes), and 2BW's window
+    was not measured (counted with the parameters, as before). recipes/gpt.py, GPipe over 2 ranks: the last stage's
+    peak, in its first backward's loss, held no gradient (0.73 MB, 1.9 %, counted before)."""
+    synchronous = not SCHEDULES[candidate.schedule].asynchronous
+    return not candidate.sharded and candidate.data_parallel_degree == 1 and synchronous
 
 
 def weight_version_bytes(parameter_bytes: float, *, candidate: Candidate) -> float:
@@ -159,10 +182,51 @@ def held_per_microbatch(saved: int, stage_in: int, stage_out: int, *, candidate:
     return (stage_in if candidate.activation_checkpointing else saved) + int(stage_out * wire)
 
 
-def recompute_bytes(saved: int, *, candidate: Candidate) -> int:
-    """What a checkpointed backward rebuilds for the micro-batch it works on: the stage's saved activations (0
-    without checkpointing)."""
-    return saved if candidate.activation_checkpointing else 0
+def recompute_bytes(saved: int, *, candidate: Candidate, input_saved: int = 0) -> int:
+    """What a checkpointed backward rebuilds for the micro-batch it works on: the stage's saved activations but what
+    its first layer saves of the stage input (input_saved: the recompute saves the input the checkpoint kept, no
+    copy); 0 without checkpointing."""
+    return max(0, saved - input_saved) if candidate.activation_checkpointing else 0
+
+
+def boundary_shared(candidate: Candidate) -> bool:
+    """Whether a tensor between two stages is one storage on each side of the wire: the output a stage sends is the
+    tensor its last layer made, and the receive buffer is the tensor the next stage's first layer computes on. True
+    in fp32 with a float32 wire (runtime.stage_boundary: a bfloat16 wire casts the output on leaving and the input
+    back on arrival; bf16 precision casts a received input to float32)."""
+    return candidate.precision == "fp32" and candidate.wire_dtype == "float32"
+
+
+def input_held_elsewhere_bytes(
+    stage_in: int, first_layer_saved: int, first_layer_saved_input: int | None, *, candidate: Candidate, first: bool
+) -> int:
+    """What a stage keeps of its input per in-flight micro-batch that is held already, so not again: the first
+    stage's input is a view of the batch (batch_bytes); a later stage's is its receive buffer (receive_buffer_bytes;
+    from a stage of the same rank, the previous stage's output, which becomes that buffer) where boundary_shared.
+    Kept is the checkpoint's input (checkpointed), or what the stage's first layer saves of it: first_layer_saved_
+    input, profiled (a Linear, Conv or LayerNorm saves its input, a ReLU or an add does not; None in profiles
+    before it was: on the first stage up to the layer's saved bytes, on a later one nothing). Measured on
+    recipes/gpt.py's stages (LayerNorm first): their saved input was the receive buffer's storage, counted twice
+    before."""
+    if not first and not boundary_shared(candidate):
+        return 0
+    if candidate.activation_checkpointing:
+        return stage_in
+    if first_layer_saved_input is None:
+        return min(stage_in, first_layer_saved) if first else 0
+    return min(stage_in, first_layer_saved_input)
+
+
+def output_saved_bytes(stage_out: int, last_layer_saved_output: int, *, candidate: Candidate, last: bool) -> int:
+    """What a stage's saved activations hold of its output per in-flight micro-batch (a ReLU saves its output):
+    the tensor torch's stage keeps until the backward and sends (held_per_microbatch counts it), so not again.
+    Not checkpointed (the checkpoint saves nothing inside), and only where the output kept is the one saved: not
+    cast for a bfloat16 wire (boundary_shared), or on the last stage not made float32 for the loss (bf16)."""
+    if candidate.activation_checkpointing:
+        return 0
+    if not (candidate.precision == "fp32" if last else boundary_shared(candidate)):
+        return 0
+    return min(stage_out, last_layer_saved_output)
 
 
 def stage_memory_bytes(
@@ -218,28 +282,78 @@ def loss_backward_bytes(output_bytes: int) -> int:
     return 2 * output_bytes
 
 
+WeightGradients = Literal["fresh", "kept", "elsewhere"]
+"""What becomes of the weight gradients a backward makes: added into .grad and let go of (a stage's later backward
+of the step: "fresh"); kept as .grad, counted from then on (its first, gradients_made_in_step: "kept"); or kept and
+counted by the caller (its first otherwise: with the parameters, or a sharded stage's unsharded gradients:
+"elsewhere")."""
+
+
 def layer_backward_bytes(
     parameter_bytes: Sequence[int], input_bytes: Sequence[int], output_bytes: Sequence[int], *, first: bool,
-    last: bool, weights: bool = True,
+    last: bool, weights: WeightGradients = "fresh", profiled: Sequence[BackwardBytes | None] | None = None,
+    grad_factor: float = 1.0, freed: Sequence[int] | None = None,
 ) -> int:
     """What one backward of a stage allocates on top of what it holds, at its worst layer (the layers of the stage
-    in order, their parameter bytes, input and output bytes for one micro-batch): the layer's fresh weight gradients
-    (added into .grad after the first micro-batch), the gradient of its input (none for the model's input), and the
-    gradient of its output where a later layer of the stage made it (the stage's last layer reads its output
-    gradient from the receive buffer, or on the last stage from the loss). weights=False for a stage's first
-    backward of the step, whose weight gradients become .grad (counted with the parameters). What a layer allocates
-    inside itself (an MLP's hidden gradients, attention's scores) the profile does not see."""
-    worst = 0
+    in order, their float32 parameter bytes, input and output bytes for one micro-batch): what the layer's backward
+    holds at most, with the gradient of its output where a later layer of the stage (or on the last stage the loss)
+    made it (the stage's last layer reads it from the receive buffer), less what the layers after it let go of once
+    done (freed: per layer, its saved activations but what outlives the backward). weights: what becomes of the
+    weight gradients it makes (WeightGradients).
+
+    What the layer's backward holds: profiled (costs.BackwardBytes; its fresh weight gradients scaled to
+    grad_factor, weight_gradient_factor). Where not profiled (None): its weight gradients and the gradients of its
+    input (none for the model's input) and output, without what it allocates inside itself: bench/models/
+    gpt2block.py, 1F1B, rank 0's peak in the first backward of its second block held 4.26 MB made by that backward
+    (the MLP's hidden gradient, 4 MiB) against the 1.05 MB counted then (-7 % in all). A layer's output gradient
+    made inside the stage is let go of once used, before the rest of the layer's backward (a ReLU's backward reads
+    it, then GroupNorm's makes its own): recipes/cnn.py's first block holds 2 x its output at most with that
+    gradient made inside, where the gradient beside the peak measured with it handed in counts 3 x; and what the
+    layers after it saved is gone by then (its second block's 2 MiB, at micro-batch 64)."""
+    worst = 0.0
+    gone = 0.0  # what the layers after this one let go of
+    made = 0.0  # "kept": the weight gradients the layers after this one made
     n = len(parameter_bytes)
-    for i in range(n):
-        in_grad = 0 if first and i == 0 else input_bytes[i]
-        out_grad = output_bytes[i] if i < n - 1 or last else 0
-        worst = max(worst, (parameter_bytes[i] if weights else 0) + in_grad + out_grad)
-    return worst
+    for i in reversed(range(n)):
+        handed = int(i == n - 1 and not last)
+        measured = profiled[i] if profiled is not None else None
+        if measured is None:
+            in_grad = 0 if first and i == 0 else input_bytes[i]
+            grads = {"fresh": parameter_bytes[i] * grad_factor, "kept": parameter_bytes[i], "elsewhere": 0}[weights]
+            own = grads + in_grad + (0 if handed else output_bytes[i])
+        elif weights == "fresh":
+            own = measured.later[handed] - parameter_bytes[i] * (1.0 - grad_factor)
+        elif weights == "kept":
+            own = measured.first[handed]
+        else:
+            own = max(0, measured.first[handed] - parameter_bytes[i])
+        worst = max(worst, own + made - gone)
+        gone += freed[i] if freed is not None else 0
+        made += parameter_bytes[i] if weights == "kept" else 0
+    return int(worst)
+
+
+def input_backward_bytes(profiled: Sequence[BackwardBytes], *, first: bool, last: bool) -> tuple[int, int]:
+    """A split backward's I on a stage (its layers' profiled costs.BackwardBytes, in order): (what it holds at most
+    on top, its input's gradient included; what it leaves for its W beside that gradient). It goes through the
+    layers in reverse, each leaving the gradients of its weight ops' outputs (and of its output, where the layer
+    after it made that gradient and a weight op reads it) and letting go of nothing saved. The first stage's I
+    does nothing (its input needs no gradient: its W runs the whole backward). bench/models/gpt2block.py, a block
+    at micro-batch 16: 2.5 MiB left for W, measured, where split_kept_bytes counts 3.8 MiB."""
+    if first:
+        return 0, 0
+    peak = kept = 0
+    n = len(profiled)
+    for i in reversed(range(n)):
+        handed = int(i == n - 1 and not last)
+        peak = max(peak, kept + profiled[i].input_peak[handed])
+        kept += profiled[i].input_kept[handed]
+    return peak, kept
 
 
 def split_kept_bytes(saved_bytes: Sequence[int], input_bytes: Sequence[int], *, first: bool) -> int:
-    """What a split backward's I keeps for its W, for one micro-batch, on top of the activations (which the W
+    """For profiles without backward bytes (input_backward_bytes measures it), what a split backward's I keeps for
+    its W, for one micro-batch, on top of the activations (which the W
     still needs, all but what the loss saved: the I detaches the loss): the gradient of every weight op's output
     (torch's stage_backward_input keeps them in param_groups). Per layer, about what the layer saves beyond its
     input: a Linear + GELU layer saves its input and the Linear's output, and W needs the gradient of the latter.
@@ -251,17 +365,12 @@ def split_kept_bytes(saved_bytes: Sequence[int], input_bytes: Sequence[int], *, 
     return sum(max(0, saved - into) for saved, into in zip(saved_bytes, input_bytes))
 
 
-def first_layer_batch_view_bytes(stage_in: int, first_layer_saved: int, *, candidate: Candidate) -> int:
-    """What the first stage saves of its input per micro-batch, which is a view of the batch (batch_bytes) and so
-    not held again: the checkpoint's saved input, or without checkpointing the input the first layer saves (the
-    profile does not say whether it does; Linear, Conv and Embedding do, so up to the layer's saved bytes)."""
-    return stage_in if candidate.activation_checkpointing else min(stage_in, first_layer_saved)
-
-
-def batch_bytes(input_bytes: int, *, candidate: Candidate) -> int:
-    """The global batch's inputs, which every rank of a trial holds for the whole step (targets are not profiled)."""
-    return input_bytes * candidate.n_microbatches
-
+def batch_bytes(input_bytes: int, target_bytes: int = 0, *, candidate: Candidate, first: bool, last: bool) -> int:
+    """What of the batch a rank holds for the whole step (runtime.prepare_batch, as a data loader per replica
+    would): its micro-batches' inputs where it holds the first stage, their targets where it holds the last, none
+    elsewhere (side inputs, which every rank gets, are not profiled). recipes/cnn.py, VMin over 2 ranks: the rank
+    holding the middle stages held no image; counting the batch there put it 7.5 % over."""
+    return candidate.n_microbatches * ((input_bytes if first else 0) + (target_bytes if last else 0))
 
 
 WHOLE_SAVED_PER_OUTPUT = 4

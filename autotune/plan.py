@@ -392,6 +392,7 @@ class _Costs:
         self.step_ratio = profile.optimizer_peak_ratio
         self.step_per_tensor = profile.device == "cpu"
         self.loss_saved = profile.loss_saved_bytes_at(micro_batch_size)
+        self.target_bytes = profile.target_bytes_at(micro_batch_size)
         self.workspace_bytes = profile.device_workspace_bytes
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
         self.optimizer_call_ms = optimizer_call_ms(profile)
@@ -425,6 +426,7 @@ class _Costs:
             optimizer_peak_ratio=self.step_ratio,
             optimizer_per_tensor=self.step_per_tensor,
             loss_saved_bytes=self.loss_saved,
+            target_bytes=self.target_bytes,
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
             with_timeline=False,

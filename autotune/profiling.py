@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.candidate import PRECISIONS, Precision
-from autotune.compat import clear_cublas_workspaces
-from autotune.costs import LayerProfile, Profile, TensorParallelLayer
+from autotune.compat import clear_cublas_workspaces, stage_backward_input, view_base
+from autotune.costs import BackwardBytes, LayerProfile, Profile, TensorParallelLayer
 from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
 from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
@@ -140,7 +140,7 @@ def profile_model(
     call_ms = 0.0
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
-        measured, sizes, input_bytes, infeasible = _Walk(
+        measured, sizes, input_bytes, target_bytes, infeasible = _Walk(
             spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
@@ -160,7 +160,7 @@ def profile_model(
                 torch.cuda.set_per_process_memory_fraction(1.0, index)
             torch.cuda.empty_cache()
     at = range(len(sizes))
-    saved = _saved_without_handoffs(measured, sizes)
+    saved, saved_inputs = _saved_without_handoffs(measured, sizes)
     last = measured[-1]
     ratios = [_checkpoint_ratios([dominant.sizes[m].plain], [dominant.sizes[m].checkpointed])
               for dominant in [_dominant(measured, sizes)] for m in sizes]
@@ -175,12 +175,16 @@ def profile_model(
                 backward_weight_ms=tuple(r.sizes[m].backward_weight_ms for m in sizes),
                 saved_bytes=tuple(saved[i][k] for k in at),
                 output_bytes=tuple(r.sizes[m].output_bytes for m in sizes),
+                saved_input_bytes=tuple(saved_inputs[i][k] for k in at),
+                saved_output_bytes=tuple(r.sizes[m].saved_output_bytes for m in sizes),
+                backward_bytes=tuple(b for m in sizes if (b := r.sizes[m].backward_bytes) is not None),
                 parameter_groups=r.parameter_groups,
                 autocast_copy_bytes=r.sizes[sizes[0]].autocast_copy_bytes,
             )
             for i, r in enumerate(measured)
         ),
         input_bytes=tuple(input_bytes[m] for m in sizes),
+        target_bytes=tuple(target_bytes[m] for m in sizes),
         loss_forward_ms=tuple(last.sizes[m].loss_forward_ms for m in sizes),
         loss_backward_ms=tuple(last.sizes[m].loss_backward_ms for m in sizes),
         loss_saved_bytes=tuple(last.sizes[m].loss_saved_bytes for m in sizes),
@@ -242,19 +246,24 @@ def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockR
     return max(measured, key=lambda r: share[id(r.sizes)])
 
 
-def _saved_without_handoffs(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> list[list[int]]:
+def _saved_without_handoffs(
+    measured: Sequence[_BlockResult], sizes: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
     """Saved bytes per block and size, a storage counted once: inside a stage, a block's output that it saves is the
     storage the next block saves as its input, so the next block's count drops it (the first block saving a storage
-    keeps it, as in one pass over the whole model)."""
-    out = []
+    keeps it, as in one pass over the whole model); and of those, the bytes of the block's input (what a stage
+    starting at the block saves of the tensor it received: the memory model counts that tensor once)."""
+    saved, inputs = [], []
     for i, r in enumerate(measured):
-        row = []
+        row, into = [], []
         for m in sizes:
             here = r.sizes[m]
             shared = min(measured[i - 1].sizes[m].saved_output_bytes, here.saved_input_bytes) if i else 0
             row.append(max(0, here.saved_bytes - shared))
-        out.append(row)
-    return out
+            into.append(min(row[-1], here.saved_input_bytes - shared))
+        saved.append(row)
+        inputs.append(into)
+    return saved, inputs
 
 
 @dataclass(kw_only=True)
@@ -269,6 +278,8 @@ class _SizeResult:
     """Of saved_bytes, the block's input storages."""
     saved_output_bytes: int = 0
     """Of saved_bytes, the block's output storages."""
+    backward_bytes: BackwardBytes | None = None
+    """What the block's backward holds on top of what was alive before it (_backward_bytes)."""
     autocast_copy_bytes: int = 0
     """The bfloat16 copies of the block's parameters autocast made and autograd saved (not in saved_bytes)."""
     output_bytes: int = 0
@@ -346,11 +357,14 @@ class _Walk:
             self.first[m], self.side[m], self.targets[m] = args, side, targets.to(device)
             self.input_bytes[m] = _nbytes(args[0])
 
-    def results(self, *, every_block: bool) -> tuple[list[_BlockResult], list[int], dict[int, int], list[int]]:
+    def results(
+        self, *, every_block: bool
+    ) -> tuple[list[_BlockResult], list[int], dict[int, int], dict[int, int], list[int]]:
         """run()'s measurements with what profile_model needs of the walk, none of it a tensor or module: (per-block
-        results, the sizes that fit, input bytes per size, the sizes that did not fit)."""
+        results, the sizes that fit, input and target bytes per size, the sizes that did not fit)."""
         measured = self.run(every_block=every_block)
-        return measured, list(self.sizes), dict(self.input_bytes), list(self.infeasible)
+        targets = {m: _nbytes(t) for m, t in self.targets.items()}
+        return measured, list(self.sizes), dict(self.input_bytes), targets, list(self.infeasible)
 
     def run(self, *, every_block: bool) -> list[_BlockResult]:
         n = self.skeleton.n_blocks
@@ -724,6 +738,7 @@ class _SizeSamples:
          output) = _saved_bytes(unit, (self.args, self.side), loss)
         self.outputs = tuple(t.detach() for t in _flat(output))
         del output  # and with it the pass's graph
+        self.backward_bytes = _backward_bytes(unit, (self.args, self.side))
         self.forward: list[float] = []
         self.full: list[float] = []
         self.partial: list[float] = []
@@ -767,6 +782,7 @@ class _SizeSamples:
             saved_bytes=self.saved,
             saved_input_bytes=self.saved_input,
             saved_output_bytes=self.saved_output,
+            backward_bytes=self.backward_bytes,
             autocast_copy_bytes=self.copies,
             output_bytes=self.output_bytes,
             loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
@@ -990,6 +1006,81 @@ def _saved_bytes(
         return sum(nbytes for ptr, nbytes in storages.items() if seen.get(ptr) == 0)
 
     return saved[0], saved[1], _nbytes(output), own(list(args)), own(_flat(output)), saved[2], output
+
+
+def _backward_bytes(unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]]) -> BackwardBytes:
+    """What a backward of the block holds on top of what was alive before it (costs.BackwardBytes), each figure
+    with the output's gradient made inside and handed in: a whole backward with no .grad and with .grad there, and
+    torch's split backward's I (at most, and what it leaves for the W). The block's .grad is cleared and its inputs'
+    .grad put back as they were."""
+    args, side = inputs
+    floats = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    kept = [a.grad for a in floats]
+    figures: dict[str, list[int]] = {"first": [], "later": [], "input_peak": [], "input_kept": []}
+    for handed in (False, True):
+        unit.zero_grad(set_to_none=True)
+        for name in ("first", "later", "input"):
+            for a in floats:
+                a.grad = None
+            peak, left = _backward_peak(unit, args, side, handed=handed, split=name == "input")
+            if name == "input":
+                figures["input_peak"].append(peak)
+                figures["input_kept"].append(left)
+            else:
+                figures[name].append(peak)
+    unit.zero_grad(set_to_none=True)
+    for a, grad in zip(floats, kept):
+        a.grad = grad
+    return BackwardBytes(**{name: (made, handed) for name, (made, handed) in figures.items()})
+
+
+def _backward_peak(
+    unit: _Unit, args: tuple[torch.Tensor, ...], side: dict[str, Any], *, handed: bool, split: bool
+) -> tuple[int, int]:
+    """One forward and backward of the block: (the backward's peak over what was alive before it, what it leaves
+    beside its inputs' gradients), from the allocator on CUDA, the live tensor-storage tracker on CPU. handed: the
+    output's gradient is made first and handed in, held throughout (torch's stage hands in its receive buffer);
+    else a product with a constant of the output's shape makes it inside the backward, counted, and lets go of it
+    once used (as a later layer of a stage, or the loss, makes it). split: torch's I (stage_backward_input), which
+    keeps the graph and the gradients its W needs; else a whole backward."""
+    from autotune.trial.memory import LiveTensorBytes
+
+    parameters = unit.parameters()
+    device = next((p.device for p in parameters), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    touched = [*parameters, *(p.grad for p in parameters if p.grad is not None), *unit.module.buffers(),
+               *_flat(args), *_flat(list(side.values()))]
+    tracker = LiveTensorBytes(alive=touched)
+    with contextlib.nullcontext() if cuda else tracker:
+        output = unit(args, side)
+        outputs = [t for t in _flat(output) if t.requires_grad]
+        if not outputs:
+            return 0, 0
+        if split:  # torch's I detaches the outputs in place, which a view cannot be
+            outputs = [t.clone() if view_base(t) is not None else t for t in outputs]
+        constants = [torch.ones_like(t) for t in outputs]
+        roots = outputs if handed else [sum((t * c).sum() for t, c in zip(outputs, constants))]
+        grads = constants if handed else None
+        if cuda:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            before = tracker.peak_bytes = tracker.live_bytes
+        if split:
+            received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            _, groups = stage_backward_input(roots, grads, received, parameters)
+        else:
+            torch.autograd.backward(roots, grads)
+        inputs_grads = sum(a.grad.untyped_storage().nbytes() for a in _flat(args) if a.grad is not None)
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak, after = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+        else:
+            peak, after = tracker.peak_bytes, tracker.live_bytes
+        if split:
+            del groups  # and with them the graph the W would have used
+    return max(0, peak - before), max(0, after - before - inputs_grads)
 
 
 _VIEW_NODES = frozenset({

@@ -13,16 +13,20 @@ from autotune.candidate import Candidate
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import UsageError
 from autotune.memory_model import (
+    WeightGradients,
     autocast_copy_bytes,
     batch_bytes,
     dp_shards,
-    first_layer_batch_view_bytes,
     gather_buffer_bytes,
     gradient_shard_bytes,
+    gradients_made_in_step,
     held_per_microbatch,
+    input_backward_bytes,
+    input_held_elsewhere_bytes,
     layer_backward_bytes,
     loss_backward_bytes,
     optimizer_step_bytes,
+    output_saved_bytes,
     param_dtype_factor,
     parameter_memory_bytes,
     receive_buffer_bytes,
@@ -317,6 +321,7 @@ def simulate(
         optimizer_peak_ratio=profile.optimizer_peak_ratio,
         optimizer_per_tensor=profile.device == "cpu",
         loss_saved_bytes=profile.loss_saved_bytes_at(candidate.micro_batch_size),
+        target_bytes=profile.target_bytes_at(candidate.micro_batch_size),
         link=link,
         memory_limit_bytes=memory_limit_bytes,
         with_timeline=with_timeline,
@@ -383,6 +388,7 @@ def simulate_costs(
     gpus_per_node: int | None = None,
     collective_ms: Sequence[float] = (),
     workspace_bytes: int = 0,
+    target_bytes: int = 0,
 ) -> Estimate:
     """simulate() on per-layer costs already taken at the candidate's micro-batch size, and with tp > 1 on one tp
     rank (tp_costs.tensor_parallel_costs; collective_ms: their tp collectives per layer and micro-batch, for the
@@ -390,7 +396,8 @@ def simulate_costs(
     optimizer_per_tensor: the optimizer steps one tensor at a time (torch's default off CUDA: no foreach), so its
     temporaries scale with a rank's largest layer, not with all its parameters. loss_saved_bytes: what loss_fn
     saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed.
-    workspace_bytes: the libraries' workspaces every rank holds (Profile.device_workspace_bytes), added to each peak."""
+    workspace_bytes: the libraries' workspaces every rank holds (Profile.device_workspace_bytes), added to each peak.
+    target_bytes: one micro-batch's targets (Profile.target_bytes_at), held by the last stage's rank."""
     if len(costs) != sum(candidate.layers_per_stage):
         raise UsageError(
             f"layers_per_stage {list(candidate.layers_per_stage)} covers {sum(candidate.layers_per_stage)} layers "
@@ -478,7 +485,7 @@ def simulate_costs(
         for s, r in enumerate(plan.stage_rank):
             tensor_parallel_ms[r] += candidate.n_microbatches * sum(collective_ms[bounds[s]:bounds[s + 1]])
     peaks = _peak_memory(plan, stages, candidate, optimizer_state_ratio, optimizer_peak_ratio,
-                         batch_bytes(input_bytes, candidate=candidate), per_tensor=optimizer_per_tensor, shard=walk)
+                         (input_bytes, target_bytes), per_tensor=optimizer_per_tensor, shard=walk)
     peaks = [p + workspace_bytes + int(weight_version_bytes(r, candidate=candidate))
              for p, r in zip(peaks, rank_params)]
     feasible = memory_limit_bytes is None or max(peaks) <= memory_limit_bytes
@@ -751,11 +758,20 @@ class _StageCosts:
     backward_bytes: list[int]
     """What one backward (B or I) or W of the stage allocates at its worst layer (memory_model)."""
     first_backward_bytes: list[int]
-    """The same for the stage's first backward of the step, whose weight gradients become .grad."""
+    """The same for the stage's first backward of the step, whose weight gradients become .grad (with them, where
+    memory_model.gradients_made_in_step)."""
     split_kept_bytes: list[int]
-    """The gradients an I makes for its W (memory_model.split_kept_bytes)."""
+    """The gradients an I makes for its W (memory_model.input_backward_bytes, or split_kept_bytes where the profile
+    has no backward bytes)."""
+    input_backward_bytes: list[int | None]
+    """What an I holds at most on top, its input's gradient included (memory_model.input_backward_bytes); None
+    where the profile has no backward bytes: then the most of a whole backward's and of the kept gradients with the
+    input's."""
     loss_saved_bytes: list[int]
-    """What the loss saved (part of held_bytes, the last stage only): an I lets go of it."""
+    """What the loss saved (part of held_bytes, the last stage only): let go of once the loss's backward ran."""
+    input_released_bytes: list[int]
+    """What an I lets go of when it detaches the loss (part of held_bytes, the last stage only): what the loss
+    saved and the output it read."""
     largest_layer_bytes: list[int]
     """Parameter bytes of the stage's largest layer."""
     largest_grad_bytes: list[int]
@@ -811,8 +827,8 @@ def _stage_costs(
     parameter_bytes = [c.parameter_bytes for c in costs]
     copies = [c.autocast_copy_bytes for c in costs]
     grad_factor = weight_gradient_factor(candidate)  # fresh weight gradients, per float32 parameter byte
-    grad_bytes = parameter_bytes if grad_factor == 1.0 else [int(p * grad_factor) for p in parameter_bytes]
     param_factor = param_dtype_factor(candidate)
+    profiled = [c.backward_bytes for c in costs]
 
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
@@ -846,14 +862,20 @@ def _stage_costs(
         result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
         first, last = s == 0, s == n_stages - 1
         held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
-        recompute = recompute_bytes(saved, candidate=candidate)
+        # what it keeps of its input and saves of its output are tensors counted already (memory_model)
+        held -= input_held_elsewhere_bytes(stage_in, saved_bytes[a], costs[a].saved_input_bytes,
+                                           candidate=candidate, first=first)
+        output_saved = output_saved_bytes(stage_out, costs[b - 1].saved_output_bytes, candidate=candidate, last=last)
+        held -= output_saved
+        recompute = recompute_bytes(saved, candidate=candidate, input_saved=costs[a].saved_input_bytes or 0)
         if checkpointing and last:  # the loss runs outside the checkpointed stage: what it saves is kept
             held += min(loss_saved, saved)
             recompute -= min(loss_saved, saved)
-        if first:  # what the stage saves of its input is a view of the batch, counted with it (memory_model)
-            held -= first_layer_batch_view_bytes(stage_in, saved_bytes[a], candidate=candidate)
         result["held_bytes"].append(int(held))
         result["loss_saved_bytes"].append(min(loss_saved, saved) if last else 0)
+        # the I detaches the loss: what it saved goes, and the output it read once the I returns (traced: the
+        # last stage's logits of a micro-batch whose I had run were gone before its W)
+        result["input_released_bytes"].append(min(loss_saved, saved) + stage_out - output_saved if last else 0)
         result["recompute_bytes"].append(recompute)
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
@@ -865,11 +887,26 @@ def _stage_costs(
         largest = max(parameter_bytes[a:b])
         result["largest_layer_bytes"].append(largest)
         result["largest_grad_bytes"].append(int(largest * grad_factor))
-        result["split_kept_bytes"].append(split_kept_bytes(saved_bytes[a:b], layer_in, first=first))
+        stage_profiled = [p for p in profiled[a:b] if p is not None]
+        input_peak: int | None
+        if len(stage_profiled) == b - a:
+            input_peak, kept = input_backward_bytes(stage_profiled, first=first, last=last)
+        else:  # a profile saved before backward bytes were recorded
+            input_peak, kept = None, split_kept_bytes(saved_bytes[a:b], layer_in, first=first)
+        result["split_kept_bytes"].append(kept)
+        result["input_backward_bytes"].append(input_peak)
         result["loss_backward_bytes"].append(loss_backward_bytes(stage_out) if last else 0)
-        for key, weights in (("backward_bytes", True), ("first_backward_bytes", False)):
-            backward = layer_backward_bytes(grad_bytes[a:b], layer_in, layer_out, first=first, last=last,
-                                            weights=weights)
+        # what each layer's backward lets go of once done: not the output (kept for the send), nor what the loss
+        # saved (let go of before, in _peak_memory)
+        freed = [*saved_bytes[a:b - 1], saved_bytes[b - 1] - output_saved - result["loss_saved_bytes"][-1]]
+        backwards: tuple[tuple[str, WeightGradients], ...] = (
+            ("backward_bytes", "fresh"),
+            ("first_backward_bytes", "kept" if gradients_made_in_step(candidate) else "elsewhere"),
+        )
+        for key, weights in backwards:
+            backward = layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, first=first, last=last,
+                                            weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
+                                            freed=freed)
             result[key].append(int(backward))
         stage_parameters = int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b)
         result["parameter_bytes"].append(stage_parameters)
@@ -1026,26 +1063,30 @@ def _ddp_accumulation(plan: ActionGraph, stages: _StageCosts, candidate: Candida
 
 def _peak_memory(
     plan: ActionGraph, stages: _StageCosts, candidate: Candidate, state_ratio: float, step_ratio: float = 0.0,
-    batch: int = 0, *, per_tensor: bool = False, shard: _ShardWalk | None = None,
+    batch: tuple[int, int] = (0, 0), *, per_tensor: bool = False, shard: _ShardWalk | None = None,
 ) -> list[int]:
     """Walk each rank's actions in order (a rank runs one at a time, so list order is time order), with
     h = held, o = its output part, g = the input gradient sent back, r = recompute, t = the backward's temporaries
-    at its worst layer (the stage's first backward of the step: without fresh weight gradients), l = the loss's
-    backward on the last stage, which runs before the stage's own (and before a checkpointed stage's recompute),
-    w = a W's fresh weight gradients at its largest layer (the first stage's W runs the whole backward: t):
+    at its worst layer (memory_model.layer_backward_bytes; the stage's first backward of the step makes the weight
+    gradients it keeps), l = the loss's backward on the last stage, which runs before the stage's own (and before a
+    checkpointed stage's recompute), s = what the loss saved, let go of after the loss's backward, i = what an I
+    holds at most (memory_model.input_backward_bytes), w = a W's fresh weight gradients at its largest layer (a
+    first W: the stage's gradients it makes; the first stage's W runs the whole backward: t):
 
-        F: +h                                              B: (+max(l, r + t), transient) -h +o* +g*
-        I: (+max(l, r + max(t, k + g)), transient) +r +g* +k -s   W: (+w, transient) -h -r -k +s +o*
+        F: +h                                          B: (+max(l, r + t - s), transient) -h +o* +g* +p**
+        I: (+max(l, r + i), transient) +r +g* +k -x    W: (+w, transient) -h -r -k +x +o* +p**
 
-    (k: the gradients an I makes for its W, memory_model.split_kept_bytes, kept until the W; s: what the loss saved,
-    let go of when the I detaches the loss)
+    (k: the gradients an I leaves for its W, kept until the W; x: what the loss saved and the output it read, let go
+    of when the I detaches the loss)
 
     * where the schedule keeps its sends to the end (memory_model.sends_kept_to_the_end) the output (not on the last
     stage) stays after the backward and the gradient sent stays too; under 1F1B the last backward's output and
-    gradient linger until the next backward. Then the optimizer step, once the pipeline is done: its temporaries
-    (step_ratio x the rank's parameter bytes; per_tensor: step_ratio x all parameter bytes x the rank's largest layer
-    over the model's, memory_model.optimizer_step_bytes) and the input gradients the I actions left on the receive
-    buffers, on top of the static memory (parameters, gradients, optimizer state, receive buffers, the batch).
+    gradient linger until the next backward. ** the stage's gradients p, after its first backward touching weights,
+    where memory_model.gradients_made_in_step (else they are static). Then the optimizer step, once the pipeline is
+    done: its temporaries (step_ratio x the rank's parameter bytes; per_tensor: step_ratio x all parameter bytes x
+    the rank's largest layer over the model's, memory_model.optimizer_step_bytes), the gradients and the input
+    gradients the I actions left on the receive buffers, on top of the static memory (parameters, optimizer state,
+    receive buffers, the batch: batch = one micro-batch's (inputs, targets), memory_model.batch_bytes).
 
     Sharded (shard: when FSDP2 gathers, reshards and reduces, _ShardWalk), with c = the stage's working copy, u = its
     unsharded gradients, a = a unit's all-gather input, e = a unit's reduce-scatter input less its working copy (let
@@ -1080,10 +1121,12 @@ def _peak_memory(
     out = [0 if lo else o for o, lo in zip(out, local_out)]
     accumulating, last_backward = _ddp_accumulation(plan, stages, candidate)
     grad = [0 if li else g for g, li in zip(grad, local_in)]
+    made = gradients_made_in_step(candidate)  # a stage's gradients counted from its first backward on
     for r, ids in enumerate(plan.rank_actions):
         rank_stages = [s for s, owner in enumerate(plan.stage_rank) if owner == r]
-        static = batch + sum(
-            parameter_memory_bytes(stages.parameter_bytes[s], state_ratio, shards) + stages.receive_buffer_bytes[s]
+        static = batch_bytes(*batch, candidate=candidate, first=0 in rank_stages, last=last in rank_stages) + sum(
+            parameter_memory_bytes(stages.parameter_bytes[s], state_ratio, shards, gradients=not made)
+            + stages.receive_buffer_bytes[s]
             for s in rank_stages
         )
         live = peak = linger = on_buffers = 0
@@ -1120,12 +1163,15 @@ def _peak_memory(
             temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
             loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
             if kind == "B":
-                peak = max(peak, live + during + max(loss, recompute[s] + temp))
+                # the loss lets go of what it saved before the stage's backward (and recompute) starts
+                peak = max(peak, live + during + max(loss, recompute[s] + temp - stages.loss_saved_bytes[s]))
                 if accumulating[s]:
                     if s not in started:
                         new += accumulating[s]
                     elif a == last_backward[s]:
                         live -= accumulating[s]
+                if made and s not in started:
+                    new += stages.parameter_bytes[s]
                 started.add(s)
                 live -= held[s] - stays
                 if kept:
@@ -1135,15 +1181,20 @@ def _peak_memory(
                     linger = stays + grad[s]
             elif kind == "I":
                 k = stages.split_kept_bytes[s]
-                peak = max(peak, live + during + max(loss, recompute[s] + max(temp, k + grad[s])))
-                live += recompute[s] + grad[s] + k - stages.loss_saved_bytes[s]
+                input_peak = stages.input_backward_bytes[s]
+                if input_peak is None:
+                    input_peak = max(temp, k + grad[s])
+                peak = max(peak, live + during + max(loss, recompute[s] + input_peak))
+                live += recompute[s] + grad[s] + k - stages.input_released_bytes[s]
                 on_buffers += grad[s]
             else:  # W: weight gradients only (the first stage's W runs its whole backward)
-                if s != 0:
-                    temp = stages.largest_grad_bytes[s] if s in started else 0
+                if s != 0:  # a first W makes the stage's gradients, kept
+                    temp = stages.largest_grad_bytes[s] if s in started else stages.parameter_bytes[s] if made else 0
                 peak = max(peak, live + during + temp)
+                if made and s not in started:
+                    new += stages.parameter_bytes[s]
                 started.add(s)
-                live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.loss_saved_bytes[s] - stays
+                live -= held[s] + recompute[s] + stages.split_kept_bytes[s] - stages.input_released_bytes[s] - stays
             live += new
             if live > peak:
                 peak = live
@@ -1159,5 +1210,7 @@ def _peak_memory(
             step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,
             [stages.largest_layer_bytes[s] for s in rank_stages], stages.largest_layer_bytes, per_tensor=per_tensor,
         ) / shards + on_buffers + grad_shards
+        if made:  # every stage's gradients, from its backwards
+            step += sum(stages.parameter_bytes[s] for s in rank_stages)
         peaks.append(int(static + max(peak, step)))
     return peaks

@@ -109,6 +109,9 @@ def tensor_parallel_costs(
             checkpointed_forward_ms=(checkpointed - loss_f) * scale + loss_f + forward_comm,
             recompute_ms=recompute * scale + forward_comm,
             saved_bytes=tp_saved_bytes(cost.saved_bytes, cost.output_bytes, sharded_fraction=fraction, tp=tp),
+            # a backward's temporaries (an MLP's hidden gradient, attention's) split over tp as what it saved
+            backward_bytes=None if cost.backward_bytes is None else cost.backward_bytes.map(
+                lambda nbytes, c=cost, f=fraction: tp_saved_bytes(nbytes, c.output_bytes, sharded_fraction=f, tp=tp)),
             parameter_bytes=round(tp_parameter_bytes(cost.parameter_bytes, term.sharded_parameter_bytes, tp)),
             autocast_copy_bytes=round(cost.autocast_copy_bytes * (1.0 - fraction + fraction / tp)),
         ))

@@ -12,6 +12,7 @@ A candidate is written as in the calibration tables: <schedule>/m<n_microbatches
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -26,7 +27,7 @@ import torch.multiprocessing as mp
 
 from autotune.candidate import Candidate
 from autotune.devices import keep_freed_cpu_memory
-from autotune.model_file import input_tensors, load_model_file, make_batch
+from autotune.model_file import load_model_file, make_batch
 from autotune.profiling import profile_model
 from autotune.runtime import build_pipeline
 from autotune.schedules import Schedule
@@ -65,12 +66,14 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
     c = Candidate.from_dict(candidate)
     spec = load_model_file(Path(model))
     pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"))
-    inputs, targets = make_batch(spec, c.global_batch_size)
+    # What this rank holds of the batch, as a trial's rank holds it (the global batch let go of).
+    rank_batch = pipe.prepare_batch(*make_batch(spec, c.global_batch_size))
+    gc.collect()
     for _ in range(max(warmup, 1)):
-        pipe.step(inputs, targets)
+        pipe.step(rank_batch)
     stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
-    batch = [t for _, t in input_tensors(inputs) or []]
-    saved = SavedActivationBytes(exclude=[*pipe.parameters(), *batch, targets])
+    batch = rank_batch.tensors()
+    saved = SavedActivationBytes(exclude=[*pipe.parameters(), *batch])
 
     def kinds() -> dict[str, list[int]]:
         params = pipe.parameters()
@@ -97,7 +100,7 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
             "parameters": _ptrs(params),
             "gradients": _ptrs(p.grad for p in params if p.grad is not None),
             "optimizer state": _ptrs(state),
-            "batch": _ptrs([*batch, targets]),
+            "batch": _ptrs(batch),
             "receive buffers (activations)": _ptrs(recv_act),
             "receive buffers (gradients)": _ptrs(recv_grad),
             "input gradients (sent, kept on the buffers)": _ptrs(input_grads),
@@ -124,7 +127,7 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
         st.backward_weight_one_chunk = label(f"{st.stage_index}W", st.backward_weight_one_chunk)
     pipe.optimizer.step = label("optimizer", pipe.optimizer.step)  # type: ignore[method-assign]
     with tracker, saved:
-        pipe.step(inputs, targets)
+        pipe.step(rank_batch)
     result = {"rank": rank, "peak_bytes": tracker.peak_bytes, "phase": tracker.peak_phase,
               "breakdown": dict(sorted(tracker.breakdown.items(), key=lambda kv: -kv[1])),
               "saved_peak_bytes": saved.peak_bytes}
@@ -155,10 +158,11 @@ def main() -> None:
         print(f"== {text}")
         costs = profile.layer_costs(candidate.micro_batch_size)
         stages = _stage_costs(costs, candidate, input_bytes=profile.input_bytes_at(candidate.micro_batch_size),
-                              link=LinkModel.for_device(profile.device))
+                              link=LinkModel.for_device(profile.device),
+                              loss_saved=profile.loss_saved_bytes_at(candidate.micro_batch_size))
         for field in ("parameter_bytes", "receive_buffer_bytes", "held_bytes", "output_held_bytes", "recompute_bytes",
                       "sent_grad_bytes", "loss_backward_bytes", "first_backward_bytes", "backward_bytes",
-                      "split_kept_bytes"):
+                      "input_backward_bytes", "split_kept_bytes"):
             print(f"   model, per stage: {field:22s} {getattr(stages, field)}")
         for r in ranks:
             extra = f"  predicted {predicted[r['rank']]} ({predicted[r['rank']] / r['peak_bytes'] - 1:+.1%})"

@@ -1,11 +1,12 @@
 """How much each term of the memory model moves the peak-memory error: re-predicts the configurations a memory-only
 calibration measured (bench/results/calibration_memory.json: its profiles and measured peaks) with the whole model,
-with each term left out in turn, and with all of them left out (the model before issue 24).
+with each term left out in turn, and with all of them left out.
 
     python bench/memory_terms.py --before DIR   # after: bench/calibrate.py ... --memory-only --name calibration_memory
 
---before DIR re-predicts with another copy of the package too (the model before issue 24:
-git archive fafcb52 autotune | tar -x -C DIR), in a subprocess with DIR first on its path.
+--before DIR re-predicts with another copy of the package too (an earlier model: git archive COMMIT autotune |
+tar -x -C DIR), in a subprocess with DIR first on its path; it reads the same profiles (what it does not know of
+them, it ignores).
 """
 
 from __future__ import annotations
@@ -30,22 +31,27 @@ from autotune.costs import Profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = """
-"without: X" re-predicts with that one term left out and everything else kept; "without all six" leaves out the six
-terms above but keeps the other corrections (a hand-off inside a rank is no send, the loss's saves kept under
-checkpointing and let go of by an I, the first stage's saved input is the batch's), so it is not exactly the model
-before issue 24: that is the row "the model before", the package at commit fafcb52 on the same measurements.
+"without: X" re-predicts with that one term left out and everything else kept; "without all" leaves out every term
+above but keeps the other corrections (a hand-off inside a rank is no send, the loss's saves kept under
+checkpointing and let go of by an I), so it is not exactly an earlier model: that is the row "the model before",
+the package given to --before on the same measurements.
 
 What the terms are (memory_model.py), as bench/memory_breakdown.py traced them:
 - sent tensors kept to the end: torch's send works hold their tensor until waited; ScheduleGPipe and the runtime of
   the multi-stage schedules wait for every send when the pipeline ends (recipes/gpt.py, Interleaved1F1B m16: 42
   outputs and gradients of 64 KiB alive at rank 0's peak, 2.75 of 16.8 MB); 1F1B waits each before the next.
 - loss backward: cross-entropy's gradients of the log-probabilities and of the logits, 2 x the model output.
-- layer backward: a backward's fresh weight gradients (added into .grad from the second micro-batch on) and the
-  gradient of a layer's input and output.
-- split I keeps for W: the gradients of the weight ops' outputs that stage_backward_input keeps in param_groups.
+- layer backward: what a layer's backward holds at most (profiled: its temporaries, such as an MLP's hidden
+  gradient, and its input and weight gradients, less the saved activations it lets go of), with its output's
+  gradient where a later layer made it, less what the later layers let go of.
+- split I: what torch's stage_backward_input holds at most and keeps for its W (profiled per layer).
 - optimizer per tensor: on CPU torch's AdamW steps one tensor at a time (no foreach): its temporaries are 2 x the
   largest tensor (sqrt, division), not a share of all parameters (tail-heavy MLP: 8.4 MB = 2 x 4 MiB).
-- the batch's inputs: every rank of a trial holds the global batch.
+- the batch: the inputs on the first stage's rank, the targets on the last's.
+- boundary tensors counted once: a stage's saved input that is its receive buffer (or the batch), and its saved
+  output that is the output it sends.
+- gradients from the first backward: torch lets the gradients go after each step; a stage makes them again in its
+  first backward (one replica, unsharded).
 """
 
 
@@ -57,17 +63,25 @@ def _proportional(*args: Any, per_tensor: bool, **kwargs: Any) -> float:
     return ORIGINAL["optimizer_step_bytes"](*args, per_tensor=False, **kwargs)
 
 
+def _nothing_kept(*args: Any, **kwargs: Any) -> tuple[int, int]:
+    return 0, 0
+
+
 ORIGINAL = {name: getattr(sim, name) for name in
-            ("batch_bytes", "loss_backward_bytes", "layer_backward_bytes", "split_kept_bytes",
-             "sends_kept_to_the_end", "sent_bytes", "optimizer_step_bytes")}
+            ("batch_bytes", "loss_backward_bytes", "layer_backward_bytes", "split_kept_bytes", "input_backward_bytes",
+             "sends_kept_to_the_end", "sent_bytes", "optimizer_step_bytes", "input_held_elsewhere_bytes",
+             "output_saved_bytes", "gradients_made_in_step")}
 TERMS: dict[str, dict[str, Callable[..., Any]]] = {
     "sent tensors kept to the end": {"sends_kept_to_the_end": lambda schedule: False,
                                      "sent_bytes": lambda *a, **k: (0.0, 0.0)},
     "loss backward (2 x output)": {"loss_backward_bytes": _zero},
-    "layer backward (weight, input, output grads)": {"layer_backward_bytes": _zero},
-    "split I keeps for W": {"split_kept_bytes": _zero},
+    "layer backward (profiled peaks)": {"layer_backward_bytes": _zero},
+    "split I (profiled: its peak, what it keeps for W)": {"input_backward_bytes": _nothing_kept,
+                                                          "split_kept_bytes": _zero},
     "optimizer per tensor (CPU)": {"optimizer_step_bytes": _proportional},
-    "the batch's inputs": {"batch_bytes": _zero},
+    "the batch": {"batch_bytes": _zero},
+    "boundary tensors counted once": {"input_held_elsewhere_bytes": _zero, "output_saved_bytes": _zero},
+    "gradients from the first backward": {"gradients_made_in_step": lambda candidate: False},
 }
 
 
@@ -139,7 +153,7 @@ def main() -> None:
             with without(term):
                 rows.append([name, f"without: {term}", *summary(errors(subset))])
         with without(*TERMS):
-            rows.append([name, "without all six", *summary(errors(subset))])
+            rows.append([name, f"without all {len(TERMS)}", *summary(errors(subset))])
         if before is not None:
             errs = [e for x in subset for e in before[x["recipe"]]]
             rows.append([name, "the model before (--before)", *summary(errs)])

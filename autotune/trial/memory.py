@@ -45,20 +45,28 @@ class MemoryLimitExceeded(RuntimeError):
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Counts live tensor-storage bytes while active; `peak_bytes` is the high-water mark."""
+    """Counts live tensor-storage bytes while active; `peak_bytes` is the high-water mark. `alive`: the tensors
+    alive at entry, whose storages an op may hand back (in place, a view) and must not count as new; None looks at
+    every tensor in the process (a trial's step); the profiler's backward peaks name the few a block's pass can
+    touch (looking at every object is slow, and only differences between two points inside are wanted)."""
 
-    def __init__(self, limit_bytes: int | None = None) -> None:
+    def __init__(self, limit_bytes: int | None = None, *, alive: Iterable[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.limit_bytes = limit_bytes
+        # not kept past __enter__: the finalizers on their storages hold this tracker, and would hold them too
+        self._alive = None if alive is None else list(alive)
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
 
     def __enter__(self) -> LiveTensorBytes:
-        gc.collect()
-        with warnings.catch_warnings():  # isinstance() on some torch module objects warns about deprecations
-            warnings.simplefilter("ignore")
-            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+        if self._alive is None:
+            gc.collect()
+            with warnings.catch_warnings():  # isinstance() on some torch module objects warns about deprecations
+                warnings.simplefilter("ignore")
+                tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+        else:
+            tensors, self._alive = self._alive, []
         for tensor in tensors:
             self._track(tensor)
         self._resizes = fsdp_storage_resizes(self.resized)

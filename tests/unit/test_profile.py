@@ -76,9 +76,34 @@ def test_saved_and_output_bytes_are_exact(model_file):
     # Linear keeps its input (not its weight); Tanh keeps its output, which the next Linear also keeps (one
     # storage, counted once, for Tanh); Last keeps its input.
     assert [layer.saved_bytes for layer in profile.layers] == [(m * 8 * 4,), (m * 16 * 4,), (0,), (m * 16 * 4,)]
+    # Of them, the layer's input (what a stage starting there saves of its receive buffer) and its output (what a
+    # stage ending there saves of the output it sends).
+    assert [layer.saved_input_bytes for layer in profile.layers] == [(m * 8 * 4,), (0,), (0,), (m * 16 * 4,)]
+    assert [layer.saved_output_bytes for layer in profile.layers] == [(0,), (m * 16 * 4,), (0,), (0,)]
     assert profile.input_bytes == (m * 8 * 4,)
+    assert profile.target_bytes == (m * 4 * 4,)
     assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 16 + 16) * 4,
                                                                     (16 * 4 + 4) * 4]
+
+
+def test_backward_bytes_are_what_each_backward_holds(model_file):
+    """Linear(16, 16) of the same model, micro-batch 4 (gradient of its input: 4 x 16 x 4 B = 256; of its weight
+    and bias: 1088): a whole backward holds both at once, and with its output's gradient made inside (by a product,
+    as a later layer or the loss makes it) that gradient too, 256, and the product's few bytes of scalars; torch's
+    split backward's I makes the input's gradient only, and keeps the output's gradient for its W where it was made
+    inside (the weight op reads it), nothing where it was handed in."""
+    profile = profile_model(load_model_file(model_file()), batch_size=4, micro_batch_sizes=[4], repeats=1)
+    (linear,) = profile.layers[2].backward_bytes
+    grads, into, out = 1088, 256, 256
+    for made, handed in (linear.first, linear.later):
+        assert handed == grads + into
+        assert made == pytest.approx(grads + into + out, abs=16)
+    assert linear.input_peak[1] == into and linear.input_peak[0] == pytest.approx(into + out, abs=16)
+    assert linear.input_kept[1] == 0 and linear.input_kept[0] == pytest.approx(out, abs=16)
+    (first,) = profile.layers[0].backward_bytes  # its input is the batch: no input gradient, so the I does nothing
+    assert first.later[1] == (8 * 16 + 16) * 4 and first.input_peak[1] == first.input_kept[1] == 0
+    assert profile.layer_costs(4)[2].backward_bytes == linear
+    assert profile.layer_costs(8)[2].backward_bytes.later[1] == 2 * (grads + into)  # one size: in proportion
 
 
 def test_profile_round_trips_through_json(mlp_profile):
