@@ -464,19 +464,16 @@ def simulate_costs(
         allreduce_ms = [link.allreduce_ms(p, candidate.data_parallel_degree, n_nodes) for p in rank_params]
         rank_busy = [sum(map(dur.__getitem__, ids)) for ids in plan.rank_actions]
         sync_end = [pipeline_ms + max(0.0, allreduce_ms[r] - rank_busy[r]) for r in range(pp)]
-    elif SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
+    else:  # replicas: the all-reduces, and the wake once per rank that syncs (LinkModel.collective_wake_ms)
         dp = candidate.data_parallel_degree
-        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) + (link.collective_wake_ms if p and dp > 1 else 0.0)
-                        for p in rank_params]
-        sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
-    else:
-        dp = candidate.data_parallel_degree
-        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) + (link.collective_wake_ms if p and dp > 1 else 0.0)
-                        for p in rank_params]
-        bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
-        sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms,
-                                        overlaps=link.gradient_sync_overlaps,
-                                        overhead_ms=link.collective_wake_ms if dp > 1 else 0.0)
+        wake = link.collective_wake_ms if dp > 1 else 0.0
+        allreduce_ms = [link.allreduce_ms(p, dp, n_nodes) + (wake if p else 0.0) for p in rank_params]
+        if SCHEDULES[candidate.schedule].splits_backward:  # runtime.overlaps_gradient_sync: one flat all-reduce after
+            sync_end = [rank_end[r] + allreduce_ms[r] for r in range(pp)]
+        else:
+            bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
+            sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms,
+                                            overlaps=link.gradient_sync_overlaps, overhead_ms=wake)
     step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
 
     tensor_parallel_ms = [0.0] * pp
@@ -585,7 +582,7 @@ def _replay(
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 start = max(finish[dep[a]], free.get(pair, 0.0))
-                if posted_late and t > start:  # t: the rank gets to a and posts the receive
+                if t > start:  # t: the rank gets to a and posts the receive
                     start = t
                 free[pair] = u = start + w
             else:
@@ -603,7 +600,7 @@ def _replay(
 
 
 @functools.lru_cache(maxsize=64)
-def _receives_posted(plan: ActionGraph) -> list[int]:
+def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
     """Per action whose tensor crosses ranks, the action on its own rank after which torch's runtime posts the
     receive (-1: before its first): torch's _add_send_recv walks the ranks in lock step, one compute action per rank
     per round, and puts a receive in the receiving rank's list when the sender's action goes into the sender's."""
@@ -631,7 +628,7 @@ def _receives_posted(plan: ActionGraph) -> list[int]:
             moved = True
             for x in receivers[a]:
                 posted[x] = last[plan.rank[x]]
-    return posted
+    return tuple(posted)  # cached: shared by every simulation of the graph
 
 
 DDP_FIRST_BUCKET_BYTES = 2**20
