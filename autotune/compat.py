@@ -294,6 +294,12 @@ def stage_backward_input(
     """A split backward's I as torch's stage runs it: the inputs' gradients (also left in their .grad), and the
     parameter groups holding what its W needs (the gradients of the weight ops' outputs); the outputs are detached
     in place."""
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        # Nothing to differentiate for: torch >= 2.14 returns no gradients and lets go of the graph (the outputs
+        # detached); torch 2.11's autograd.grad refuses an empty input list.
+        for t in outputs:
+            t.detach_()
+        return tuple(None for _ in inputs), []
     run = symbol(_BACKWARD, "stage_backward_input")
     result: tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]] = run(outputs, output_grads, inputs,
                                                                                iter(weights))
