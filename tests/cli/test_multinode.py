@@ -122,6 +122,14 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def started(pid: int) -> int:
+    """The process's start time, in clock ticks since boot (/proc/PID/stat's 22nd field)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 2**63
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -139,7 +147,9 @@ def test_killing_node_1_ends_node_0_with_one_line_a_resumable_study_and_no_orpha
         assert time.time() < deadline and nodes[0].poll() is None, nodes[0].communicate()[1][-3000:]
         time.sleep(0.2)
     tree = descendants(nodes[0].pid) | descendants(nodes[1].pid)
-    agent = min(descendants(nodes[1].pid))  # node 1's autotune process: the torchrun agent's child
+    # node 1's autotune process: the torchrun agent's child, the oldest of its descendants (by start time, not pid:
+    # pids wrap around in a long suite)
+    agent = min(descendants(nodes[1].pid), key=started)
     os.kill(agent, signal.SIGKILL)
     killed_at = time.time()
     (tmp_path / "release").write_text("")  # node 1's ranks may go on now (and those of the resumed search)
