@@ -790,6 +790,11 @@ class _StageCosts:
     its working copy, which FSDP2 lets go of first (FSDPParamGroup.post_backward reshards, then reduces)."""
     unsharded_grad_bytes: list[int]
     """Sharded: the stage's unsharded float32 gradients (memory_model.unsharded_gradient_bytes)."""
+    gathering_backward_bytes: list[int]
+    """Sharded with reshard_after_forward: a backward's at a backward that gathers, the units it gathers as it goes
+    included (memory_model.layer_backward_bytes' gathered); 0 otherwise."""
+    gathering_first_backward_bytes: list[int]
+    """The same, for the stage's first backward of the step."""
 
 
 def _stage_costs(
@@ -898,13 +903,20 @@ def _stage_costs(
         freed = [*saved_bytes[a:b - 1], saved_bytes[b - 1] - output_saved - result["loss_saved_bytes"][-1]]
         backwards: tuple[tuple[str, WeightGradients], ...] = (
             ("backward_bytes", "fresh"),
-            ("first_backward_bytes", "kept" if gradients_made_in_step(candidate) else "elsewhere"),
+            ("first_backward_bytes", "kept" if gradients_made_in_step(candidate)
+             else "accumulated" if candidate.sharded else "elsewhere"),
         )
+        gathering = candidate.sharded and candidate.reshard_after_forward
         for key, weights in backwards:
             backward = layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, first=first, last=last,
                                             weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
                                             freed=freed)
             result[key].append(int(backward))
+            result[f"gathering_{key}"].append(int(layer_backward_bytes(
+                parameter_bytes[a:b], layer_in, layer_out, first=first, last=last, weights=weights,
+                profiled=profiled[a:b], grad_factor=grad_factor, freed=freed,
+                gathered=[p * param_factor for p in parameter_bytes[a:b]],
+            )) if gathering else 0)
         stage_parameters = int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b)
         result["parameter_bytes"].append(stage_parameters)
         sharded = candidate.sharded
@@ -1091,9 +1103,11 @@ def _peak_memory(
 
         kept gathered, the stage's first F: (+a, transient) +c
         resharding, an F: (+f, transient; + a if it gathers), and -c first if a backward left the stage gathered
-        resharding, a backward that gathers: (+f + a, transient) +c after it (FSDP2 gathers unit by unit as the
-        backward goes, and keeps them)
-        the first backward making weight gradients: +u after it (they accumulate as the activations go)
+        resharding, a B that gathers: its layer by layer, the units gathered so far and the next one prefetched
+        included (memory_model.layer_backward_bytes' gathered), +c after it (FSDP2 keeps them); an I or W that
+        gathers: (+f + a, transient) +c after it
+        the first backward making weight gradients: +u after it (they accumulate layer by layer as the activations
+        go, counted so in its backward bytes: "accumulated")
         the last backward: (+e, transient) -u -c +u/dp (the gradient shards, kept to the optimizer step)
 
     and the static memory holds the parameter and optimizer-state shards (memory_model.parameter_memory_bytes);
@@ -1134,6 +1148,7 @@ def _peak_memory(
             s, kind = stage_of[a], kind_of[a]
             stays = out[s] if s != last else 0  # the output a send keeps after the backward
             during = new = 0  # sharded: what this action alone holds on top; what it leaves (gathered, gradients)
+            gathering = False  # sharded, resharding: a B that gathers the stage as it goes
             if shard is not None:
                 if resharding and kind == "F":
                     if s in holding:  # a backward left it gathered: the forward lets go of each unit after it
@@ -1147,7 +1162,8 @@ def _peak_memory(
                         peak = max(peak, live + stages.gather_buffer_bytes[s])
                         live += stages.working_copy_bytes[s]
                     else:  # resharding: a backward gathers unit by unit as it goes, and keeps them
-                        during = stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
+                        gathering = kind == "B"  # (a B's layer by layer, in its backward bytes)
+                        during = 0 if gathering else stages.forward_copy_bytes[s] + stages.gather_buffer_bytes[s]
                         new = stages.working_copy_bytes[s]
                     holding.add(s)
                 if shard.first_grad[a]:  # they accumulate layer by layer as the activations go
@@ -1157,7 +1173,10 @@ def _peak_memory(
                 if live + during > peak:  # (not max(): this loop runs once per action of every simulated candidate)
                     peak = live + during
                 continue
-            temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
+            if gathering:
+                temp = stages.gathering_backward_bytes[s] if s in started else stages.gathering_first_backward_bytes[s]
+            else:
+                temp = stages.backward_bytes[s] if s in started else stages.first_backward_bytes[s]
             loss = stages.loss_backward_bytes[s]  # before the stage's own backward (and its recompute)
             if kind == "B":
                 # the loss lets go of what it saved before the stage's backward (and recompute) starts

@@ -277,7 +277,8 @@ def test_rules_of_sharding_and_bf16():
     assert gradient_shard_bytes(8000, candidate=shard) == 2000
     assert working_copy_bytes(8000, candidate=shard) == 4000  # bf16: 2 of 4 B
     assert unsharded_gradient_bytes(8000, candidate=shard) == 8000  # float32, the reduce dtype
-    assert gather_buffer_bytes(4000, candidate=shard) == 500  # one unit's shard, in bf16
+    assert gather_buffer_bytes(4000, candidate=shard) == 500  # one unit's shard, cast to bf16
+    assert gather_buffer_bytes(4000, candidate=dataclasses.replace(shard, precision="fp32")) == 0  # a view
     assert reduce_buffer_bytes(4000, candidate=shard) == 4000  # one unit's gradients, float32
     assert weight_gradient_factor(shard) == 0.5
     assert autocast_copy_bytes(300, candidate=shard) == 0  # bf16 parameters: nothing to cast
@@ -308,7 +309,7 @@ def _one_stage(schedule: Schedule, precision: str = "fp32", **extra) -> tuple[Pr
 @pytest.mark.parametrize(
     "schedule, reshard, peak",
     [(Schedule.GPIPE, False, 22250), (Schedule.ONE_F_ONE_B, False, 22250), (Schedule.GPIPE, True, 22250),
-     (Schedule.ONE_F_ONE_B, True, 23250)],
+     (Schedule.ONE_F_ONE_B, True, 22250)],
 )
 def test_one_sharded_stage_peaks_as_walked_by_hand(schedule, reshard, peak):
     """pp 1 x dp 4, two layers of 4000 parameter bytes (P = 8000), 2 micro-batches of 1000 + 1000 saved, output 100,
@@ -323,10 +324,12 @@ def test_one_sharded_stage_peaks_as_walked_by_hand(schedule, reshard, peak):
 
     (B1's 4200: a layer's fresh weight gradients 4000 + its input and output gradients; a unit's reduce-scatter
     input, 4000 float32, comes after its 4000 of working copy are let go of.) 1F1B (F0 B0 F1 B1) peaks at B1 too.
-    Resharding after forward, a forward holds two units (8000, here the stage) and a unit's all-gather input (1000)
-    while it runs; a backward gathers the stage again, kept after it. GPipe: B0 gathers, B1 finds it gathered:
-    22250 again. 1F1B: F1 lets go of what B0 gathered, so B1 gathers once more, 10050 + 8000 + 1000 + 4200 = 23250
-    (two layers: resharding saves nothing here). Replicated: 100 + 4P + 2050 + 4200, + P at B1: under
+    Resharding after forward, a forward holds two units (8000, here the stage) while it runs (in fp32 the
+    all-gather's input is a view of its output); a backward gathers the stage again, kept after it. GPipe: B0
+    gathers, B1 finds it gathered: 22250 again. 1F1B: F1 lets go of what B0 gathered, so B1 gathers once more, unit
+    by unit: its last layer's backward holds that unit and the one before, prefetched: 10050 + 8000 + 4200 = 22250;
+    the first layer's, both units less what the last one let go of: 10050 + 8000 + 4200 - 1000 (two layers:
+    resharding saves nothing here). Replicated: 100 + 4P + 2050 + 4200, + P at B1: under
     DistributedDataParallel, B0 runs under no_sync and its gradients accumulate beside DDP's buckets until B1's
     sync copies them in (simulate._ddp_accumulation)."""
     profile, c = _one_stage(schedule, data_parallel_mode="shard", reshard_after_forward=reshard)
@@ -359,3 +362,21 @@ def test_the_planner_caps_sharded_stages_with_the_same_terms():
     replicated = dataclasses.replace(c, data_parallel_mode="replicate")
     stage_memory = _Costs(profile, 1, LINK).stage_memory(replicated)
     assert stage_memory(0, 0, 2) == pytest.approx(32000 + 2 * (2000 + 3000 + 100))  # autocast copies per in flight
+
+
+def test_a_sharded_backward_counts_what_it_gathers_and_accumulates_layer_by_layer():
+    """Two layers of 4000 float32 parameter bytes, input and output 100, 1000 saved each (let go once done), the
+    last stage, not profiled (a layer's backward: its weight gradients + its input's and output's)."""
+    layers = dict(parameter_bytes=[4000, 4000], input_bytes=[100, 100], output_bytes=[100, 100], first=False,
+                  last=True, freed=[1000, 1000])
+    # resharding, a later backward gathers as it goes: the last layer holds its unit and the one before it,
+    # prefetched (4200 + 8000); the first layer holds both less what the last let go of
+    assert layer_backward_bytes(**layers, gathered=[4000, 4000]) == 4200 + 8000
+    assert layer_backward_bytes(**layers) == 4200  # kept gathered: counted by the caller
+    # a sharded stage's first backward: the unsharded gradients stay layer by layer (the first layer's backward
+    # holds the last's 4000); in fp32 as kept
+    assert layer_backward_bytes(**layers, weights="accumulated") == 4200 + 4000 - 1000
+    assert layer_backward_bytes(**layers, weights="elsewhere") == 200
+    # in bf16 each layer's gradients are made in bfloat16 (2000), then copied into float32 once it is done, both
+    # held with its input's gradient: the first layer's 4000 + 6000 + 100 - 2000 let go of
+    assert layer_backward_bytes(**layers, weights="accumulated", grad_factor=0.5) == 8100
