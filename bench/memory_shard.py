@@ -33,6 +33,13 @@ from autotune.simulate import simulate  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+EXTRA = (
+    " Resharded pipelines' measured peaks are not the same from run to run: over four runs of this bench "
+    '(2026-11-26), mlp 1F1B m4 [5-5]+reshard rank 1 measured 339332 B twice and 372352 B twice (one unit '
+    "of its first layer, 33024 B, more), cnn's [4-4]+reshard rank 1 1983892 or 2091028 B, gpt's rank 0 "
+    "4106036 or 4174644 B; a tensor let go of later or sooner (by the garbage collector or a collective's"
+    ' thread: not found). The model predicts the lower figure.'
+)
 
 
 def layouts(n_layers: int, batch_size: int, precision: str) -> list[Candidate]:
@@ -130,7 +137,8 @@ def main() -> None:
              "in-place storage resizes included). Predicted: simulate() on a profile of the model at the trial's "
              "precision and micro-batch sizes. Replicate rows are for comparison: DistributedDataParallel's "
              "replicas hold a second copy of a stage's gradients while its micro-batches accumulate under no_sync "
-             "(simulate._ddp_accumulation; without it these rows read 11-16 % low).")
+             "(simulate._ddp_accumulation; without it these rows read 11-16 % low)."
+             + EXTRA)
     _results.write("memory_shard", title="Sharded data parallel: predicted vs measured peak memory", device="cpu",
                    tables=tables, data={"rows": rows}, notes=notes)
     bad = [r for r in ok if r["sharded"] and abs(r["worst_error"]) > args.tolerance]
