@@ -41,11 +41,13 @@ def test_ci_mode_exit_codes(tmp_path):
     assert code == 0, err
     one_json(out)
     config = tmp_path / "tuned.yaml"
-    # A CPU stand-in is noisy: CI on GPUs keeps the default tolerance of 5 %.
-    check = ("check", config, "--device", "cpu", "--steps", "3", "--warmup", "1", "--tolerance", "0.3", "--json")
+    # A CPU stand-in is noisy: CI on GPUs keeps the default tolerance of 5 %. On the 2-core VM the same trial
+    # measured 17.0 ms in one hour and 23-24.6 ms in another (recipes/mlp.py, GPipe m1): a tolerance of 0.3 failed
+    # a full suite run once; what is tested here is the exit codes, the regressed case sits at 10x.
+    check = ("check", config, "--device", "cpu", "--steps", "3", "--warmup", "1", "--tolerance", "0.6", "--json")
 
     code, out, err = autotune(*check, cwd=tmp_path)
-    assert code == 0, err
+    assert code == 0, (err, out)
     assert one_json(out)["status"] == "ok"
 
     doctored = yaml.safe_load(config.read_text())
