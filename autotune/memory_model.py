@@ -334,8 +334,9 @@ def layer_backward_bytes(
     for i in reversed(range(n)):
         handed = int(i == n - 1 and not last)
         measured = profiled[i] if profiled is not None else None
+        in_grad = 0 if first and i == 0 else input_bytes[i]
+        let_go = freed[i] if freed is not None else 0
         if measured is None:
-            in_grad = 0 if first and i == 0 else input_bytes[i]
             grads = {"fresh": parameter_bytes[i] * grad_factor, "kept": parameter_bytes[i],
                      "accumulated": parameter_bytes[i] * grad_factor, "elsewhere": 0}[weights]
             own = grads + in_grad + (0 if handed else output_bytes[i])
@@ -350,15 +351,13 @@ def layer_backward_bytes(
         if weights == "accumulated" and grad_factor < 1.0:
             # once done: its bfloat16 weight gradients beside their float32 copy, and its input's gradient for the
             # layer before
-            in_grad = 0 if first and i == 0 else input_bytes[i]
-            done = gone + (freed[i] if freed is not None else 0)
-            worst = max(worst, made + parameter_bytes[i] * (1.0 + grad_factor) + in_grad - done)
+            worst = max(worst, made + parameter_bytes[i] * (1.0 + grad_factor) + in_grad - gone - let_go)
         copies = 0.0
         if gathered is not None:  # its own copy (twice while the all-gather's output is copied out) and the next
             worst = max(worst, made + 2 * gathered[i] - gone)
             copies = gathered[i] + (gathered[i - 1] if i > 0 else 0.0)
         worst = max(worst, own + made + copies - gone)
-        gone += freed[i] if freed is not None else 0
+        gone += let_go
         made += parameter_bytes[i] if weights in ("kept", "accumulated") else 0
         made += gathered[i] if gathered is not None else 0
     return int(worst)

@@ -906,17 +906,15 @@ def _stage_costs(
             ("first_backward_bytes", "kept" if gradients_made_in_step(candidate)
              else "accumulated" if candidate.sharded else "elsewhere"),
         )
-        gathering = candidate.sharded and candidate.reshard_after_forward
+        # resharding: a backward that gathers holds each layer's working copy as it goes
+        gathered = ([p * param_factor for p in parameter_bytes[a:b]]
+                    if candidate.sharded and candidate.reshard_after_forward else None)
         for key, weights in backwards:
-            backward = layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, first=first, last=last,
-                                            weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
-                                            freed=freed)
-            result[key].append(int(backward))
-            result[f"gathering_{key}"].append(int(layer_backward_bytes(
-                parameter_bytes[a:b], layer_in, layer_out, first=first, last=last, weights=weights,
-                profiled=profiled[a:b], grad_factor=grad_factor, freed=freed,
-                gathered=[p * param_factor for p in parameter_bytes[a:b]],
-            )) if gathering else 0)
+            layers = dict(first=first, last=last, weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
+                          freed=freed)
+            result[key].append(int(layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, **layers)))
+            result[f"gathering_{key}"].append(0 if gathered is None else int(layer_backward_bytes(
+                parameter_bytes[a:b], layer_in, layer_out, **layers, gathered=gathered)))
         stage_parameters = int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b)
         result["parameter_bytes"].append(stage_parameters)
         sharded = candidate.sharded
