@@ -94,3 +94,20 @@ def test_2bw_is_planned_only_when_allowed_and_ranks_above_1f1b_on_replicas():
     for p, twin in pairs:
         assert p.estimate.step_time_ms < twin.estimate.step_time_ms
         assert max(p.estimate.peak_memory_bytes) > max(twin.estimate.peak_memory_bytes)
+
+
+def test_the_planner_moves_a_boundary_where_a_stage_s_optimizer_step_hides_behind_the_other_s_backward():
+    """Equal compute, the last layer's parameters heavy: with one micro-batch the last stage steps its optimizer
+    while the first is still in its backward, so giving the first stage a layer more is faster than the balanced
+    [2-2] (15 ms against 16: the last stage's forward and backward shrink, the first's grow where it waited). The
+    balanced split alone would miss it; the refinement by simulation finds it and ranks it first."""
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e9)
+    layers = [LayerCost(forward_ms=1.0, backward_input_ms=1.0, backward_weight_ms=0.0, saved_bytes=1000,
+                        output_bytes=1000, parameter_bytes=b) for b in (1000, 1000, 1000, 10_000_000)]
+    profile = Profile.from_layer_costs(layers, micro_batch_size=1, input_bytes=100, precision="fp32")
+    planned = plan(profile, gpus=2, batch_size=1, memory_limit_bytes=None, link=link, layouts=[(2, 1)],
+                   schedules=["GPipe"])
+    times = {p.candidate.key: p.estimate.step_time_ms for p in planned}
+    assert planned[0].candidate.key == "GPipe/m1/[3-1]"
+    assert times["GPipe/m1/[3-1]"] == pytest.approx(15.0, abs=0.01)
+    assert times["GPipe/m1/[2-2]"] == pytest.approx(16.0, abs=0.01)
