@@ -1,6 +1,6 @@
 """Tuning quality and cost: `autotune search` against an exhaustive grid over the same space, side by side.
 
-1. Grid: every schedule x every B/M dividing B x every split, each run once as a real trial (2 ranks).
+1. Grid: every synchronous schedule (the search's default space; not 2BW) x every B/M dividing B x every split, each run once as a real trial (2 ranks).
 2. Search: autotune.tune over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
    --trials budget, profile and plan included in its wall time (no config or report written); --searches times
    with seeds 0, 1, ... (a search is one draw: trials are noisy), the summary taking medians over them.
@@ -28,7 +28,7 @@ import _results  # noqa: E402
 from autotune.candidate import Candidate, Measurement, uniform_split  # noqa: E402
 from autotune.errors import InvalidCandidateError  # noqa: E402
 from autotune.model_file import check_model, load_model_file  # noqa: E402
-from autotune.schedules import Schedule, default_stages_per_rank  # noqa: E402
+from autotune.schedules import SYNCHRONOUS_SCHEDULES, default_stages_per_rank  # noqa: E402
 from autotune.search import rule_of_thumb  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402
 from autotune.tune import TuneRequest, tune  # noqa: E402
@@ -42,7 +42,7 @@ def splits(n_layers: int, n_stages: int):
 
 def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
     out = []
-    for schedule in Schedule:
+    for schedule in SYNCHRONOUS_SCHEDULES:  # the search's own space: asynchronous 2BW only with --allow-async
         n_stages = gpus * default_stages_per_rank(schedule)
         if n_stages > n_layers:
             continue
@@ -64,14 +64,16 @@ def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
 
 
 def side_by_side(spec, candidates: dict[str, Candidate], rounds: int, options: TrialOptions) -> dict[str, float]:
-    """Median step time of each, measured in turn (A B C A B C ...) so drift hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in candidates}
+    """Median step time of each, measured in turn (A B C A B C ...) so drift hits all alike. Names of one candidate
+    (a search that chose the grid's best) share its runs: the same config is not compared with itself."""
+    distinct = {c.key: c for c in candidates.values()}
+    times: dict[str, list[float]] = {key: [] for key in distinct}
     for _ in range(rounds):
-        for name, candidate in candidates.items():
+        for key, candidate in distinct.items():
             m = run_trial(spec, candidate, options)
             if m.status == "ok" and m.step_time_ms:
-                times[name].append(m.step_time_ms)
-    return {name: statistics.median(t) for name, t in times.items() if t}
+                times[key].append(m.step_time_ms)
+    return {name: statistics.median(times[c.key]) for name, c in candidates.items() if times[c.key]}
 
 
 def compute_per_rank_ms(profile, candidate: Candidate) -> float:
