@@ -1,6 +1,7 @@
 """Tuning quality and cost: `autotune search` against an exhaustive grid over the same space, side by side.
 
-1. Grid: every synchronous schedule (the search's default space; not 2BW) x every B/M dividing B x every split, each run once as a real trial (2 ranks).
+1. Grid: every synchronous schedule (the search's default space; not 2BW) x every B/M dividing B x every split,
+   each run once as a real trial (2 ranks).
 2. Search: autotune.tune over the same space (pp = gpus, dp = 1, no checkpointing, float32 between stages), the
    --trials budget, profile and plan included in its wall time (no config or report written); --searches times
    with seeds 0, 1, ... (a search is one draw: trials are noisy), the summary taking medians over them.
