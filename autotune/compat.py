@@ -99,6 +99,7 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     (_PIPELINING_SCHEDULES, "_Action"),
     (_PIPELINING_SCHEDULES, "_ComputationType"),
     (_BACKWARD, "stage_backward_input"),
+    (_BACKWARD, "stage_backward_weight"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_flatten"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
@@ -304,6 +305,12 @@ def stage_backward_input(
     result: tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]] = run(outputs, output_grads, inputs,
                                                                                iter(weights))
     return result
+
+
+def stage_backward_weight(weights: list[torch.nn.Parameter], param_groups: list[dict[str, Any]]) -> None:
+    """A split backward's W as torch's stage runs it: one autograd pass per parameter group that stage_backward_input
+    returned, the weights' gradients accumulated in their .grad."""
+    symbol(_BACKWARD, "stage_backward_weight")(iter(weights), param_groups)
 
 
 def is_batch_norm(module: torch.nn.Module) -> bool:

@@ -91,6 +91,12 @@ class LayerCost:
     profiled."""
     backward_bytes: BackwardBytes | None = None
     """What the layer's backward holds on top of what was alive before it; None: not profiled."""
+    split_input_extra_ms: float = 0.0
+    """What torch's split backward adds to the layer's I (stage_backward_input walks the graph for the W's parameter
+    groups); 0: not profiled."""
+    split_weight_extra_ms: float = 0.0
+    """What it adds to the layer's W (one autograd pass per parameter group, each with its own set-up); 0: not
+    profiled."""
 
     @property
     def backward_ms(self) -> float:
@@ -129,6 +135,12 @@ class LayerProfile:
     """Of saved_bytes, the layer's output, per micro-batch size; () as above."""
     backward_bytes: tuple[BackwardBytes, ...] = ()
     """LayerCost.backward_bytes per micro-batch size; () as above."""
+    split_input_extra_ms: tuple[float, ...] = ()
+    """LayerCost.split_input_extra_ms per micro-batch size: the layer as a stage, torch's I (stage_backward_input)
+    against its share of a whole backward; () as above (0)."""
+    split_weight_extra_ms: tuple[float, ...] = ()
+    """LayerCost.split_weight_extra_ms per micro-batch size: torch's W (stage_backward_weight) against the weight
+    gradients' share; () as above (0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,7 +262,8 @@ class Profile:
         if not self.layers:
             raise UsageError("a profile needs at least one layer")
         per_size = [self.input_bytes, *(getattr(layer, f) for layer in self.layers for f in _SERIES)]
-        per_size += [getattr(layer, f) for layer in self.layers for f in _MEMORY_SERIES if getattr(layer, f)]
+        per_size += [getattr(layer, f) for layer in self.layers for f in (*_MEMORY_SERIES, *_SPLIT_SERIES)
+                     if getattr(layer, f)]
         per_size += [layer.backward_bytes for layer in self.layers if layer.backward_bytes]
         per_size += [
             s
@@ -330,6 +343,10 @@ class Profile:
                     saved_output_bytes=math.ceil(at(layer.saved_output_bytes)) if layer.saved_output_bytes else 0,
                     backward_bytes=(BackwardBytes.interpolated(layer.backward_bytes, at) if layer.backward_bytes
                                     else None),
+                    split_input_extra_ms=max(0.0, at(layer.split_input_extra_ms)) if layer.split_input_extra_ms
+                    else 0.0,
+                    split_weight_extra_ms=max(0.0, at(layer.split_weight_extra_ms)) if layer.split_weight_extra_ms
+                    else 0.0,
                 )
             )
         return costs
@@ -438,7 +455,8 @@ class Profile:
                  "parameter_groups": layer.parameter_groups,
                  **({"autocast_copy_bytes": layer.autocast_copy_bytes} if layer.autocast_copy_bytes else {}),
                  **{field: list(getattr(layer, field)) for field in _SERIES},
-                 **{field: list(getattr(layer, field)) for field in _MEMORY_SERIES if getattr(layer, field)},
+                 **{field: list(getattr(layer, field)) for field in (*_MEMORY_SERIES, *_SPLIT_SERIES)
+                    if getattr(layer, field)},
                  **({"backward_bytes": [b.to_dict() for b in layer.backward_bytes]} if layer.backward_bytes else {})}
                 for layer in self.layers
             ],
@@ -467,6 +485,7 @@ class Profile:
                         ),
                         autocast_copy_bytes=int(layer.get("autocast_copy_bytes", 0)),
                         **{field: tuple(int(x) for x in layer.get(field, ())) for field in _MEMORY_SERIES},
+                        **{field: tuple(float(x) for x in layer.get(field, ())) for field in _SPLIT_SERIES},
                         backward_bytes=tuple(BackwardBytes.from_dict(b) for b in layer.get("backward_bytes", ())),
                     )
                     for layer in data["layers"]
@@ -522,6 +541,8 @@ def load_profile(path: Path) -> Profile:
 _SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
 _MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes")
 """Per-size series a profile may lack (saved before they were recorded): () there (and so backward_bytes)."""
+_SPLIT_SERIES = ("split_input_extra_ms", "split_weight_extra_ms")
+"""Per-size times a profile may lack (saved before they were recorded: 0)."""
 
 
 class _Interpolator:

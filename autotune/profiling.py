@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.candidate import PRECISIONS, Precision
-from autotune.compat import clear_cublas_workspaces, stage_backward_input, view_base
+from autotune.compat import clear_cublas_workspaces, stage_backward_input, stage_backward_weight, view_base
 from autotune.costs import BackwardBytes, LayerProfile, Profile, TensorParallelLayer
 from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
@@ -178,6 +178,8 @@ def profile_model(
                 saved_input_bytes=tuple(saved_inputs[i][k] for k in at),
                 saved_output_bytes=tuple(r.sizes[m].saved_output_bytes for m in sizes),
                 backward_bytes=tuple(b for m in sizes if (b := r.sizes[m].backward_bytes) is not None),
+                split_input_extra_ms=tuple(r.sizes[m].split_input_extra_ms for m in sizes),
+                split_weight_extra_ms=tuple(r.sizes[m].split_weight_extra_ms for m in sizes),
                 parameter_groups=r.parameter_groups,
                 autocast_copy_bytes=r.sizes[sizes[0]].autocast_copy_bytes,
             )
@@ -290,6 +292,11 @@ class _SizeResult:
     """(forward, backward) of the block as a stage, the fastest of the rounds."""
     checkpointed: tuple[float, float] = (0.0, 0.0)
     """The same, checkpointed as a stage is."""
+    split_input_extra_ms: float = 0.0
+    """torch's split backward of the block as a stage: its I beyond the input gradients' share of a whole backward
+    (_split_extras)."""
+    split_weight_extra_ms: float = 0.0
+    """Its W beyond the weight gradients' share."""
 
 
 @dataclass(kw_only=True)
@@ -462,7 +469,7 @@ class _Walk:
             stage.train()
             unit = _Unit(stage, block, last=index == skeleton.n_blocks - 1, autocast=self.autocast)
             own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
-            optimizer = self._optimizer(index, own, unit, held)
+            optimizer = self._optimizer(index, own, unit, held, lambda: self._gradients(index, unit, inputs))
             samples: dict[int, _SizeSamples] = {}
             for m in list(self.sizes):
                 try:
@@ -536,16 +543,30 @@ class _Walk:
         if blocks and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _gradients(self, index: int, unit: _Unit, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """One forward and backward of the block at the smallest size: the gradients a step leaves (an embedding's
+        rows that no token reached stay zero, as in a trial's steps). Any failure is left to the timed passes to
+        report; the optimizer is then timed on stand-in gradients."""
+        m = min(self.sizes)
+        try:
+            (args, side), _ = self._inputs(index, inputs[m], m)
+            _chain_pass([unit], (args, side), self._loss(unit, m), self.clock, full=True)
+        except Exception:  # noqa: BLE001 - out of memory or the model's own error: _SizeSamples says which
+            logger.debug("block %s: no backward to take gradients from for the optimizer step", index,
+                         exc_info=True)
+            unit.zero_grad(set_to_none=True)
+
     def _optimizer(
-        self, index: int, params: list[nn.Parameter], unit: _Unit, held: int
+        self, index: int, params: list[nn.Parameter], unit: _Unit, held: int, gradients: Callable[[], None]
     ) -> tuple[float, int, int, bool]:
-        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused. With a
-        memory limit on CPU, the block's parameters, gradients and state must fit under it (on CUDA the allocator
-        enforces it); held: the window's other blocks' parameter bytes, not counted."""
+        """The block's optimizer step: median time, state bytes, temporaries, whether it is foreach / fused, timed on
+        the gradients one backward of the block leaves (`gradients`). With a memory limit on CPU, the block's
+        parameters, gradients and state must fit under it (on CUDA the allocator enforces it); held: the window's
+        other blocks' parameter bytes, not counted."""
         try:
             limit = self.limit * self.state_shards + held if self.limit is not None else None
             return _profile_optimizer(self.spec, params, unit, self.clock, self.repeats,
-                                      limit=limit if self.device.type == "cpu" else None)
+                                      limit=limit if self.device.type == "cpu" else None, gradients=gradients)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -746,6 +767,7 @@ class _SizeSamples:
         self.loss_backward: list[float] = []
         self.plain: list[tuple[float, float]] = []
         self.checkpointed: list[tuple[float, float]] = []
+        self.split: list[tuple[float, float]] = []
         self._pass(full=True)  # warm-up (allocator, lazy init)
         self._pass(full=False)
         _unit_pass(unit, (self.args, self.side), loss, clock, checkpointed=True)
@@ -758,7 +780,7 @@ class _SizeSamples:
     def clear(self) -> None:
         """Forget the timings taken so far (the window is timed again another way)."""
         for times in (self.forward, self.full, self.partial, self.loss_forward, self.loss_backward, self.plain,
-                      self.checkpointed):
+                      self.checkpointed, self.split):
             times.clear()
 
     def sample_checkpoint(self) -> None:
@@ -769,13 +791,17 @@ class _SizeSamples:
         for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
             self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
             self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
+            self.split.append(_split_pass(self.unit, inputs, self.loss, self.clock))
         self.unit.zero_grad(set_to_none=True)
 
     def result(self) -> _SizeResult:
         full = statistics.median(self.full)
         partial = min(statistics.median(self.partial), full)  # noise: no weight-grad work left
         last = self.unit.last
+        split_input, split_weight = _split_extras(self.plain, self.split, partial / full if full > 0 else 0.5)
         return _SizeResult(
+            split_input_extra_ms=split_input,
+            split_weight_extra_ms=split_weight,
             forward_ms=statistics.median(self.forward),
             backward_input_ms=partial,
             backward_weight_ms=full - partial,
@@ -825,6 +851,52 @@ def _unit_pass(
     end = clock.mark()
     clock.sync()
     return clock.ms(start, middle), clock.ms(middle, end)
+
+
+def _split_pass(
+    unit: _Unit,
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    loss_fn: Callable[[Any], torch.Tensor],
+    clock: _Clock,
+) -> tuple[float, float]:
+    """I and W times of the block as a stage under a split backward, run as torch's stage runs them
+    (stage_backward_input from the loss, then stage_backward_weight over the parameter groups it returned); (0, 0)
+    for a block without floating inputs to take a gradient for (a first stage: its W is a whole backward)."""
+    args, side = inputs
+    received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not received:
+        return 0.0, 0.0
+    output = unit(args, side)
+    loss = loss_fn(output)
+    if not loss.requires_grad:
+        return 0.0, 0.0
+    parameters = unit.parameters()
+    start = clock.mark()
+    _, groups = stage_backward_input([loss], None, received, parameters)
+    middle = clock.mark()
+    stage_backward_weight(parameters, groups)
+    end = clock.mark()
+    clock.sync()
+    for a in received:
+        a.grad = None
+    return clock.ms(start, middle), clock.ms(middle, end)
+
+
+def _split_extras(
+    plain: Sequence[tuple[float, float]], split: Sequence[tuple[float, float]], input_share: float
+) -> tuple[float, float]:
+    """What torch's split backward costs beyond a whole one, for I and for W: the block's split I and W against the
+    whole backward of the same block as a stage (`plain`'s), apportioned by the input gradients' share of it measured
+    in place. Each walks the autograd graph again in Python (the I for the W's parameter groups, the W once per
+    group): a GPT's two blocks at micro-batch 8 took 1.64 ms for I and 1.29 for W where a whole backward's parts were
+    1.29 and 0.66 (so traced in its InterleavedZeroBubble trials, bench/action_trace.py). 0 where not measured."""
+    measured = [pair for pair in split if pair != (0.0, 0.0)]
+    if not measured or not plain:
+        return 0.0, 0.0
+    whole = statistics.median(b for _, b in plain)
+    split_input = statistics.median(i for i, _ in measured)
+    split_weight = statistics.median(w for _, w in measured)
+    return max(0.0, split_input - whole * input_share), max(0.0, split_weight - whole * (1.0 - input_share))
 
 
 def _checkpoint_ratios(
@@ -1107,16 +1179,38 @@ def _is_parameter_cast(tensor: torch.Tensor, parameter_ids: set[int]) -> bool:
     return False
 
 
+OPTIMIZER_GRADIENT_STD = 1e-3
+"""The spread of the stand-in gradient a parameter gets where the block's backward gave it none (any non-zero size
+times the same)."""
+
+
 def _profile_optimizer(
-    spec: ModelSpec, params: list[nn.Parameter], unit: _Unit, clock: _Clock, repeats: int, *, limit: int | None
+    spec: ModelSpec,
+    params: list[nn.Parameter],
+    unit: _Unit,
+    clock: _Clock,
+    repeats: int,
+    *,
+    limit: int | None,
+    gradients: Callable[[], None] | None = None,
 ) -> tuple[float, int, int, bool]:
     """Median time of one optimizer step over the parameters, the state it keeps, and the most bytes a step
     allocates on top (AdamW's foreach temporaries: 0.2-1x the parameters on the recipes). With `limit`, the
-    parameters, their gradients and the state must fit under it (live-tensor tracker)."""
+    parameters, their gradients and the state must fit under it (live-tensor tracker).
+
+    The step is timed on the gradients `gradients()` leaves (a backward of the block), not on zeros: where Adam's
+    second moment is zero its sqrt takes a slow path on the CPU, so a step over zero gradients took twice a real
+    one's time (AdamW over tail_heavy7's 1.3M parameters, one thread: 3.6 ms against 1.8, and 1.9-2.1 ms in its
+    trials' own steps, traced by bench/action_trace.py), while an embedding's untouched rows do stay zero in a
+    trial. A parameter the backward left without a gradient gets OPTIMIZER_GRADIENT_STD noise."""
     if not params:
         return 0.0, 0, 0, False
+    if gradients is not None:
+        gradients()
+    generator = torch.Generator(device=params[0].device).manual_seed(SEED)
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if p.grad is None:
+            p.grad = torch.empty_like(p).normal_(0.0, OPTIMIZER_GRADIENT_STD, generator=generator)
     optimizer = build_optimizer(spec, params)
     foreach = optimizer.defaults.get("foreach")
     grouped = bool(optimizer.defaults.get("fused")) or bool(foreach) or (foreach is None

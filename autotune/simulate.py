@@ -52,6 +52,26 @@ collective's call and wait. bench/tp_block.py on the 2-core development machine 
 layer (hidden 64, micro-batch 4 x 32 tokens) took 2.0 ms whole and 16.3 ms at tp 2 with its 7 collectives, whose
 gloo all-reduce alone takes 0.67 ms (bench/results/tp_block.md): (16.3 - 2.0 / 2) / 7 - 0.67 = 1.5 ms."""
 
+# The CPU stand-in's rank-side costs, each measured inside real trials by bench/action_trace.py (a tracer in every
+# rank times each action, the stage module's own forward and backward inside it, each post and wait of a send or
+# receive and the optimizer step; bench/results/action_trace_*.md): 48 configurations of the six calibration models
+# (all nine synchronous schedules, 1 to 16 micro-batches), 96 rank-steps. Least squares over them:
+#   module time beyond the profile  = 0.089 ms per action + 0.116 x the profile's compute
+#   the rank's time outside actions = 0.80 ms per step + 0.049 ms per action (schedule, loss, zero_grad), plus
+#                                     0.024 ms per action inside torch's stage code, around the module
+# medians: posting a send or receive 0.098 ms; a message waited for arrived 0.020 ms after its post.
+CPU_LATENCY_S = 20e-6
+"""A send's latency on the CPU stand-in: from the sender's post to the end of the receiver's wait (traced median)."""
+CPU_MESSAGE_OVERHEAD_MS = 0.1
+"""Posting one send or receive (torch's _batch_p2p over gloo), on the rank's own time (traced median 0.098 ms)."""
+CPU_PER_ACTION_OVERHEAD_MS = 0.16
+"""Per compute action: 0.089 (the module's call beyond its blocks' profiled times) + 0.024 (torch's stage code) +
+0.049 (the schedule's own work between actions)."""
+CPU_COMPUTE_SLOWDOWN = 0.12
+"""Profiled compute runs 11.6 % slower inside a two-rank pipelined step than timed alone (traced fit)."""
+CPU_STEP_OVERHEAD_MS = 0.8
+"""Once per step and rank outside its actions (traced fit's intercept)."""
+
 COLLECTIVE_WAKE_CPU_MS = 2.0
 """What a collective a CPU rank waits for costs beyond its wire time: gloo's threads sleep while the rank computes,
 and waking them is slow on a VM (up to a 4 ms scheduler tick at the development machine's 250 Hz).
@@ -76,7 +96,8 @@ class LinkModel:
     latency_s: float
     """Fixed delay of one send/recv."""
     per_action_overhead_ms: float
-    """Runtime bookkeeping added to every compute action (schedule step, send/recv posting, small kernels)."""
+    """Runtime bookkeeping added to every compute action: the schedule's own work around it, torch's stage code, the
+    stage module's call beyond its blocks' profiled times (autograd's set-up of a backward, small kernels)."""
     optimizer_bytes_per_s: float
     """Parameter bytes per second one optimizer step gets through; used only when the profile did not time it."""
     message_overhead_ms: float = 0.0
@@ -96,6 +117,19 @@ class LinkModel:
     tensor_parallel_overhead_ms: float = 0.0
     """Tensor parallel: what each tp collective costs the rank beyond the wire (DTensor's bookkeeping around it, the
     call itself), per call."""
+    sends_on_rank: bool = False
+    """Whether a send's bytes go out on the sending rank's own time, so that they have arrived (but for the
+    latency) when its post returns: gloo over TCP writes them into the socket in the thread that posts the send
+    (two CPU ranks over loopback: posting 1 MiB took 0.30 ms, 4 MiB 1.05 ms, and the receiver's waiting recv
+    completed 0.002 ms after). False: the wire time is the receiver's wait alone (NCCL sends on its own stream).
+    Inside a node only: a send between nodes waits on the slower link as before."""
+    compute_slowdown: float = 0.0
+    """Share by which profiled compute (layers, loss, the optimizer step) runs slower inside a pipelined step than
+    timed alone: other ranks computing beside it and the stages' micro-batches taking turns share caches and memory
+    bandwidth (bench/action_trace.py measures it per rank); 0 where it was not measured (cuda)."""
+    step_overhead_ms: float = 0.0
+    """What every rank pays once per step outside its actions and optimizer: the schedule's set-up (splitting the
+    batch into micro-batches), zero_grad, collecting the losses."""
     gradient_sync_overlaps: bool = True
     """Whether DistributedDataParallel's bucketed all-reduces run beside the backward that fills them (NCCL on its
     own stream); False where they take the rank's own time (gloo on the CPU core the rank computes on)."""
@@ -110,10 +144,11 @@ class LinkModel:
         """Defaults for cpu (gloo over loopback, one thread per rank) or cuda (NCCL); any field can be overridden.
 
         The cpu numbers are for two one-thread ranks over gloo on the 2-core development machine. Bandwidth comes
-        from a large send/recv (3 GB/s). The message overhead is what posting a send or receive took inside real
-        trials (torch's _batch_p2p, traced: 0.05-0.55 ms, typically 0.15). Latency, per-action overhead and the
-        held-activation slowdown were chosen on one set of recipe trials and checked on a fresh one
-        (bench/calibrate.py; bench/results/calibration.md says which). The cuda link ones are NVLink-class guesses
+        from a large send/recv (3 GB/s); latency, message and per-action overheads, the compute slowdown and the
+        step overhead were each measured inside real trials, term by term (CPU_LATENCY_S and the constants beside
+        it; bench/action_trace.py), and checked against whole steps by bench/calibrate.py
+        (bench/results/calibration.md). The held-activation slowdown is 0 on cpu: the compute slowdown is what
+        the traces show of it. The cuda link ones are NVLink-class guesses
         with no memory-pressure term: one GPU (the only CUDA machine this was run on, an H200) has no peer to
         measure a link to. Its pp = 1 trials (bench/cuda_first_run.py) put the per-action overhead at or below 0 (the
         per-block profile over-counts small kernels' launches; a compute-bound GPT's steps were predicted within
@@ -125,10 +160,14 @@ class LinkModel:
         if device.startswith("cuda"):
             base = {"bandwidth_bytes_per_s": 50e9, "latency_s": 20e-6, "per_action_overhead_ms": 0.05,
                     "optimizer_bytes_per_s": 200e9, "message_overhead_ms": 0.01, "held_activation_ms_per_mib": 0.0,
+                    "compute_slowdown": 0.0, "step_overhead_ms": 0.0, "sends_on_rank": False,
                     "tensor_parallel_efficiency": 0.9, "tensor_parallel_overhead_ms": 0.02}
         elif device == "cpu":
-            base = {"bandwidth_bytes_per_s": 3e9, "latency_s": 0.5e-3, "per_action_overhead_ms": 0.3,
-                    "optimizer_bytes_per_s": 1e9, "message_overhead_ms": 0.15, "held_activation_ms_per_mib": 0.05,
+            base = {"bandwidth_bytes_per_s": 3e9, "latency_s": CPU_LATENCY_S,
+                    "per_action_overhead_ms": CPU_PER_ACTION_OVERHEAD_MS, "optimizer_bytes_per_s": 1e9,
+                    "message_overhead_ms": CPU_MESSAGE_OVERHEAD_MS, "held_activation_ms_per_mib": 0.0,
+                    "compute_slowdown": CPU_COMPUTE_SLOWDOWN, "step_overhead_ms": CPU_STEP_OVERHEAD_MS,
+                    "sends_on_rank": True,
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS}
         else:
@@ -454,7 +493,8 @@ def simulate_costs(
         rank_params[r] += stages.parameter_bytes[s]
     shards = dp_shards(candidate)
     # One step per rank over its stages (sharded: over its shards): the fixed cost once, the rest by bytes.
-    optimizer_ms = [optimizer_call_ms + p / shards * optimizer_ms_per_byte if p else 0.0 for p in rank_params]
+    optimizer_ms = [(optimizer_call_ms + p / shards * optimizer_ms_per_byte) * (1.0 + link.compute_slowdown) if p
+                    else 0.0 for p in rank_params]
     if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
         allreduce_ms = [0.0] * pp
         sync_end = rank_end
@@ -474,7 +514,7 @@ def simulate_costs(
             bucket_ms = functools.lru_cache(maxsize=None)(lambda nbytes: link.allreduce_ms(nbytes, dp, n_nodes))
             sync_end = _overlapped_sync_end(plan, finish, dur, stages.parameter_bytes, rank_end, bucket_ms,
                                             overlaps=link.gradient_sync_overlaps, overhead_ms=wake)
-    step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp))
+    step_ms = max(sync_end[r] + optimizer_ms[r] for r in range(pp)) + link.step_overhead_ms
 
     tensor_parallel_ms = [0.0] * pp
     if collective_ms:
@@ -738,6 +778,10 @@ class _StageCosts:
     """Of activation_transfer, the time on the wire between nodes (bytes / bandwidth; 0 inside a node)."""
     grad_wire: list[float]
     """Of grad_transfer, the time on the wire between nodes (0 inside a node)."""
+    output_send: list[float]
+    """What sending the stage's output costs the rank that runs its F (LinkModel.sends_on_rank; 0 otherwise)."""
+    grad_send: list[float]
+    """What sending the gradient of the stage's input costs the rank that runs its B or I (as above)."""
     held_bytes: list[int]
     """What one in-flight micro-batch keeps between F and B: saved activations (the stage input only, with
     checkpointing) and the stage's output."""
@@ -812,6 +856,7 @@ def _stage_costs(
     bounds = list(accumulate(candidate.layers_per_stage, initial=0))
     far = link.across_nodes() if crossing is not None and any(crossing) else link
     overhead = link.per_action_overhead_ms
+    slower = 1.0 + link.compute_slowdown
     wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
 
@@ -825,6 +870,8 @@ def _stage_costs(
         parameter_groups = [c.parameter_groups for c in costs]
     backward_input_ms = [c.backward_input_ms for c in costs]
     backward_weight_ms = [c.backward_weight_ms for c in costs]
+    split_input_ms = [c.split_input_extra_ms for c in costs]
+    split_weight_ms = [c.split_weight_extra_ms for c in costs]
     saved_bytes = [c.saved_bytes for c in costs]
     parameter_bytes = [c.parameter_bytes for c in costs]
     copies = [c.autocast_copy_bytes for c in costs]
@@ -834,10 +881,10 @@ def _stage_costs(
 
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
-        forward = sum(forward_ms[a:b])
-        recompute = sum(recompute_ms[a:b]) if checkpointing else 0.0
-        backward_input = sum(backward_input_ms[a:b])
-        backward_weight = sum(backward_weight_ms[a:b])
+        forward = sum(forward_ms[a:b]) * slower
+        recompute = sum(recompute_ms[a:b]) * slower if checkpointing else 0.0
+        backward_input = sum(backward_input_ms[a:b]) * slower
+        backward_weight = sum(backward_weight_ms[a:b]) * slower
         stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
         stage_out = costs[b - 1].output_bytes
         saved = int(sum(saved_bytes[a:b])) + autocast_copy_bytes(sum(copies[a:b]), candidate=candidate)
@@ -851,17 +898,29 @@ def _stage_costs(
         else:
             # Checkpointed, torch's W runs one autograd pass per parameter group, and each pass recomputes the
             # stage (torch 2.13 stage_backward_weight): GPT's zero-bubble schedules ran 4-4.7x slower with it.
+            # torch's I and W each walk the graph again in Python (LayerCost.split_input_extra_ms)
             groups = sum(parameter_groups[a:b]) if checkpointing else 0
-            result["backward_input"].append(backward_input + recompute + overhead)
-            result["backward_weight"].append(backward_weight + groups * recompute + overhead)
+            split_input, split_weight = sum(split_input_ms[a:b]) * slower, sum(split_weight_ms[a:b]) * slower
+            result["backward_input"].append(backward_input + split_input + recompute + overhead)
+            result["backward_weight"].append(backward_weight + split_weight + groups * recompute + overhead)
         crosses_in = crossing is not None and s > 0 and crossing[s]
         crosses_out = crossing is not None and s < n_stages - 1 and crossing[s + 1]
         into = far if crosses_in else link
         back = far if crosses_out else link
         result["activation_wire"].append(stage_in * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_in else 0.0)
         result["grad_wire"].append(stage_out * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_out else 0.0)
-        result["activation_transfer"].append(into.transfer_ms(stage_in * wire) if s > 0 else 0.0)
-        result["grad_transfer"].append(back.transfer_ms(stage_out * wire) if s < n_stages - 1 else 0.0)
+        # sends_on_rank: a send inside the node goes out on the sender's time (output_send, grad_send), and the
+        # receiver waits for its latency alone
+        on_rank_in = link.sends_on_rank and not crosses_in
+        on_rank_out = link.sends_on_rank and not crosses_out
+        result["activation_transfer"].append(
+            0.0 if s == 0 else into.latency_s * 1e3 if on_rank_in else into.transfer_ms(stage_in * wire))
+        result["grad_transfer"].append(
+            0.0 if s == n_stages - 1 else back.latency_s * 1e3 if on_rank_out else back.transfer_ms(stage_out * wire))
+        result["output_send"].append(
+            stage_out * wire / link.bandwidth_bytes_per_s * 1e3 if on_rank_out and s < n_stages - 1 else 0.0)
+        result["grad_send"].append(
+            stage_in * wire / link.bandwidth_bytes_per_s * 1e3 if on_rank_in and s > 0 else 0.0)
         first, last = s == 0, s == n_stages - 1
         held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
         # what it keeps of its input and saves of its output are tensors counted already (memory_model)
@@ -938,6 +997,11 @@ def _add_rank_side_costs(dur: list[float], plan: ActionGraph, stages: _StageCost
     message = link.message_overhead_ms
     if message:
         dur[:] = [d + message * k for d, k in zip(dur, plan.messages)]
+    if link.sends_on_rank:  # each send's bytes, on the sender's time (F sends its output, B or I its input's grad)
+        send = {"F": stages.output_send, "B": stages.grad_send, "I": stages.grad_send}
+        for a, (k, c) in enumerate(zip(plan.messages, plan.cross)):
+            if k > int(c):
+                dur[a] += (k - int(c)) * send[plan.kind[a]][plan.stage[a]]
     pressure = link.held_activation_ms_per_mib / 2**20
     if pressure:
         held = stages.held_bytes

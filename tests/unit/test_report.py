@@ -559,7 +559,7 @@ def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_
     markdown, html = over_nodes(study, records)
     section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
     assert "nodes of 1 rank and probed" in section
-    assert "| latency | 5.00 ms | 500 us | 500 us |" in section
+    assert "| latency | 5.00 ms | 20 us | 20 us |" in section
     assert "| bandwidth | 20 MB/s | 3.00 GB/s | 3.00 GB/s |" in section
     assert "Over the 3 measured runs of configurations spanning nodes" in section
     assert "off by **+5 %** (median" in section

@@ -1,0 +1,216 @@
+"""Where a trial's step goes, action by action, against the simulator's replay of the same candidate.
+
+Runs real trials (2 ranks) with a tracer in every rank (bench/_trace_site: each pipeline action, the stage module's
+own forward and backward inside it, each post and wait of a send/receive, the optimizer step) and splits each
+rank's step into terms the simulator has one of each:
+
+- compute: the stage module's forward and backward (and W) as the runtime ran them, against the profile's sum of
+  the stage's layers at the micro-batch size (the simulator's compute without overheads): "compute / profile";
+- action overhead: what an action took beyond the module's own time (the runtime's bookkeeping), per action;
+- post: what posting a batch of sends/receives took the rank, per post;
+- hand-off: from the sender's post of an activation or gradient to the end of the receiver's wait for it, where the
+  receiver was already waiting (the message's own latency on the link);
+- optimizer: the rank's step, against the simulator's;
+- the rest: the step less all of the above and the waits (the schedule's own Python, the loss, zero_grad).
+
+    python bench/action_trace.py --model bench/models/tail_heavy7.py --batch-size 64 \\
+        --configs VMin/1/2,2,1,2 1F1B/8/4,3
+
+Each config is SCHEDULE/M/SPLIT (M micro-batches). Medians over the measured steps of each of --repeats trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path(__file__).resolve().parent / "_trace_site"
+
+
+def parse_config(text: str, batch_size: int):
+    from autotune.candidate import Candidate
+    from autotune.schedules import Schedule
+
+    schedule, m, split = text.split("/")
+    return Candidate(schedule=Schedule(schedule), pipeline_degree=2, global_batch_size=batch_size,
+                     n_microbatches=int(m), layers_per_stage=tuple(int(x) for x in split.split(",")))
+
+
+def read_traces(folder: Path, warmup: int) -> list[list[list[list]]]:
+    """Per rank (the one holding stage 0 first), its steps, each a list of events; warm-up steps dropped."""
+    ranks = []
+    for path in folder.glob("*.jsonl"):
+        steps, current = [], []
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            current.append(event)
+            if event[0] == "step":
+                steps.append(current)
+                current = []
+        ranks.append(steps)
+    ranks.sort(key=lambda steps: min(e[3] for e in steps[0] if e[0] == "F"))  # rank 0 holds stage 0
+    return [steps[warmup:] for steps in ranks]
+
+
+def handoffs(sender: list[list], receiver: list[list]) -> list[float]:
+    """ms from the sender's post after each action to the end of the receiver's wait before the matching action,
+    where that wait began before the post ended (the receiver was waiting for this message)."""
+    out = []
+    posts = [e for e in sender if e[0] == "post"]
+    actions = [e for e in sender if e[0] in ("F", "B", "I")]
+    for action in actions:
+        after = next((p for p in posts if p[1] >= action[2]), None)
+        if after is None:
+            continue
+        target = action[3] + 1 if action[0] == "F" else action[3] - 1
+        kinds = ("F",) if action[0] == "F" else ("B", "I")
+        matching = next((i for i, e in enumerate(receiver)
+                         if e[0] in kinds and e[3] == target and e[4] == action[4]), None)
+        if matching is None:
+            continue
+        wait = next((e for e in reversed(receiver[:matching]) if e[0] == "wait"), None)
+        if wait is not None and wait[1] < after[2] <= wait[2]:
+            out.append((wait[2] - after[2]) * 1e3)
+    return out
+
+
+def split_step(events: list[list]) -> dict[str, float]:
+    """One rank's step in ms per term."""
+    total = collections.defaultdict(float)
+    counts = collections.Counter()
+    for kind, start, end, *_ in events:
+        total[kind] += (end - start) * 1e3
+        counts[kind] += 1
+    compute = total["module_F"] + total["module_B"]  # B, I and W each run the module's backward once
+    actions = total["F"] + total["B"] + total["I"] + total["W"]
+    n_actions = counts["F"] + counts["B"] + counts["I"] + counts["W"]
+    return {
+        "step": total["step"], "compute": compute, "action_overhead": actions - compute,
+        "actions": n_actions, "post": total["post"], "posts": counts["post"], "wait": total["wait"],
+        "optimizer": total["opt"],
+        "rest": total["step"] - actions - total["post"] - total["wait"] - total["opt"],
+    }
+
+
+def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: int, folder: Path) -> dict:
+    from dataclasses import replace
+
+    from autotune.simulate import LinkModel, simulate
+    from autotune.trial import TrialOptions, run_trial
+
+    link = LinkModel.for_device("cpu")
+    estimate = simulate(profile, candidate, link=link)
+    bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
+                                                     held_activation_ms_per_mib=0.0))
+    sim_compute = collections.defaultdict(float)
+    for event in bare.timeline:
+        sim_compute[event.rank] += event.end_ms - event.start_ms
+    measured, per_rank, hands = [], collections.defaultdict(list), []
+    for r in range(repeats):
+        result = run_trial(spec, candidate, TrialOptions(steps=steps, warmup=warmup, device="cpu"))
+        if result.step_time_ms is None:
+            raise SystemExit(f"{candidate.key}: trial failed: {result.error}")
+        measured.append(result.step_time_ms)
+        run = folder / f"{candidate.key}-{r}".replace("/", "_")
+        run.mkdir()
+        for trace in folder.glob("*.jsonl"):  # the ranks write beside it (the fork server's environment is fixed)
+            trace.rename(run / trace.name)
+        ranks = read_traces(run, warmup)
+        for rank, rank_steps in enumerate(ranks):
+            for step_events in rank_steps:
+                per_rank[rank].append(split_step(step_events))
+        for s in range(min(len(ranks[0]), len(ranks[1]))):
+            hands += handoffs(ranks[0][s], ranks[1][s]) + handoffs(ranks[1][s], ranks[0][s])
+
+    def median(rank: int, key: str) -> float:
+        return statistics.median(d[key] for d in per_rank[rank])
+
+    ranks_out = []
+    for rank in sorted(per_rank):
+        actions, posts = median(rank, "actions"), median(rank, "posts")
+        ranks_out.append({
+            "rank": rank, "step_ms": median(rank, "step"), "compute_ms": median(rank, "compute"),
+            "profile_compute_ms": sim_compute[rank],
+            "action_overhead_ms_per_action": median(rank, "action_overhead") / max(actions, 1),
+            "post_ms_per_post": median(rank, "post") / max(posts, 1), "posts": posts,
+            "wait_ms": median(rank, "wait"), "optimizer_ms": median(rank, "optimizer"), "rest_ms": median(rank, "rest"),
+            "actions": actions,
+        })
+    return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(), "measured_ms": statistics.median(measured), "measured_runs_ms": measured,
+            "predicted_ms": estimate.step_time_ms, "predicted_optimizer_ms": estimate.optimizer_ms,
+            "handoff_ms_median": statistics.median(hands) if hands else None, "handoffs": len(hands),
+            "ranks": ranks_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", required=True, help="SCHEDULE/M/SPLIT, e.g. VMin/1/2,2,1,2")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--name", default="action_trace")
+    args = parser.parse_args()
+    if os.environ.get("AUTOTUNE_TRACE_DIR") is None:
+        # the tracer must be in the fork server's environment before it starts: re-run this script with it
+        env = {**os.environ, "AUTOTUNE_TRACE_DIR": tempfile.mkdtemp(prefix="autotune-trace-"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), str(ROOT), os.environ.get("PYTHONPATH")]))}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+    from autotune.model_file import check_model, load_model_file
+    from autotune.profiling import profile_model
+
+    spec = load_model_file(Path(args.model))
+    check_model(spec, args.batch_size)
+    started = time.time()
+    profile = profile_model(spec, batch_size=args.batch_size, device="cpu")
+    rows = []
+    folder = Path(os.environ["AUTOTUNE_TRACE_DIR"])
+    try:
+        for text in args.configs:
+            candidate = parse_config(text, args.batch_size)
+            rows.append(trace_config(spec, profile, candidate, steps=args.steps, warmup=args.warmup,
+                                     repeats=args.repeats, folder=folder))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    table = []
+    for row in rows:
+        for r in row["ranks"]:
+            table.append([row["candidate"] if r["rank"] == 0 else "", f"{row['measured_ms']:.1f}" if r["rank"] == 0
+                          else "", f"{row['predicted_ms']:.1f}" if r["rank"] == 0 else "", r["rank"],
+                          f"{r['compute_ms']:.2f}", f"{r['profile_compute_ms']:.2f}",
+                          f"{r['compute_ms'] / r['profile_compute_ms']:.2f}" if r["profile_compute_ms"] else "",
+                          f"{r['action_overhead_ms_per_action']:.3f}", f"{r['post_ms_per_post']:.3f}",
+                          f"{row['handoff_ms_median']:.3f}" if r["rank"] == 0 and row["handoff_ms_median"] else "",
+                          f"{r['wait_ms']:.2f}", f"{r['optimizer_ms']:.2f}",
+                          f"{row['predicted_optimizer_ms']:.2f}" if r["rank"] == 0 else "", f"{r['rest_ms']:.2f}"])
+    command = "python bench/action_trace.py " + " ".join(sys.argv[1:])
+    _results.write(
+        args.name, title="Where a trial's step goes, action by action (the simulator's terms, measured)",
+        device="cpu",
+        tables={f"{args.model}, B {args.batch_size}, 2 ranks (medians over steps; ms)": _results.markdown_table(
+            ["candidate", "measured step", "predicted step", "rank", "compute", "profile's compute",
+             "compute / profile", "overhead per action", "per post", "hand-off", "waiting", "optimizer",
+             "predicted optimizer (slowest rank)", "rest"], table)},
+        data={"command": command, "model": args.model, "batch_size": args.batch_size, "rows": rows,
+              "profile": profile.to_dict(),
+              "wall_s": time.time() - started},
+        notes=f"command: `{command}`\n\n" + __doc__.split("\n\n")[1])
+
+
+if __name__ == "__main__":
+    main()
