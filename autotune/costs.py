@@ -412,6 +412,8 @@ class Profile:
                     saved_input_bytes=() if c.saved_input_bytes is None else (c.saved_input_bytes,),
                     saved_output_bytes=(c.saved_output_bytes,) if c.saved_output_bytes else (),
                     backward_bytes=() if c.backward_bytes is None else (c.backward_bytes,),
+                    split_input_extra_ms=(c.split_input_extra_ms,) if c.split_input_extra_ms else (),
+                    split_weight_extra_ms=(c.split_weight_extra_ms,) if c.split_weight_extra_ms else (),
                 )
                 for i, c in enumerate(costs)
             ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -117,6 +118,12 @@ class LinkModel:
     tensor_parallel_overhead_ms: float = 0.0
     """Tensor parallel: what each tp collective costs the rank beyond the wire (DTensor's bookkeeping around it, the
     call itself), per call."""
+    late_receives_wake: bool = False
+    """Whether a receive posted after its send waits for the sending rank's collective thread to wake: gloo moves
+    such a send in its own thread, which sleeps while the rank computes (a 4 KiB-1 MiB receive posted 3 ms late
+    arrived a median 2.3-4.0 ms after it was posted while the sender computed, on the development machine), or the
+    sending rank's next call into gloo does (its next post or wait; traced in trials: 0.7 and 1.7 ms). The replay
+    charges min(collective_wake_ms, until the sender's action then running ends)."""
     sends_on_rank: bool = False
     """Whether a send's bytes go out on the sending rank's own time, so that they have arrived (but for the
     latency) when its post returns: gloo over TCP writes them into the socket in the thread that posts the send
@@ -161,13 +168,14 @@ class LinkModel:
             base = {"bandwidth_bytes_per_s": 50e9, "latency_s": 20e-6, "per_action_overhead_ms": 0.05,
                     "optimizer_bytes_per_s": 200e9, "message_overhead_ms": 0.01, "held_activation_ms_per_mib": 0.0,
                     "compute_slowdown": 0.0, "step_overhead_ms": 0.0, "sends_on_rank": False,
+                    "late_receives_wake": False,
                     "tensor_parallel_efficiency": 0.9, "tensor_parallel_overhead_ms": 0.02}
         elif device == "cpu":
             base = {"bandwidth_bytes_per_s": 3e9, "latency_s": CPU_LATENCY_S,
                     "per_action_overhead_ms": CPU_PER_ACTION_OVERHEAD_MS, "optimizer_bytes_per_s": 1e9,
                     "message_overhead_ms": CPU_MESSAGE_OVERHEAD_MS, "held_activation_ms_per_mib": 0.0,
                     "compute_slowdown": CPU_COMPUTE_SLOWDOWN, "step_overhead_ms": CPU_STEP_OVERHEAD_MS,
-                    "sends_on_rank": True,
+                    "sends_on_rank": True, "late_receives_wake": True,
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS}
         else:
@@ -330,8 +338,10 @@ def simulate(
 
     Each rank runs its actions in order. F of stage s, micro-batch i waits for F of s-1 (plus a transfer when s-1
     lives on another rank); B or I of s waits for its own F and for B/I of s+1 (plus a transfer); W waits for its
-    own I. A stage costs the sum of its layers plus link.per_action_overhead_ms per action; with activation
-    checkpointing B and I also pay one forward. `actions` replaces the schedule's own lists (custom schedules).
+    own I. A stage costs the sum of its layers (times 1 + link.compute_slowdown; a split backward's I and W with the
+    layers' split extras) plus link.per_action_overhead_ms per action; with activation checkpointing B and I also
+    pay one forward. Each rank pays link.step_overhead_ms once a step. `actions` replaces the schedule's own lists
+    (custom schedules).
     gpus_per_node: the ranks fill nodes of this many (candidate.rank_order says how); a send between stages on
     different nodes, and the all-reduce of a data-parallel group spread over nodes, use link.across_nodes(). None:
     one node.
@@ -470,7 +480,13 @@ def simulate_costs(
     walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
     if walk is not None:
         gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
-    finish = _replay(plan, dur, xfer, stages, candidate, crossing)
+    late = link.late_receives_wake and link.collective_wake_ms > 0 and not (crossing and any(crossing))
+
+    def replay(graph: ActionGraph, durations: list[float], transfers: list[float]) -> list[float]:
+        done = _replay(graph, durations, transfers, stages, candidate, crossing)
+        return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms) if late else done
+
+    finish = replay(plan, dur, xfer)
 
     pp = candidate.pipeline_degree
     rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
@@ -483,7 +499,7 @@ def simulate_costs(
         c = candidate
         two = compiled_graph(c.schedule, c.pipeline_degree, 2 * c.n_microbatches, c.n_stages)
         two_dur, two_xfer = _durations(two, stages, candidate, link)
-        pipeline_ms = max(_replay(two, two_dur, two_xfer, stages, candidate, crossing)) - pipeline_ms
+        pipeline_ms = max(replay(two, two_dur, two_xfer)) - pipeline_ms
         rank_end = [pipeline_ms] * pp
     busy = sum(dur)
     bubble = 1.0 - busy / (pp * pipeline_ms) if pipeline_ms > 0 else 0.0
@@ -561,6 +577,36 @@ def _durations(
     xfer = [incoming[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
     _add_rank_side_costs(dur, plan, stages, link)
     return dur, xfer
+
+
+def _replay_late_receives(
+    plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float], wake_ms: float
+) -> list[float]:
+    """The replay again, with each receive posted after its send (the receiving rank gets to the action after the
+    sending one ended) delivered when the sending rank's collective thread wakes (wake_ms) or the sending rank next
+    calls into gloo, whichever is first: the end of its action running then, as the first replay placed it, or at
+    once if it was waiting (LinkModel.late_receives_wake)."""
+    n = len(plan.kind)
+    prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
+    starts = [[first[a] - dur[a] for a in ids] for ids in plan.rank_actions]
+    ends = [[first[a] for a in ids] for ids in plan.rank_actions]
+    finish = [0.0] * (n + 1)
+    for a in plan.order:
+        t = finish[prev[a]]
+        d = dep[a]
+        u = finish[d] + xfer[a]
+        if cross[a] and t > finish[d]:
+            sender = rank[d]
+            k = bisect.bisect_right(starts[sender], t) - 1
+            busy_until = ends[sender][k] if k >= 0 and ends[sender][k] > t else t
+            u = t + min(wake_ms, busy_until - t) + xfer[a]
+        if u > t:
+            t = u
+        u = finish[own[a]]
+        if u > t:
+            t = u
+        finish[a] = t + dur[a]
+    return finish
 
 
 def _replay(

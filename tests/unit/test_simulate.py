@@ -132,6 +132,69 @@ def test_message_overhead_is_paid_by_the_sender_and_the_receiver():
     assert alone.step_time_ms == pytest.approx(2 * (1 + 2))
 
 
+def test_compute_slowdown_stretches_compute_and_the_optimizer_and_the_step_overhead_is_paid_once():
+    """What bench/action_trace.py measured inside trials: profiled compute runs slower beside another rank (layers
+    and the optimizer step alike), and each rank pays a fixed cost per step outside its actions."""
+    link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     compute_slowdown=0.5, step_overhead_ms=0.75)
+    prof = profile_of(layer(f=1, b=2, params=1000), optimizer_step_ms=2.0)
+    plain = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1]), link=FREE)
+    slowed = simulate(prof, candidate(Schedule.GPIPE, 1, 2, [1]), link=link)
+    assert plain.step_time_ms == pytest.approx(2 * 3 + 2.0)
+    assert slowed.optimizer_ms == pytest.approx(1.5 * 2.0)
+    assert slowed.step_time_ms == pytest.approx(1.5 * (2 * 3 + 2.0) + 0.75)
+
+
+def test_sends_on_the_sending_rank_cost_it_the_wire_time_and_the_receiver_only_the_latency():
+    """gloo writes a send into the socket in the posting thread: on the CPU stand-in the sender pays bytes /
+    bandwidth, and the receiver has the tensor a latency after the sender's action ends."""
+    wire = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=1e-3, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    on_rank = dataclasses.replace(wire, sends_on_rank=True)
+    prof = profile_of(layer(f=1, b=2, out=4000), layer(f=1, b=2, out=4000))
+    one = candidate(Schedule.GPIPE, 2, 1, [1, 1])
+    # F0 -> F1, B1 -> B0 cross: 4 ms of wire and 1 ms of latency each way, on the path either way
+    assert simulate(prof, one, link=wire).step_time_ms == pytest.approx(6 + 2 * (4 + 1))
+    assert simulate(prof, one, link=on_rank).step_time_ms == pytest.approx(6 + 2 * (4 + 1))
+    # GPipe, 2 micro-batches: rank 0's second F waits for nothing, but its first F's send now takes rank 0's time
+    two = candidate(Schedule.GPIPE, 2, 2, [1, 1])
+    sender = simulate(prof, two, link=on_rank)
+    f = [e for e in sender.timeline if e.rank == 0 and e.kind == "F"]
+    assert [e.end_ms - e.start_ms for e in f] == pytest.approx([1 + 4, 1 + 4])
+    assert [e.end_ms - e.start_ms for e in simulate(prof, two, link=wire).timeline
+            if e.rank == 0 and e.kind == "F"] == pytest.approx([1, 1])
+
+
+def test_split_backward_extras_are_paid_by_i_and_w_but_not_by_a_whole_backward():
+    """torch's split backward walks the graph again (I: for the parameter groups, W: once per group): measured per
+    layer by the profiler, charged to the I and W of a stage that receives, not to a whole backward (B)."""
+    extra = dataclasses.replace(layer(f=1, b=2, w=1), split_input_extra_ms=0.25, split_weight_extra_ms=0.5)
+    prof = profile_of(layer(f=1, b=2, w=1), extra, layer(f=1, b=2, w=1), layer(f=1, b=2, w=1))
+    split = simulate(prof, candidate(Schedule.INTERLEAVED_ZERO_BUBBLE, 2, 2, [1, 1, 1, 1]), link=FREE)
+    durations = {(e.stage, e.kind): e.end_ms - e.start_ms for e in split.timeline}
+    assert durations[(1, "I")] == pytest.approx(2.25) and durations[(1, "W")] == pytest.approx(1.5)
+    assert durations[(2, "I")] == pytest.approx(2.0) and durations[(2, "W")] == pytest.approx(1.0)
+    whole = simulate(prof, candidate(Schedule.GPIPE, 2, 2, [2, 2]), link=FREE)
+    assert {round(e.end_ms - e.start_ms, 6) for e in whole.timeline if e.kind == "B"} == {6.0}
+
+
+def test_a_receive_posted_after_its_send_waits_for_the_sender_s_thread_or_its_next_call():
+    """gloo moves a send whose receive was posted late in the sender's own thread, which sleeps while its rank
+    computes: the receiver gets it collective_wake_ms after posting, or when the sender's running action ends."""
+    link = dataclasses.replace(FREE, collective_wake_ms=0.5, late_receives_wake=True)
+    prof = profile_of(layer(f=1, b=2), layer(f=1, b=2))
+    one_f_one_b = candidate(Schedule.ONE_F_ONE_B, 2, 2, [1, 1])
+    # rank 0: F0 [0,1] F1 [1,2] B0 [4,6] B1; rank 1: F0 [1,2] B0 [2,4], then F1, whose tensor rank 0 sent at 2:
+    # posted late (at 4), while rank 0 runs B0 until 6: it arrives 0.5 later
+    assert simulate(prof, one_f_one_b, link=FREE).step_time_ms == pytest.approx(9.0)
+    late = simulate(prof, one_f_one_b, link=link)
+    f1 = next(e for e in late.timeline if e.rank == 1 and e.kind == "F" and e.microbatch == 1)
+    assert f1.start_ms == pytest.approx(4.5)
+    assert late.step_time_ms == pytest.approx(9.5)
+    # woken sooner by the sender's next call: its running action ends first
+    assert simulate(prof, one_f_one_b, link=dataclasses.replace(link, collective_wake_ms=5.0)).step_time_ms == \
+        pytest.approx(9.0 + 2.0)
+
+
 def test_held_activations_slow_each_backward_by_what_the_rank_holds():
     mib = 2**20
     link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
