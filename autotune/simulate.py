@@ -60,7 +60,9 @@ gloo all-reduce alone takes 0.67 ms (bench/results/tp_block.md): (16.3 - 2.0 / 2
 #   module time beyond the profile  = 0.089 ms per action + 0.116 x the profile's compute
 #   the rank's time outside actions = 0.80 ms per step + 0.049 ms per action (schedule, loss, zero_grad), plus
 #                                     0.024 ms per action inside torch's stage code, around the module
-# medians: posting a send or receive 0.098 ms; a message waited for arrived 0.020 ms after its post.
+# medians: posting a send or receive 0.098 ms; a message waited for arrived 0.020 ms after its post. The run
+# committed in bench/results (profiles with the split-backward extras, which take part of the per-action term):
+#   0.044 ms per action + 0.138 x the profile's compute; 0.85 ms per step + 0.044 per action; 0.090; 0.020 ms.
 CPU_LATENCY_S = 20e-6
 """A send's latency on the CPU stand-in: from the sender's post to the end of the receiver's wait (traced median)."""
 CPU_MESSAGE_OVERHEAD_MS = 0.1

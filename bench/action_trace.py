@@ -112,8 +112,10 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
 
     link = LinkModel.for_device("cpu")
     estimate = simulate(profile, candidate, link=link)
+    # the profile's compute alone: no overheads, no slowdown, sends not on the rank
     bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
-                                                     held_activation_ms_per_mib=0.0))
+                                                     held_activation_ms_per_mib=0.0, compute_slowdown=0.0,
+                                                     sends_on_rank=False))
     sim_compute = collections.defaultdict(float)
     for event in bare.timeline:
         sim_compute[event.rank] += event.end_ms - event.start_ms
