@@ -590,6 +590,8 @@ def _replay_late_receives(
     once if it was waiting (LinkModel.late_receives_wake)."""
     n = len(plan.kind)
     prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
+    if not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
+        return first  # no receive posted late: the same replay again
     starts = [[first[a] - dur[a] for a in ids] for ids in plan.rank_actions]
     ends = [[first[a] for a in ids] for ids in plan.rank_actions]
     finish = [0.0] * (n + 1)
