@@ -37,6 +37,7 @@ from autotune.candidate import (
 )
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
+from autotune.link_fit import LinkFit, fitted_predictor, measured_steps
 from autotune.model_file import ModelSpec
 from autotune.placement import RankOrder
 from autotune.plan import PlannedCandidate
@@ -316,6 +317,11 @@ class _Engine:
         self.spec, self.profile, self.space, self.options = spec, profile, space, options
         self.shared, self.study = shared, shared.study
         self.runner, self.reporter, self.predict = runner, reporter, predict
+        self.given = predict
+        """The predictor the search started with; self.predict is it with the compute slowdown fitted to the
+        study's runs (autotune.link_fit)."""
+        self.fit: LinkFit | None = None
+        self._fitted_on: tuple[tuple[str, float], ...] = ()
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
@@ -341,6 +347,27 @@ class _Engine:
         if candidate.key not in self._estimates:
             self._estimates[candidate.key] = self.predict(candidate)
         return self._estimates[candidate.key]
+
+    def refit(self) -> None:
+        """Fit the compute slowdown to what the study has measured so far (autotune.link_fit) and predict with it
+        from now on: pruning and the order of the leaders rest on the predictions, and how much slower the profile's
+        blocks run inside a trial differs from model to model and machine to machine. Says so when it changes."""
+        measured = tuple((c.key, ms) for c, ms in measured_steps(self.records))
+        if measured == self._fitted_on:
+            return
+        self._fitted_on = measured
+        predict, fit = fitted_predictor(self.given, self.records)
+        if fit is None:
+            return
+        before = self.fit.compute_slowdown if self.fit else self.given.link.compute_slowdown
+        if fit.compute_slowdown != before:
+            self.predict = predict
+            self._estimates.clear()
+            self.reporter.phase(
+                f"predictions fitted to {fit.trials} measured candidates: compute x{1 + fit.compute_slowdown:.2f} "
+                f"the profile's (was x{1 + fit.given_slowdown:.2f}; mean step-time error {fit.error_before:.0%} -> "
+                f"{fit.error_after:.0%})")
+        self.fit = fit
 
     def best_record(self) -> TrialRecord | None:
         ok = [r for r in self.records if r.outcome == "ok" and r.throughput_samples_per_s]
@@ -400,6 +427,7 @@ class _Engine:
         max_idle = max(self.options.n_trials, MIN_IDLE_ASKS)
         patience = max(5, self.options.n_trials // 2)
         self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
+        self.refit()  # a resumed or joined study has runs already
         while self._budget_left() > reserve:
             if deadline is not None and time.time() >= deadline:
                 self.reporter.phase("search timeout reached: no new trials")
@@ -497,7 +525,10 @@ class _Engine:
         if measurement.error and measurement.error.rank is not None:
             node = "" if measurement.error.node is None else f"node {measurement.error.node} "
             reason = f"{node}rank {measurement.error.rank}: {reason}"
-        return self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
+        record = self._tell(trial, measurement.status, reason, measurement=measurement, phase=phase)
+        if measurement.status == "ok":
+            self.refit()
+        return record
 
     def _tell(
         self,
@@ -623,7 +654,8 @@ def load_search(
         if len(leaders_of(side_by_side)) >= 2:
             summary, chosen_by = summarize(records, side_by_side), by
     best = summary.best
-    estimate = Predictor.of_setup(profile, setup)(best.candidate) if best else None
+    predict, _ = fitted_predictor(Predictor.of_setup(profile, setup), records)
+    estimate = predict(best.candidate) if best else None
     result = SearchResult.of(
         summary,
         study_name=study_name,

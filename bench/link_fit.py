@@ -1,15 +1,16 @@
-"""Would fitting the link's rank-side costs to a study's first runs predict the rest better? (Issue 24: "let the
-search learn" the constants the simulator cannot know in advance.) One factor on LinkModel's per_action_overhead_ms,
-message_overhead_ms and collective_wake_ms, chosen on a grid so that the predictions of k measured configurations come
-closest to their measured step times (mean relative error), is tried on a calibration run's measurements
-(bench/calibrate.py keeps each model's profile and every measured configuration): for k of them drawn at random, fit
-on the k, compare the predictions of the others with the default link and with the fitted one (mean relative error,
-Spearman), over --draws draws.
+"""Does fitting the simulator to a study's first runs predict the rest better? (Issue 24: "let the search learn" the
+constants the simulator cannot know in advance.) --fit compute (the default) is the search's own fit
+(autotune.link_fit): LinkModel.compute_slowdown chosen on a grid so that the predictions of k measured configurations
+come closest to their measured step times (mean relative error). --fit overheads is the earlier experiment: one factor
+on per_action_overhead_ms, message_overhead_ms and collective_wake_ms. Either is tried on a calibration run's
+measurements (bench/calibrate.py keeps each model's profile and every measured configuration): for k of them drawn at
+random, fit on the k, compare the predictions of the others with the default link and with the fitted one (mean
+relative error, Spearman), over --draws draws.
 
     python bench/link_fit.py --calibration bench/results/calibration.json bench/results/calibration_models.json
+    python bench/link_fit.py --fit overheads --name link_fit_overheads --calibration ...
 
-Nothing is measured here: it re-predicts the calibration's measurements, so it takes seconds. The search does not fit
-(bench/results/link_fit.md says why: over six models the held-out error did not improve).
+Nothing is measured here: it re-predicts the calibration's measurements, so it takes a minute or two.
 """
 
 from __future__ import annotations
@@ -35,33 +36,33 @@ from autotune.candidate import Candidate  # noqa: E402
 from autotune.costs import Profile  # noqa: E402
 from autotune.simulate import LinkModel, Predictor  # noqa: E402
 
-MIN_TRIALS = 5
-"""Distinct measured candidates before a fit is tried: fewer pin nothing down."""
-MAX_SCALE = 4.0
-COARSE = tuple(i / 4 for i in range(int(MAX_SCALE * 4) + 1))
-"""Factors tried first (0 to MAX_SCALE by 0.25); the best is refined by 0.05 around it."""
-MIN_GAIN = 0.02
-"""A fit is kept only if it lowers the mean relative error by at least this much (absolute): else 1.0 stays."""
+from autotune.link_fit import fit_link  # noqa: E402
+
+OVERHEAD_SCALES = tuple(i / 4 for i in range(17))
+"""--fit overheads: the factors tried on the per-action, per-message and wake costs (0 to 4 by 0.25), refined by 0.05."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class LinkFit:
-    """The factor on the link's rank-side costs that fits a study's measurements, and what it did to the error."""
+@dataclass(frozen=True)
+class CachedPredictor(Predictor):
+    """A Predictor that remembers every (link, candidate) it simulated: the draws fit the same candidates over and
+    over, and dataclasses.replace (how a fit swaps the link) keeps the class. One model at a time: _CACHE is
+    cleared before the next (candidate keys repeat across models)."""
 
-    scale: float
-    """The factor on per_action_overhead_ms, message_overhead_ms and collective_wake_ms (1.0: as given)."""
-    trials: int
-    """Distinct candidates measured ok that it was fitted to."""
-    error_before: float
-    """Mean |predicted - measured| / measured over them with the link as given."""
-    error_after: float
-    """The same with the fitted link."""
-    link: LinkModel
-    """The fitted link."""
+    def __call__(self, candidate: Candidate, *, with_timeline: bool = False) -> Any:
+        key = (self.link, candidate.key, with_timeline)
+        if key not in _CACHE:
+            _CACHE[key] = super().__call__(candidate, with_timeline=with_timeline)
+        return _CACHE[key]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "trials": self.trials, "error_before": self.error_before,
-                "error_after": self.error_after}
+
+_CACHE: dict[tuple, Any] = {}
+
+
+@dataclass(frozen=True)
+class Fit:
+    value: float
+    """--fit compute: the compute slowdown; overheads: the factor on the rank-side costs."""
+    predict: Predictor
 
 
 def scaled(link: LinkModel, scale: float) -> LinkModel:
@@ -71,28 +72,27 @@ def scaled(link: LinkModel, scale: float) -> LinkModel:
                    collective_wake_ms=link.collective_wake_ms * scale)
 
 
-def fit_link(predict: Predictor, measured: Sequence[tuple[Candidate, float]]) -> LinkFit | None:
-    """The fit of predict's link to measured (candidate, measured step ms) pairs, one per candidate; None with fewer
-    than MIN_TRIALS of them. A factor that does not lower the error by MIN_GAIN is not kept (scale 1.0)."""
-    pairs = [(c, ms) for c, ms in measured if ms > 0]
-    if len(pairs) < MIN_TRIALS:
-        return None
-    errors: dict[float, float] = {}
-
+def fit_overheads(predict: Predictor, pairs: Sequence[tuple[Candidate, float]]) -> Fit:
+    """The experiment of an earlier stop (commit 38858e2, taken out in 581aa78): one factor on the link's rank-side
+    costs, kept where it lowers the mean relative error by 2 points."""
     def error(scale: float) -> float:
-        if scale not in errors:
-            fitted = replace(predict, link=scaled(predict.link, scale))
-            errors[scale] = sum(abs(fitted(c).step_time_ms - ms) / ms for c, ms in pairs) / len(pairs)
-        return errors[scale]
+        fitted = replace(predict, link=scaled(predict.link, scale))
+        return statistics.fmean(abs(fitted(c).step_time_ms - ms) / ms for c, ms in pairs)
 
-    best = min(COARSE, key=lambda s: (error(s), abs(s - 1.0)))
-    fine = [round(best + k * 0.05, 2) for k in range(-4, 5) if 0.0 <= best + k * 0.05 <= MAX_SCALE]
+    best = min(OVERHEAD_SCALES, key=lambda s: (error(s), abs(s - 1.0)))
+    fine = [round(best + k * 0.05, 2) for k in range(-4, 5) if 0.0 <= best + k * 0.05 <= 4.0]
     best = min(fine, key=lambda s: (error(s), abs(s - 1.0)))
-    before = error(1.0)
-    if before - error(best) < MIN_GAIN:
+    if error(1.0) - error(best) < 0.02:
         best = 1.0
-    return LinkFit(scale=best, trials=len(pairs), error_before=before, error_after=error(best),
-                   link=scaled(predict.link, best))
+    return Fit(best, replace(predict, link=scaled(predict.link, best)))
+
+
+def fit(kind: str, predict: Predictor, pairs: Sequence[tuple[Candidate, float]]) -> Fit:
+    if kind == "overheads":
+        return fit_overheads(predict, pairs)
+    found = fit_link(predict, pairs)  # the search's own fit (autotune.link_fit)
+    assert found is not None, "fewer pairs than autotune.link_fit.MIN_TRIALS"
+    return Fit(found.compute_slowdown, replace(predict, link=found.link))
 
 
 def mean_error(predict: Predictor, rows: list[tuple[Candidate, float]]) -> float:
@@ -115,9 +115,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, nargs="+",
                         default=[ROOT / "bench" / "results" / "calibration.json"])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[MIN_TRIALS, 8, 12])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5, 8, 12])
+    parser.add_argument("--fit", choices=["compute", "overheads"], default="compute",
+                        help="compute: the search's fit of the compute slowdown (autotune.link_fit); overheads: one "
+                             "factor on the per-action, per-message and wake costs (the earlier experiment)")
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--name", default="link_fit", help="results file name under bench/results")
     args = parser.parse_args()
 
     rows_out, data = [], []
@@ -126,10 +130,12 @@ def main() -> None:
         if not result.get("profile"):
             sys.exit(f"{path}: {result['recipe']} has no profile; rerun bench/calibrate.py")
         profile = Profile.from_dict(result["profile"])
-        given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+        _CACHE.clear()
+        given = CachedPredictor(profile=profile, link=LinkModel.for_device("cpu"))
         rows = [(Candidate.from_dict(r["candidate_dict"]), r["measured_ms"]) for r in result["rows"]
                 if r.get("measured_ms")]
-        hindsight = fit_link(given, rows)
+        hindsight = fit(args.fit, given, rows)
+        measured_all = [ms for _, ms in rows]
         rng = random.Random(0)
         for k in args.sizes:
             draws = []
@@ -137,31 +143,38 @@ def main() -> None:
                 picked = rng.sample(range(len(rows)), k)
                 train = [rows[i] for i in picked]
                 test = [rows[i] for i in range(len(rows)) if i not in picked]
-                fit = fit_link(given, train)
-                fitted = Predictor(profile=profile, link=fit.link) if fit else given
+                found = fit(args.fit, given, train)
+                fitted = found.predict
                 measured = [ms for _, ms in test]
-                draws.append({"scale": fit.scale if fit else 1.0,
+                draws.append({"value": found.value,
                               "error_given": mean_error(given, test), "error_fitted": mean_error(fitted, test),
                               "rho_given": spearman(measured, [given(c).step_time_ms for c, _ in test]),
                               "rho_fitted": spearman(measured, [fitted(c).step_time_ms for c, _ in test])})
             mean = {key: statistics.fmean(d[key] for d in draws) for key in draws[0]}
-            scales = sorted(d["scale"] for d in draws)
+            values = sorted(d["value"] for d in draws)
             rows_out.append([result["recipe"], len(rows), k, f"{mean['error_given']:.1%}",
                              f"{mean['error_fitted']:.1%}", f"{mean['rho_given']:.3f}", f"{mean['rho_fitted']:.3f}",
-                             f"{scales[0]:g} / {statistics.median(scales):g} / {scales[-1]:g}",
-                             f"x{hindsight.scale:g}: {hindsight.error_before:.1%} -> {hindsight.error_after:.1%}"])
-            data.append({"recipe": result["recipe"], "k": k, "draws": draws})
+                             f"{values[0]:g} / {statistics.median(values):g} / {values[-1]:g}",
+                             f"{hindsight.value:g}: {mean_error(given, rows):.1%} -> "
+                             f"{mean_error(hindsight.predict, rows):.1%}",
+                             f"{spearman(measured_all, [given(c).step_time_ms for c, _ in rows]):.3f} -> "
+                             f"{spearman(measured_all, [hindsight.predict(c).step_time_ms for c, _ in rows]):.3f}"])
+            data.append({"recipe": result["recipe"], "fit": args.fit, "k": k, "draws": draws})
+    what = "compute slowdown" if args.fit == "compute" else "factor on the rank-side costs"
     header = ["recipe", "configs", "fitted on", "held-out error, default link", "fitted link", "Spearman, default",
-              "fitted", "factor min / median / max", "fitted on all (hindsight)"]
+              "fitted", f"{what} min / median / max", "fitted on all (hindsight): value, error",
+              "Spearman on all, default -> fitted"]
     table = _results.markdown_table(header, rows_out)
     if args.no_write:
         print(table)
         return
     notes = ("From " + "; ".join(f"{p.name} ({saved.get('date', '?')}, `{saved.get('command', '?')}`)"
                                  for p, saved in sources) + f". Each row: {args.draws} random draws of k "
-             "measured configurations, the factor fitted on them (kept only if it lowers their error by MIN_GAIN), the "
-             "others predicted with and without it; means over the draws.")
-    _results.write("link_fit", title="The link's rank-side costs fitted to a study's first runs",
+             f"measured configurations, the {what} fitted on them (kept only if it lowers their error by 2 points), "
+             "the others predicted with and without it; means over the draws.")
+    title = ("The compute slowdown fitted to a study's first runs" if args.fit == "compute"
+             else "The link's rank-side costs fitted to a study's first runs")
+    _results.write(args.name, title=title,
                    device="cpu", tables={"held-out predictions": table}, data={"rows": data}, notes=notes)
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from autotune.candidate import Candidate, Measurement, TrialError
 from autotune.costs import LayerCost, Profile
-from autotune.simulate import simulate
+from autotune.simulate import LinkModel, simulate
 
 COSTS = [1.0, 6.0, 6.0, 1.0, 1.0, 0.5, 0.5, 0.5]
 """Per-layer forward (= input-grad = weight-grad) ms of the synthetic 8-layer model: two heavy layers."""
@@ -26,7 +26,7 @@ class SimulatedRunner:
 
     limit: a run whose peak passes it is oom (as the CPU tracker and the CUDA allocator fail such a rank);
     fail(candidate) -> "oom" | "error" | "timeout" | None injects failures; interrupt_after=k raises
-    KeyboardInterrupt on launch k + 1 (Ctrl-C during a trial)."""
+    KeyboardInterrupt on launch k + 1 (Ctrl-C during a trial); link: the machine's link (default: the device's)."""
 
     def __init__(
         self,
@@ -35,8 +35,10 @@ class SimulatedRunner:
         limit: int | None = None,
         fail: Callable[[Candidate], str | None] = lambda c: None,
         interrupt_after: int | None = None,
+        link: LinkModel | None = None,
     ) -> None:
         self.profile = profile or synthetic_profile()
+        self.link = link
         self.limit, self.fail, self.interrupt_after = limit, fail, interrupt_after
         self.calls: list[Candidate] = []
 
@@ -48,7 +50,7 @@ class SimulatedRunner:
         if kind:
             return Measurement(candidate=candidate, status=kind,
                                error=TrialError(rank=1, kind=kind, message=f"injected {kind}"))
-        estimate = simulate(self.profile, candidate, with_timeline=False)
+        estimate = simulate(self.profile, candidate, with_timeline=False, link=self.link)
         peaks = tuple(estimate.peak_memory_bytes) * candidate.data_parallel_degree
         if self.limit is not None and max(peaks) > self.limit:
             return Measurement(candidate=candidate, status="oom", error=TrialError(

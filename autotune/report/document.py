@@ -9,6 +9,7 @@ from typing import Literal
 
 import autotune
 from autotune.candidate import Measurement
+from autotune.link_fit import LinkFit
 from autotune.records import TrialRecord
 from autotune.report.facts import ReportFacts
 from autotune.report.figures import FigureImage, is_repeat
@@ -344,6 +345,7 @@ def _trials(facts: ReportFacts) -> list[Block]:
         + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
+        + _fitted(facts.link_fit)
     )
     header: tuple[str, ...] = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory",
                                "predicted samples/s", "reason")
@@ -351,6 +353,20 @@ def _trials(facts: ReportFacts) -> list[Block]:
     if result.workers:  # which search ran each trial
         header, align = (*header[:2], "worker", *header[2:]), (*align[:2], "left", *align[2:])
     return [Paragraph(intro), Table(header, tuple(tuple(row) for row in rows), align, tuple(highlight))]
+
+
+def _fitted(fit: LinkFit | None) -> str:
+    """What fitting the simulator's compute slowdown to the runs did to the predictions (autotune.link_fit)."""
+    if fit is None:
+        return ""
+    if not fit.moved:
+        return (f" Fitted to the {fit.trials} fastest measured configurations, the simulator's compute stayed as it "
+                f"was ({1 + fit.given_slowdown:.2f} x the profile's; mean step-time error of their predictions "
+                f"{fit.error_before:.0%}).")
+    return (f" The search fitted the simulator's compute to the {fit.trials} fastest measured configurations: "
+            f"{1 + fit.compute_slowdown:.2f} x the profile's, for {1 + fit.given_slowdown:.2f}; the mean error of "
+            f"their predicted step times moved from {fit.error_before:.0%} to {fit.error_after:.0%}, and the trials "
+            f"asked after the fit, like this report's predictions, use it.")
 
 
 def _trial_row(r: TrialRecord) -> tuple[str, ...]:

@@ -1,0 +1,124 @@
+"""The simulator's compute slowdown fitted to a study's own runs (autotune.link_fit), and the search and the report
+predicting with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.candidate import Candidate
+from dataclasses import replace
+
+from autotune.link_fit import MIN_TRIALS, fit_link, fitted_predictor, measured_steps
+from autotune.model_file import load_model_file
+from autotune.plan import plan
+from autotune.records import TrialRecord
+from autotune.schedules import Schedule
+from autotune.search import SearchOptions, load_search, run_search
+from autotune.simulate import LinkModel, Predictor, simulate
+from tests.conftest import RECIPES
+from tests.fakes import SimulatedRunner, synthetic_profile
+
+
+def candidates(n: int) -> list[Candidate]:
+    profile = synthetic_profile()
+    return [p.candidate for p in plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None)[:n]]
+
+
+def machine_link(slowdown: float = 0.45) -> LinkModel:
+    """The cpu link of a machine whose trials run the profile's blocks slower than the defaults assume."""
+    return replace(LinkModel.for_device("cpu"), compute_slowdown=slowdown)
+
+
+def test_the_fit_finds_the_slowdown_the_machine_pays():
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    measured = [(c, simulate(profile, c, link=machine_link()).step_time_ms) for c in candidates(6)]
+    fit = fit_link(given, measured)
+    assert fit is not None and fit.trials == 6 and fit.moved
+    assert fit.compute_slowdown == pytest.approx(0.45)
+    assert fit.given_slowdown == given.link.compute_slowdown
+    assert fit.error_before > 0.02 and fit.error_after == pytest.approx(0.0, abs=1e-9)
+    assert fit.link == machine_link()  # the wire and the per-action and per-message costs are left alone
+    assert fit.to_dict()["compute_slowdown"] == fit.compute_slowdown
+
+
+def test_a_faster_machine_fits_below_the_profile():
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    measured = [(c, simulate(profile, c, link=machine_link(-0.2)).step_time_ms) for c in candidates(6)]
+    fit = fit_link(given, measured)
+    assert fit is not None and fit.compute_slowdown == pytest.approx(-0.2)
+
+
+def test_no_fit_on_too_few_runs_and_no_change_without_a_gain():
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    exact = [(c, given(c).step_time_ms) for c in candidates(MIN_TRIALS)]
+    assert fit_link(given, exact[:MIN_TRIALS - 1]) is None
+    fit = fit_link(given, exact)
+    assert fit is not None and not fit.moved and fit.error_after == pytest.approx(0.0)
+    assert fitted_predictor(given, []) == (given, None)
+
+
+def test_measured_steps_are_the_launched_ok_runs_median_per_candidate():
+    a, b, c = candidates(3)
+
+    def record(n, candidate, ms, outcome="ok", launched=True):
+        return TrialRecord(number=n, candidate=candidate, outcome=outcome, reason="", step_time_ms=ms,
+                           launched=launched)
+
+    records = [record(0, a, 10.0), record(1, a, 30.0), record(2, a, 12.0), record(3, b, 5.0),
+               record(4, c, 1.0, outcome="pruned", launched=False), record(5, c, None, outcome="oom")]
+    assert measured_steps(records) == [(b, 5.0), (a, 12.0)]
+
+
+class Phases:
+    def __init__(self):
+        self.lines = []
+
+    def phase(self, text):
+        self.lines.append(text)
+
+    def trial(self, record, best, launched, budget):
+        pass
+
+
+def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
+    profile = synthetic_profile()
+    machine = machine_link()
+    runner = SimulatedRunner(link=machine)
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1)
+    phases = Phases()
+    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
+                        memory_limit_bytes=None), options, study_name="s",
+                        storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner, reporter=phases)
+    fitted = [line for line in phases.lines if line.startswith("predictions fitted")]
+    assert fitted and "compute x1.45 the profile's (was x1.12" in fitted[-1], phases.lines
+    # what the search asked after the fit was predicted with the machine's costs, as was its chosen candidate
+    last = [r for r in result.records if r.predicted_throughput_samples_per_s][-1]
+    assert last.predicted_throughput_samples_per_s == pytest.approx(
+        simulate(profile, last.candidate, link=machine).throughput_samples_per_s)
+    assert result.best_estimate.step_time_ms == pytest.approx(
+        simulate(profile, result.best.candidate, link=machine).step_time_ms)
+    assert Schedule(result.best.candidate.schedule)
+    # the stored study predicts the same: its runs give the same fit
+    stored, _ = load_search(f"sqlite:///{tmp_path / 's.db'}", "s")
+    assert stored.best_estimate.step_time_ms == pytest.approx(result.best_estimate.step_time_ms)
+
+
+def test_the_report_says_how_far_the_fit_moved_the_predictions(tmp_path):
+    from autotune.report.document import Paragraph, build_document
+    from autotune.report.facts import gather_facts
+
+    profile = synthetic_profile()
+    machine = machine_link()
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=8, seed=1)
+    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
+                        memory_limit_bytes=None), options, study_name="s",
+                        storage=f"sqlite:///{tmp_path / 's.db'}", runner=SimulatedRunner(link=machine))
+    facts = gather_facts(result, profile=profile, memory_limit_bytes=None)
+    assert facts.link_fit is not None and facts.link_fit.compute_slowdown == pytest.approx(0.45)
+    assert facts.estimate.step_time_ms == pytest.approx(simulate(profile, result.best.candidate,
+                                                                 link=machine).step_time_ms)
+    text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
+    assert "fitted the simulator's compute to the" in text and "1.45 x the profile's, for 1.12" in text
