@@ -30,7 +30,9 @@ from autotune.candidate import Candidate, Measurement, uniform_split  # noqa: E4
 from autotune.errors import InvalidCandidateError  # noqa: E402
 from autotune.model_file import check_model, load_model_file  # noqa: E402
 from autotune.schedules import SYNCHRONOUS_SCHEDULES, default_stages_per_rank  # noqa: E402
+from autotune.link_fit import fit_link, measured_steps  # noqa: E402
 from autotune.search import rule_of_thumb  # noqa: E402
+from autotune.simulate import LinkModel, Predictor  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402
 from autotune.tune import TuneRequest, tune  # noqa: E402
 
@@ -39,6 +41,13 @@ def splits(n_layers: int, n_stages: int):
     for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
         bounds = (0, *cuts, n_layers)
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def fit_text(fit: dict | None) -> str:
+    if fit is None:
+        return "not fitted (under 5 measured)"
+    return (f"x{1 + fit['compute_slowdown']:.2f} (x{1 + fit['given_slowdown']:.2f} given; "
+            f"{fit['error_before']:.0%} -> {fit['error_after']:.0%}, {fit['trials']} runs)")
 
 
 def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
@@ -126,8 +135,12 @@ def main() -> None:
         )
         result = outcome.result
         assert result.best is not None
+        # the compute slowdown the search ended with (autotune.link_fit, refitted after every run)
+        fit = fit_link(Predictor(profile=outcome.profile, link=LinkModel.for_device(args.device)),
+                       measured_steps(result.records))
         searches.append({"seed": seed, "wall": time.time() - started, "tuned": result.best.candidate,
-                         "launched": result.launched, "records": len(result.records), "profile": outcome.profile})
+                         "launched": result.launched, "records": len(result.records), "profile": outcome.profile,
+                         "fit": fit.to_dict() if fit else None})
 
     # 1. the exhaustive grid
     candidates = grid(spec.n_layers, args.gpus, args.batch_size)
@@ -196,7 +209,7 @@ def main() -> None:
     ]
     per_search = [
         [s["seed"], s["tuned"].key, s["quality"], s["cost"], s["gain"], s["balance_gain"], s["rank_in_grid"],
-         s["launched"], s["records"], s["wall"]]
+         s["launched"], s["records"], s["wall"], fit_text(s["fit"])]
         for s in searches
     ]
     contenders_rows = [
@@ -212,7 +225,8 @@ def main() -> None:
             "summary": _results.markdown_table(["measure", "value", "target", "status"], summary),
             "each search": _results.markdown_table(
                 ["seed", "choice", "quality", "cost", "gain", "split gain", "rank in grid's single runs",
-                 "launched", "records (incl. pruned)", "wall s (incl. profile, plan)"],
+                 "launched", "records (incl. pruned)", "wall s (incl. profile, plan)",
+                 "compute fitted at the end (mean error of its runs' predictions)"],
                 per_search,
             ),
             f"side by side ({args.rounds} rounds, medians)": _results.markdown_table(
