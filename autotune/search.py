@@ -295,6 +295,9 @@ def open_search_storage(url: str, options: SearchOptions) -> StudyStorage:
     return open_storage(url, heartbeat_interval_s=options.heartbeat_interval_s, grace_period_s=options.grace_period_s)
 
 
+ANNOUNCE_STEP = 0.05
+"""A fitted compute slowdown this far from the last one announced gets a progress line."""
+
 MIN_IDLE_ASKS = 10
 """Asks that run nothing a search allows itself before it stops exploring, whatever its budget (a 3-trial search
 stopped after 3 pruned asks, leaving its budget to re-runs)."""
@@ -322,6 +325,8 @@ class _Engine:
         study's runs (autotune.link_fit)."""
         self.fit: LinkFit | None = None
         self._fitted_on: tuple[tuple[str, float], ...] = ()
+        self._announced = predict.link.compute_slowdown
+        """The slowdown the last progress line gave (a re-run moves the fit by a point or two: not worth a line)."""
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
@@ -363,10 +368,15 @@ class _Engine:
         if fit.compute_slowdown != before:
             self.predict = predict
             self._estimates.clear()
+        if abs(fit.compute_slowdown - self._announced) >= ANNOUNCE_STEP or (
+                fit.moved != (self._announced != self.given.link.compute_slowdown)):
+            self._announced = fit.compute_slowdown
             self.reporter.phase(
                 f"predictions fitted to {fit.trials} measured candidates: compute x{1 + fit.compute_slowdown:.2f} "
                 f"the profile's (was x{1 + fit.given_slowdown:.2f}; mean step-time error {fit.error_before:.0%} -> "
-                f"{fit.error_after:.0%})")
+                f"{fit.error_after:.0%})" if fit.moved else
+                f"predictions with {fit.trials} measured candidates: compute back to x{1 + fit.given_slowdown:.2f} "
+                f"the profile's (no other slowdown lowers their mean error of {fit.error_before:.0%} by 2 points)")
         self.fit = fit
 
     def best_record(self) -> TrialRecord | None:

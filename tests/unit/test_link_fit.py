@@ -93,7 +93,7 @@ def test_the_search_predicts_with_the_costs_its_runs_show(tmp_path):
                         memory_limit_bytes=None), options, study_name="s",
                         storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner, reporter=phases)
     fitted = [line for line in phases.lines if line.startswith("predictions fitted")]
-    assert fitted and "compute x1.45 the profile's (was x1.12" in fitted[-1], phases.lines
+    assert len(fitted) == 1 and "compute x1.45 the profile's (was x1.12" in fitted[0], phases.lines  # said once
     # what the search asked after the fit was predicted with the machine's costs, as was its chosen candidate
     last = [r for r in result.records if r.predicted_throughput_samples_per_s][-1]
     assert last.predicted_throughput_samples_per_s == pytest.approx(
