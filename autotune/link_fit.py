@@ -107,11 +107,14 @@ def fit_link(predict: Predictor, measured: Sequence[tuple[Candidate, float]]) ->
                    error_after=error(best), link=replace(predict.link, compute_slowdown=best))
 
 
+def with_fit(predict: Predictor, fit: LinkFit | None) -> Predictor:
+    """predict with the fitted link (itself without a fit, or where the fit kept the link's own slowdown)."""
+    return replace(predict, link=fit.link) if fit is not None and fit.moved else predict
+
+
 def fitted_predictor(predict: Predictor, records: Iterable[TrialRecord]) -> tuple[Predictor, LinkFit | None]:
     """predict with its compute slowdown fitted to the records' runs (itself where they are too few, or no slowdown
-    gains), and the fit. What the search predicts with once it has runs, and what load_search and the report rebuild
-    from a stored study: one function, so the config's predicted block and the report agree."""
+    gains), and the fit: what load_search rebuilds from a stored study, as the search fitted it (the result carries
+    the fit to the report), so the config's predicted block and the report agree."""
     fit = fit_link(predict, measured_steps(records))
-    if fit is None or not fit.moved:
-        return predict, fit
-    return replace(predict, link=fit.link), fit
+    return with_fit(predict, fit), fit

@@ -13,12 +13,15 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.candidate import Candidate, Measurement
 from autotune.errors import InfeasibleError
 from autotune.simulate import Estimate
 from autotune.units import format_bytes
+
+if TYPE_CHECKING:
+    from autotune.link_fit import LinkFit
 
 Outcome = Literal["ok", "oom", "error", "timeout", "pruned", "duplicate", "interrupted"]
 TrialState = Literal["running", "complete", "pruned", "fail"]
@@ -133,6 +136,9 @@ class SearchResult:
     chosen_by: str | None = None
     """The worker whose side-by-side re-runs of the leaders chose `best`; None: the median over every run of the
     study (every worker's together when several launched runs)."""
+    link_fit: LinkFit | None = None
+    """The compute slowdown fitted to the study's runs (autotune.link_fit), as the search predicted with it at the
+    end; None before five candidates ran."""
 
     @property
     def feasible(self) -> int:
@@ -153,6 +159,7 @@ class SearchResult:
         setup: Mapping[str, Any] | None = None,
         workers: Sequence[WorkerRuns] = (),
         chosen_by: str | None = None,
+        link_fit: LinkFit | None = None,
     ) -> SearchResult:
         """The result with what summarize found."""
         return cls(
@@ -171,6 +178,7 @@ class SearchResult:
             setup=dict(setup or {}),
             workers=tuple(workers),
             chosen_by=chosen_by,
+            link_fit=link_fit,
         )
 
 

@@ -37,7 +37,7 @@ from autotune.candidate import (
 )
 from autotune.costs import Profile
 from autotune.errors import ClusterError, InvalidCandidateError, UsageError
-from autotune.link_fit import LinkFit, fitted_predictor, measured_steps
+from autotune.link_fit import LinkFit, fit_link, fitted_predictor, measured_steps, with_fit
 from autotune.model_file import ModelSpec
 from autotune.placement import RankOrder
 from autotune.plan import PlannedCandidate
@@ -264,6 +264,7 @@ def run_search(
         setup=setup,
         workers=shared.workers(),
         chosen_by=chosen_by,
+        link_fit=engine.fit,
     )
 
 
@@ -324,7 +325,8 @@ class _Engine:
         """The predictor the search started with; self.predict is it with the compute slowdown fitted to the
         study's runs (autotune.link_fit)."""
         self.fit: LinkFit | None = None
-        self._fitted_on: tuple[tuple[str, float], ...] = ()
+        self._fitted_on: list[tuple[Candidate, float]] = []
+        """The measured steps the last fit was made on (the fit is redone only when they change)."""
         self._announced = predict.link.compute_slowdown
         """The slowdown the last progress line gave (a re-run moves the fit by a point or two: not worth a line)."""
         self._estimates: dict[str, Estimate] = {}
@@ -357,15 +359,15 @@ class _Engine:
         """Fit the compute slowdown to what the study has measured so far (autotune.link_fit) and predict with it
         from now on: pruning and the order of the leaders rest on the predictions, and how much slower the profile's
         blocks run inside a trial differs from model to model and machine to machine. Says so when it changes."""
-        measured = tuple((c.key, ms) for c, ms in measured_steps(self.records))
-        if measured == self._fitted_on:
+        steps = measured_steps(self.records)
+        if steps == self._fitted_on:
             return
-        self._fitted_on = measured
-        predict, fit = fitted_predictor(self.given, self.records)
+        self._fitted_on = steps
+        fit = fit_link(self.given, steps)
         if fit is None:
             return
-        before = self.fit.compute_slowdown if self.fit else self.given.link.compute_slowdown
-        if fit.compute_slowdown != before:
+        predict = with_fit(self.given, fit)
+        if predict.link != self.predict.link:
             self.predict = predict
             self._estimates.clear()
         if abs(fit.compute_slowdown - self._announced) >= ANNOUNCE_STEP or (
@@ -684,7 +686,7 @@ def load_search(
         if len(leaders_of(side_by_side)) >= 2:
             summary, chosen_by = summarize(records, side_by_side), by
     best = summary.best
-    predict, _ = fitted_predictor(Predictor.of_setup(profile, setup), records)
+    predict, fit = fitted_predictor(Predictor.of_setup(profile, setup), records)
     estimate = predict(best.candidate) if best else None
     result = SearchResult.of(
         summary,
@@ -698,5 +700,6 @@ def load_search(
         setup=setup,
         workers=workers,
         chosen_by=chosen_by,
+        link_fit=fit,
     )
     return result, profile

@@ -9,7 +9,7 @@ from typing import Any
 
 from autotune.candidate import Candidate, Measurement
 from autotune.costs import Profile
-from autotune.link_fit import LinkFit, fitted_predictor
+from autotune.link_fit import LinkFit, with_fit
 from autotune.records import SearchResult
 from autotune.report.measures import (
     Curve,
@@ -88,7 +88,7 @@ class ReportFacts:
     """A multi-node search: its probed link beside the device default, and its predictions against its runs over
     nodes (measures.node_link); None on one node or without a probe."""
     link_fit: LinkFit | None = None
-    """The compute slowdown the study's runs support (autotune.link_fit, as the search fitted it, and what the
+    """The compute slowdown the study's runs support (SearchResult.link_fit: as the search fitted it, and what the
     report's predictions use); None before enough candidates ran."""
 
 
@@ -118,7 +118,7 @@ def gather_facts(
     device = str(setup.get("device") or profile.device)
     limit = memory_limit_bytes if memory_limit_bytes is not None else _int_or_none(setup.get("memory_limit_bytes"))
 
-    predict, fit = fitted_predictor(Predictor.of_setup(profile, setup, memory_limit_bytes=limit), result.records)
+    predict = with_fit(Predictor.of_setup(profile, setup, memory_limit_bytes=limit), result.link_fit)
     estimate = predict(chosen.candidate, with_timeline=True) if chosen else None
     default_estimate = predict(result.default) if result.default else None
     gain = compare_with_default(result, chosen, estimate, default_estimate)
@@ -171,7 +171,7 @@ def gather_facts(
         parallelisms=parallelism_comparison(result),
         loss_curves=losses,
         node_link=node_link(result, predict, device),
-        link_fit=fit,
+        link_fit=result.link_fit,
     )
 
 
