@@ -648,27 +648,76 @@ def _replay(
         # its send still took the full wire time). So their wire time (bytes / bandwidth) is not hidden behind the
         # receiver's previous action. Torch's runtime (the other schedules) posts receives ahead of time.
         #
+        # One way between two ranks the tensors go one at a time, in the order they became ready to move (the send
+        # posted and its receive too), not in the order the receiver needs them, and a receive's readiness waits
+        # behind the tensor on the wire the other way when it is posted. VHalf m4 at 20 Mbit/s (traced,
+        # bench/internode.py): a micro-batch's activations, sent early, moved before a gradient the receiver wanted
+        # first, and a receive posted meanwhile on the other rank was ready only when those activations were through.
+        # So before a transfer is placed, the transfers the other way and then the same way that were ready earlier
+        # (their sends and receives posted) are placed first.
+        #
         # The rest of a transfer (its latency, which the calibrated figures make a per-message cost of the runtime)
-        # overlaps as before. Transfers are placed in the order the replay reaches them.
+        # overlaps as before.
         wire_in = stages.activation_wire + stages.grad_wire + stages.grad_wire + [0.0] * candidate.n_stages
         wire = [wire_in[i] if c else 0.0 for i, c in zip(plan.slot, plan.cross)]
         rank = plan.rank
         posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
         posted = None if posted_late else _receives_posted(plan)
-        busy: dict[tuple[int, int], tuple[float, float]] = {}  # (from rank, to rank): its last transfer's start, end
+        lanes: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (from, to rank): placed starts, ends
+        waiting: dict[tuple[int, int], list[int]] = {}  # (from rank, to rank): receivers not placed, in send order
+        for x in range(n):  # a rank's action ids rise along its list: send order is dep order
+            if wire[x] and posted is not None:
+                waiting.setdefault((rank[dep[x]], rank[x]), []).append(x)
+                lanes.setdefault((rank[dep[x]], rank[x]), ([], []))
+                lanes.setdefault((rank[x], rank[dep[x]]), ([], []))
+        for queue in waiting.values():
+            queue.sort(key=dep.__getitem__)
+        arrived: dict[int, float] = {}  # receivers whose transfer was placed ahead of their turn: when it ended
+        replayed = bytearray(n + 1)
+        replayed[n] = 1  # -1: nothing to wait for
+
+        def ready(x: int, s: int, r: int) -> float:
+            at = finish[posted[x]]  # r gets to the receive in its list and posts it
+            starts, ends = lanes[(r, s)]
+            k = bisect.bisect_right(starts, at) - 1
+            if k >= 0 and at < ends[k]:  # its readiness waits behind the transfer r -> s then on the wire
+                at = ends[k]
+            return max(finish[dep[x]], at)
+
+        def place(x: int, s: int, r: int, at: float) -> float:
+            starts, ends = lanes[(s, r)]
+            start = max(at, ends[-1]) if ends else at
+            starts.append(start)
+            ends.append(start + wire[x])
+            waiting[(s, r)].remove(x)
+            return start + wire[x]
+
+        def ahead(s: int, r: int, until: float, before: int) -> None:
+            """Place the transfers s -> r sent before `before` (an action id; n: any), whose receives are posted,
+            ready by `until`, in the order they were ready."""
+            known = []
+            for x in waiting.get((s, r), ()):  # in send order: the ones sent so far are a prefix
+                if dep[x] >= before or not replayed[dep[x]]:
+                    break
+                if replayed[posted[x]]:
+                    known.append((ready(x, s, r), x))
+            for when, x in sorted(known):
+                if when <= until:
+                    arrived[x] = place(x, s, r, when)
+
         for a in plan.order:
             t = finish[prev[a]]
             w = wire[a]
             if w and posted is not None:
-                s, r = rank[dep[a]], rank[a]
-                at = finish[posted[a]]  # r gets to the receive in its list and posts it
-                back_start, back_end = busy.get((r, s), (0.0, 0.0))
-                if back_start <= at < back_end:  # its readiness waits behind the transfer r -> s on the wire
-                    at = back_end
-                start = max(finish[dep[a]], busy.get((s, r), (0.0, 0.0))[1], at)
-                u = start + w
-                busy[(s, r)] = (start, u)
+                if a in arrived:
+                    u = arrived.pop(a)
+                else:
+                    s, r = rank[dep[a]], rank[a]
+                    ahead(r, s, finish[posted[a]], n)
+                    at = ready(a, s, r)
+                    ahead(s, r, at, dep[a])
+                    u = place(a, s, r, at)
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 start = max(finish[dep[a]], free.get(pair, 0.0))
@@ -686,6 +735,7 @@ def _replay(
             if u > t:
                 t = u
             finish[a] = t + dur[a]
+            replayed[a] = 1
     return finish
 
 

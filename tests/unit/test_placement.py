@@ -207,6 +207,33 @@ def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_po
     assert step(dataclasses.replace(runtime, schedule=Schedule.GPIPE), 1) == pytest.approx(49.0)
 
 
+def test_across_nodes_one_way_tensors_go_in_the_order_they_were_ready_not_the_order_they_are_needed():
+    # A V of three stages on torch's runtime (rank 0: stages 0 and 2, rank 1: stage 1), 2 micro-batches, F 1 ms,
+    # B 2 ms, each hand-off 10 ms on the wire, 2 nodes. Rank 0 sends micro-batch 1's activations at 2, and rank 1
+    # posts their receive at 12 (after its F1m0), a notice that waits behind rank 1's own send on the wire then
+    # (12-22): they are ready at 22 and go 22-32. B2m0's gradient, sent at 25, goes behind them, 32-42, though
+    # rank 1 needs it first (B1m0 42-44, F1m1 44-45); its two sends go 44-54 and 54-64 (rank 0: F2m1 64-65, B2m1
+    # 65-67, B0m0 67-69); B2m1's gradient 67-77 (B1m1 77-79) and B1m1's 79-89: B0m1 89-91. Placed in the order
+    # rank 1 needs them (the gradient first, 25-35), the step came out 8 ms shorter than this; traced so on VHalf m4
+    # at 20 Mbit/s (bench/internode.py: 373 ms measured, 316 predicted that way, 370 now).
+    from autotune.simulate import simulate_costs
+
+    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
+                     parameter_bytes=0)
+    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
+    actions = [[Action(0, "F", 0), Action(0, "F", 1), Action(2, "F", 0), Action(2, "B", 0), Action(2, "F", 1),
+                Action(2, "B", 1), Action(0, "B", 0), Action(0, "B", 1)],
+               [Action(1, "F", 0), Action(1, "B", 0), Action(1, "F", 1), Action(1, "B", 1)]]
+    runtime = Candidate(schedule=Schedule.LOOPED_BFS, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
+                        layers_per_stage=(1, 1, 1))
+    estimate = simulate_costs([cost] * 3, runtime, input_bytes=0, optimizer_ms_per_byte=0.0, optimizer_state_ratio=0.0,
+                              link=link, actions=actions, gpus_per_node=1, with_timeline=True)
+    assert estimate.step_time_ms == pytest.approx(91.0)
+    rank1 = {(e.kind, e.stage, e.microbatch): e.start_ms for e in estimate.timeline if e.rank == 1}
+    assert rank1[("B", 1, 0)] == pytest.approx(42.0)
+    assert rank1[("F", 1, 1)] == pytest.approx(44.0)
+
+
 @pytest.mark.parametrize("schedule, pp, m", [(Schedule.V_HALF, 2, 4), (Schedule.INTERLEAVED_1F1B, 2, 4),
                                              (Schedule.ZBV_ZERO_BUBBLE, 2, 6), (Schedule.LOOPED_BFS, 3, 6)])
 def test_receives_are_posted_where_torchs_runtime_puts_them(schedule, pp, m):
