@@ -482,11 +482,17 @@ def simulate_costs(
     walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
     if walk is not None:
         gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
-    late = link.late_receives_wake and link.collective_wake_ms > 0 and not (crossing and any(crossing))
+    late = link.late_receives_wake and link.collective_wake_ms > 0
+    across = crossing is not None and any(crossing)
 
     def replay(graph: ActionGraph, durations: list[float], transfers: list[float]) -> list[float]:
         done = _replay(graph, durations, transfers, stages, candidate, crossing)
-        return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms) if late else done
+        if not late:
+            return done
+        if across:
+            return _replay(graph, durations, transfers, stages, candidate, crossing,
+                           woken=(done, link.collective_wake_ms))
+        return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms)
 
     finish = replay(plan, dur, xfer)
 
@@ -615,10 +621,12 @@ def _replay_late_receives(
 
 def _replay(
     plan: ActionGraph, dur: list[float], xfer: list[float], stages: _StageCosts, candidate: Candidate,
-    crossing: Sequence[bool] | None,
+    crossing: Sequence[bool] | None, *, woken: tuple[list[float], float] | None = None,
 ) -> list[float]:
     """Each action's finish time when every rank runs its actions in order, as soon as their inputs arrived (one past
-    the last: 0.0)."""
+    the last: 0.0). woken (across nodes): a first replay's finish times and LinkModel.collective_wake_ms, to replay
+    again with each receive posted after its send moved when the sender's collective thread wakes or the sender
+    next calls into gloo (as _replay_late_receives inside a node)."""
     n = len(plan.kind)
     prev, dep, own = plan.prev, plan.dep, plan.own
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
@@ -676,6 +684,22 @@ def _replay(
         arrived: dict[int, float] = {}  # receivers whose transfer was placed ahead of their turn: when it ended
         replayed = bytearray(n + 1)
         replayed[n] = 1  # -1: nothing to wait for
+        # Across nodes too, a receive posted after its send waits for the sending rank's collective thread (the
+        # unshaped link, traced, bench/internode.py: in 1F1B m8 each steady-state receive posted after its send
+        # arrived 1.4-1.8 ms after it was posted, when the sender's next backward ended).
+        if woken is not None:
+            first, wake_ms = woken
+            sender_starts = [[first[x] - dur[x] for x in ids] for ids in plan.rank_actions]
+            sender_ends = [[first[x] for x in ids] for ids in plan.rank_actions]
+
+        def woke(at: float, sender: int) -> float:
+            """When a send to a receive posted at `at`, after the send, moves: the sender's thread wakes
+            (wake_ms) or the sender's action running then (in the first replay) ends, whichever is first."""
+            if woken is None:
+                return at
+            k = bisect.bisect_right(sender_starts[sender], at) - 1
+            busy = sender_ends[sender][k] if k >= 0 and sender_ends[sender][k] > at else at
+            return at + min(wake_ms, busy - at)
 
         def ready(x: int, s: int, r: int) -> float:
             at = finish[posted[x]]  # r gets to the receive in its list and posts it
@@ -683,7 +707,9 @@ def _replay(
             k = bisect.bisect_right(starts, at) - 1
             if k >= 0 and at < ends[k]:  # its readiness waits behind the transfer r -> s then on the wire
                 at = ends[k]
-            return max(finish[dep[x]], at)
+            if at > finish[dep[x]]:
+                return woke(at, s)
+            return finish[dep[x]]
 
         def place(x: int, s: int, r: int, at: float) -> float:
             starts, ends = lanes[(s, r)]
@@ -721,12 +747,14 @@ def _replay(
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 start = max(finish[dep[a]], free.get(pair, 0.0))
-                if t > start:  # t: the rank gets to a and posts the receive
-                    start = t
+                if t > finish[dep[a]]:  # t: the rank gets to a and posts the receive, after the send
+                    start = max(start, woke(t, rank[dep[a]]))
                 free[pair] = u = start + w
             else:
                 u = t
             v = finish[dep[a]] + xfer[a]  # and the whole transfer from the send (wire[a] is part of xfer[a])
+            if not w and woken is not None and plan.cross[a] and t > finish[dep[a]]:  # inside a node
+                v = woke(t, rank[dep[a]]) + xfer[a]
             if v > u:
                 u = v
             if u > t:

@@ -207,6 +207,30 @@ def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_po
     assert step(dataclasses.replace(runtime, schedule=Schedule.GPIPE), 1) == pytest.approx(49.0)
 
 
+def test_across_nodes_a_receive_posted_after_its_send_waits_for_the_sender_as_inside_a_node():
+    # test_simulate's late receive, over two nodes and a wire of no time: 1F1B m2, F 1 ms, B 2 ms. Rank 1 posts
+    # F1's receive at 4, after rank 0 sent F1's activations (at 2), while rank 0 runs B0 (4-6): the tensor moves
+    # when rank 0's collective thread wakes (0.5 ms: F1 at 4.5) or B0 ends (6, with a 5 ms wake), as inside a node.
+    # Traced on the unshaped link (bench/internode.py, 1F1B m8): each such receive arrived 1.4-1.8 ms after its
+    # post, when the sender's backward ended.
+    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
+                     parameter_bytes=0)
+    prof = Profile.from_layer_costs([cost, cost], input_bytes=0, device="cpu")
+    link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     late_receives_wake=True, collective_wake_ms=0.5)
+    c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
+    for per_node in (2, 1):
+        late = simulate(prof, c, link=link, gpus_per_node=per_node, with_timeline=True)
+        f1 = next(e for e in late.timeline if e.rank == 1 and e.kind == "F" and e.microbatch == 1)
+        assert f1.start_ms == pytest.approx(4.5, abs=1e-3)
+        assert late.step_time_ms == pytest.approx(9.5, abs=1e-3)
+        woken_late = simulate(prof, c, link=dataclasses.replace(link, collective_wake_ms=5.0), gpus_per_node=per_node)
+        assert woken_late.step_time_ms == pytest.approx(11.0, abs=1e-3)
+    # without the term (cuda), the tensor moves at once: 9 ms
+    eager = dataclasses.replace(link, late_receives_wake=False)
+    assert simulate(prof, c, link=eager, gpus_per_node=1).step_time_ms == pytest.approx(9.0, abs=1e-3)
+
+
 def test_across_nodes_one_way_tensors_go_in_the_order_they_were_ready_not_the_order_they_are_needed():
     # A V of three stages on torch's runtime (rank 0: stages 0 and 2, rank 1: stage 1), 2 micro-batches, F 1 ms,
     # B 2 ms, each hand-off 10 ms on the wire, 2 nodes. Rank 0 sends micro-batch 1's activations at 2, and rank 1
