@@ -114,6 +114,10 @@ class LinkModel:
     rail-optimised NICs); None: as inside a node."""
     inter_node_latency_s: float | None = None
     """Fixed delay of one send/recv between nodes; None: as inside a node."""
+    inter_node_allreduce_bandwidth_bytes_per_s: float | None = None
+    """What the backend's collectives get out of the link between nodes, per ring step's bytes (the probe times an
+    all-reduce: gloo's over a 20 Mbit/s link moved its bytes at ~88 % of one stream's rate); None: the point-to-point
+    inter-node bandwidth."""
     tensor_parallel_efficiency: float = 1.0
     """Tensor parallel: how much of the ideal 1/tp a sharded layer's compute gets (autotune.tp_costs: its time is
     the sharded part / (tp x this)); smaller matrix products run below the whole one's rate."""
@@ -182,7 +186,8 @@ class LinkModel:
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
-        unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s"}
+        unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s",
+                                                "inter_node_allreduce_bandwidth_bytes_per_s"}
         if unknown:
             raise UsageError(f"unknown link model field(s) {sorted(unknown)}; known: {sorted(base)}")
         return cls(**{**base, **overrides})
@@ -219,7 +224,10 @@ class LinkModel:
             return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
         k = max(1, world_size // n_nodes)
         inside = self.ring_ms(nbytes, k, passes=passes) if k > 1 else 0.0
-        return inside + self.across_nodes().ring_ms(nbytes / k, n_nodes, passes=passes)
+        far = self.across_nodes()
+        if self.inter_node_allreduce_bandwidth_bytes_per_s:
+            far = replace(far, bandwidth_bytes_per_s=self.inter_node_allreduce_bandwidth_bytes_per_s)
+        return inside + far.ring_ms(nbytes / k, n_nodes, passes=passes)
 
     def across_nodes(self) -> LinkModel:
         """The link between ranks on different nodes (this one where no inter-node figures are set)."""
@@ -229,6 +237,7 @@ class LinkModel:
             latency_s=self.inter_node_latency_s if self.inter_node_latency_s is not None else self.latency_s,
             inter_node_bandwidth_bytes_per_s=None,
             inter_node_latency_s=None,
+            inter_node_allreduce_bandwidth_bytes_per_s=None,
         )
 
     def with_probe(
@@ -238,11 +247,13 @@ class LinkModel:
         inter_bandwidth_bytes_per_s: float,
         intra_latency_s: float | None = None,
         intra_bandwidth_bytes_per_s: float | None = None,
+        inter_allreduce_bandwidth_bytes_per_s: float | None = None,
     ) -> LinkModel:
         """This link with inter-node figures from a probe (autotune.cluster). The calibrated intra-node figures
         absorb more than the wire (per-message costs of the runtime), so with an intra probe to compare, the model
         adds only the difference crossing makes: latency + (inter - intra), 1/bandwidth + (1/inter - 1/intra);
-        without one, the probe's own figures. Never faster than inside a node."""
+        without one, the probe's own figures. Never faster than inside a node. The all-reduce's bandwidth (where
+        the probe timed one) scales the point-to-point one by what the collective got of the probed stream's."""
         if intra_latency_s is not None and intra_bandwidth_bytes_per_s:
             latency = self.latency_s + max(0.0, inter_latency_s - intra_latency_s)
             inverse = 1 / self.bandwidth_bytes_per_s + max(
@@ -252,7 +263,11 @@ class LinkModel:
         else:
             latency = max(self.latency_s, inter_latency_s)
             bandwidth = min(self.bandwidth_bytes_per_s, inter_bandwidth_bytes_per_s)
-        return replace(self, inter_node_latency_s=latency, inter_node_bandwidth_bytes_per_s=bandwidth)
+        collective = None
+        if inter_allreduce_bandwidth_bytes_per_s:
+            collective = bandwidth * min(1.0, inter_allreduce_bandwidth_bytes_per_s / inter_bandwidth_bytes_per_s)
+        return replace(self, inter_node_latency_s=latency, inter_node_bandwidth_bytes_per_s=bandwidth,
+                       inter_node_allreduce_bandwidth_bytes_per_s=collective)
 
 
 @dataclass(frozen=True, kw_only=True)

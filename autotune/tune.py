@@ -94,8 +94,9 @@ class TuneRequest:
     gpus_per_node: int | None = None
     """Ranks per node when the trials span nodes (autotune.cluster); None: one machine. The plan then knows which
     ranks share a node, and the config records nodes and gpus_per_node."""
-    inter_node_link: tuple[float, float] | None = None
-    """(latency s, bandwidth bytes/s) between nodes as the cluster's probe measured them; None: as inside a node."""
+    inter_node_link: tuple[float, float] | tuple[float, float, float | None] | None = None
+    """(latency s, bandwidth bytes/s[, all-reduce bandwidth bytes/s or None]) between nodes as the cluster's probe
+    measured them; None: as inside a node."""
     intra_node_link: tuple[float, float] | None = None
     """(latency s, bandwidth bytes/s) between two GPUs of a node as probed before profiling (CUDA searches of 2+
     GPUs); None: the device's default link figures."""
@@ -379,7 +380,8 @@ def tune(
 
 
 def probed_link(
-    device: str, *, intra: tuple[float, float] | None, inter: tuple[float, float] | None
+    device: str, *, intra: tuple[float, float] | None,
+    inter: tuple[float, float] | tuple[float, float, float | None] | None
 ) -> LinkModel | None:
     """The link model of a search from its probes, each (latency s, bandwidth bytes/s): inside a node, the probe's
     figures replace the device's defaults (on CUDA those are guesses: NVLink, PCIe and NVSwitch differ several
@@ -395,6 +397,7 @@ def probed_link(
         link = replace(link, latency_s=intra[0], bandwidth_bytes_per_s=intra[1])
     if inter is not None:
         link = link.with_probe(inter_latency_s=inter[0], inter_bandwidth_bytes_per_s=inter[1],
+                               inter_allreduce_bandwidth_bytes_per_s=inter[2] if len(inter) > 2 else None,
                                intra_latency_s=intra[0] if intra else None,
                                intra_bandwidth_bytes_per_s=intra[1] if intra else None)
     return link

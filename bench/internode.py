@@ -214,12 +214,13 @@ def run_nodes(pair: Any, argv: list[str], folder: Path, timeout_s: float) -> str
     return out
 
 
-def predictor(profile: Any, probed: tuple[float, float] | None) -> Any:
+def predictor(profile: Any, probed: tuple[float, ...] | None) -> Any:
     from autotune.simulate import LinkModel, Predictor
 
     link = LinkModel.for_device("cpu")
-    if probed is not None:
-        link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1])
+    if probed is not None:  # (latency, bandwidth[, all-reduce bandwidth]): runs before the probe timed one have 2
+        link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1],
+                               inter_allreduce_bandwidth_bytes_per_s=probed[2] if len(probed) > 2 else None)
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 
@@ -367,13 +368,14 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         probe = e["fixed"]["probe"]
         shaped = e["rate_mbit"] * 1e6 / 8 if e["rate_mbit"] else None
         probe_rows.append([rate, _as_mbit(e["tcp_bytes_per_s"]), _as_mbit(probe[1]) if probe else "failed",
+                           _as_mbit(probe[2]) if probe and len(probe) > 2 else "-",
                            f"{probe[0] * 1e6:.0f}" if probe else "-",
                            f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
         for size, t in e.get("p2p", {}).items():
             if size == "allreduce":
-                model = predictor(None, tuple(probe) if probe else None).link.across_nodes()
-                reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2)])
+                model = predictor(None, tuple(probe) if probe else None).link
+                reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2, 2)])
                 continue
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
@@ -396,7 +398,8 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                                searched if searched else "-"])
     tables = {
         "probe vs shaping": _results.markdown_table(
-            ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe latency us", "probe vs tbf",
+            ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe's all-reduce Mbit/s", "probe latency us",
+             "probe vs tbf",
              "the search's probe line"], probe_rows),
         "one message across the link (plain gloo send/recv, best of 3)": _results.markdown_table(
             ["tbf rate Mbit/s", "bytes", "one-way ms", "bytes / probed bandwidth ms", "one each way at once ms",

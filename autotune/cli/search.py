@@ -228,7 +228,7 @@ def _join_cluster(env: Any, gpus_per_node: int) -> Any:
     return None
 
 
-def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
+def _probe(cluster: Any, device: str) -> tuple[float, float, float | None] | None:
     """The inter-node link, measured once before profiling (node 0 <-> node 1), and said on stderr."""
     from autotune.devices import resolve_device
 
@@ -237,10 +237,14 @@ def _probe(cluster: Any, device: str) -> tuple[float, float] | None:
     if measured is None:
         err_console.print("[yellow]the inter-node link probe failed: planning as if inside one node[/yellow]")
     else:
-        latency, bandwidth = measured
-        rate = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth >= 1e9 else f"{bandwidth / 1e6:.3g} MB/s"
-        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, {rate}",
-                          highlight=False)
+        latency, bandwidth, reduced = measured
+
+        def rate(bytes_per_s: float) -> str:
+            return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
+
+        collective = f" (all-reduce {rate(reduced)})" if reduced else ""
+        err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
+                          f"{rate(bandwidth)}{collective}", highlight=False)
     return measured
 
 

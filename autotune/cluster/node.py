@@ -245,9 +245,10 @@ class Cluster:
                                f"s; the study is kept, --resume continues it")
         return measure(candidate, options, [outcomes[n] for n in sorted(outcomes)], time.time() - started)
 
-    def probe(self, device: str, timeout_s: float = 60.0) -> tuple[float, float] | None:
-        """(latency s, bandwidth bytes/s) of one send from node 0 to node 1, measured by two ranks (trial.probe);
-        None when the probe failed (the planner then keeps the one-node link)."""
+    def probe(self, device: str, timeout_s: float = 60.0) -> tuple[float, float, float | None] | None:
+        """(latency s, bandwidth bytes/s of one send, all-reduce bandwidth bytes/s or None) from node 0 to node 1,
+        measured by two ranks (trial.probe); None when the probe failed (the planner then keeps the one-node
+        link)."""
         assert self.watch is not None, "join() first"
         watch = self.watch
         self.jobs += 1
@@ -268,7 +269,9 @@ class Cluster:
         result = mine.results.get(0)
         if result is None:
             return None
-        return float(result["latency_s"]), float(result["bandwidth_bytes_per_s"])
+        reduced = result.get("allreduce_bandwidth_bytes_per_s")
+        return (float(result["latency_s"]), float(result["bandwidth_bytes_per_s"]),
+                float(reduced) if reduced else None)
 
     def shutdown(self, code: int, reason: str) -> None:
         """Tell the agents to exit (code 0: done) and wait a little for their byes: under Slurm this process hosts

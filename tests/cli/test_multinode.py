@@ -86,7 +86,9 @@ def test_a_search_over_two_nodes_names_the_node_of_a_failing_or_hung_rank(tmp_pa
     outputs = [p.communicate(timeout=300) for p in nodes]
     for p, (_, err) in zip(nodes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    assert "inter-node link (node 0 <-> node 1, probed): " in outputs[0][1]  # measured before the plan
+    probe_line = next(line for line in outputs[0][1].splitlines() if "inter-node link" in line)
+    assert "inter-node link (node 0 <-> node 1, probed): " in probe_line  # measured before the plan
+    assert "(all-reduce " in probe_line  # and what the backend's all-reduce gets of it
     config = yaml.safe_load((tmp_path / "autotune.yaml").read_text())
     assert (config["nodes"], config["gpus_per_node"], config["gpus"]) == (2, 1, 2)
     launched = [r for r in records(tmp_path) if r.launched]

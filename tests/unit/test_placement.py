@@ -120,6 +120,26 @@ def test_with_probe_adds_only_what_crossing_costs():
     assert faster.across_nodes().bandwidth_bytes_per_s == base.bandwidth_bytes_per_s
 
 
+def test_the_collectives_between_nodes_get_what_the_probed_all_reduce_got_of_the_link():
+    # The probe timed one stream at 2.4 MB/s and an all-reduce moving its bytes at 2.1 (gloo over a tbf-shaped 20
+    # Mbit/s link: ~88 %). Sends between nodes keep the stream's rate; the ring collectives across nodes run at the
+    # same share of the modelled inter-node bandwidth.
+    base = LinkModel.for_device("cpu")
+    plain = base.with_probe(inter_latency_s=70e-6, inter_bandwidth_bytes_per_s=2.4e6)
+    probed = base.with_probe(inter_latency_s=70e-6, inter_bandwidth_bytes_per_s=2.4e6,
+                             inter_allreduce_bandwidth_bytes_per_s=2.1e6)
+    assert probed.across_nodes().transfer_ms(2**20) == pytest.approx(plain.across_nodes().transfer_ms(2**20))
+    assert probed.inter_node_allreduce_bandwidth_bytes_per_s == pytest.approx(2.1e6)
+    nbytes = 3 * 2**20  # dp 2 over 2 nodes: a ring of 2, 2 passes of nbytes / 2
+    assert probed.allreduce_ms(nbytes, 2, 2) == pytest.approx(2 * (70e-6 + nbytes / 2 / 2.1e6) * 1e3)
+    assert plain.allreduce_ms(nbytes, 2, 2) == pytest.approx(2 * (70e-6 + nbytes / 2 / 2.4e6) * 1e3)
+    assert probed.allreduce_ms(nbytes, 2) == plain.allreduce_ms(nbytes, 2)  # one node: the intra link
+    # an all-reduce faster than the stream (a probe's noise) does not make the collectives faster than the sends
+    noisy = base.with_probe(inter_latency_s=70e-6, inter_bandwidth_bytes_per_s=2.4e6,
+                            inter_allreduce_bandwidth_bytes_per_s=3e6)
+    assert noisy.allreduce_ms(nbytes, 2, 2) == pytest.approx(plain.allreduce_ms(nbytes, 2, 2))
+
+
 def test_plan_ranks_both_orders_over_nodes_and_one_on_a_machine():
     prof = transformer()
     fast = {"schedules": ["1F1B"], "memory_limit_bytes": None, "prune_within": None}
