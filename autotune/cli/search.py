@@ -244,7 +244,7 @@ def _probe(cluster: Any, device: str) -> tuple[float, float, float | None] | Non
 
         collective = f" (all-reduce {rate(reduced)})" if reduced else ""
         err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
-                          f"{rate(bandwidth)}{collective}", highlight=False)
+                          f"{rate(bandwidth)}{collective}", highlight=False, soft_wrap=True)
     return measured
 
 
