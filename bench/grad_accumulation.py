@@ -115,12 +115,15 @@ def main() -> None:
         for title, table in tables.items():
             print(f"\n## {title}\n\n{table}")
         return
-    notes = ("Not yet in the simulator (issue 24): the profile times each backward into fresh gradients, and the "
-             "cpu link's compute slowdown (x1.12, fitted to traces of whole trials) stands for this among other "
-             "things, the same share for every model. Where a stage's parameters are few against its compute "
-             "(gpt2block's attention) accumulating adds nothing and the slowdown over-charges; where they are many "
-             "(embed_mlp's 8 MiB table) it adds as much as the backward itself. 'added ms per MiB' only for stages "
-             "of 0.5 MiB or more.")
+    notes = ("Not in the simulator (issue 24): the profile times each backward into fresh gradients, and the cpu "
+             "link's compute slowdown (x1.12, fitted to traces of whole trials) stands for this among other things, "
+             "the same share for every model. Tried as a term (0.04 ms per MiB of the stage's parameters on every "
+             "B or W of a stage after its first in the step) on the committed calibration runs "
+             "(calibration.json, calibration_models.json, re-predicted): six-model mean step-time error 8.5 % -> "
+             "8.5 % with the slowdown kept, 7.8 % with it lowered to 0.06-0.08, but gpt and cnn worse (4.3 -> "
+             "6.4 %, 7.3 -> 7.3 %), no Spearman better by more than 0.01 and gpt2block's over-prediction (+11 %) "
+             "not its doing (its stages hold 0.25 MiB); so it stays out. 'added ms per MiB' only for stages of 0.5 "
+             "MiB or more.")
     _results.write("grad_accumulation", title="Backward into gradients already there: what accumulating adds",
                    device="cpu", tables=tables, data={"rows": data}, notes=notes)
 
