@@ -239,7 +239,9 @@ def _node_link(nodes: NodeLink, device: str) -> list[Block]:
         (("latency", _latency(link.inter_node_latency_s or link.latency_s), _latency(link.latency_s),
           _latency(default.latency_s)),
          ("bandwidth", _rate(link.inter_node_bandwidth_bytes_per_s or link.bandwidth_bytes_per_s),
-          _rate(link.bandwidth_bytes_per_s), _rate(default.bandwidth_bytes_per_s))),
+          _rate(link.bandwidth_bytes_per_s), _rate(default.bandwidth_bytes_per_s)))
+        + ((("collectives' bandwidth (the probe's all-reduce)", _rate(link.inter_node_allreduce_bandwidth_bytes_per_s),
+             "as above", "as above"),) if link.inter_node_allreduce_bandwidth_bytes_per_s else ()),
         ("left", "right", "right", "right"),
     )
     worst, middle = nodes.worst, nodes.median_error

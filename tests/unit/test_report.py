@@ -518,11 +518,13 @@ def test_a_tensor_parallel_choice_shows_tp_beside_pp_and_dp(study):
 
 
 def over_nodes(study: SearchResult, records: tuple[TrialRecord, ...], *, gpus_per_node: int | None = 1,
-               probed: bool = True) -> tuple[str, str]:
-    """The report of `study` as if it had run over nodes of gpus_per_node ranks with (or without) a probed link."""
+               probed: bool = True, allreduce: float | None = None) -> tuple[str, str]:
+    """The report of `study` as if it had run over nodes of gpus_per_node ranks with (or without) a probed link
+    (allreduce: the probe's all-reduce bandwidth, where it timed one)."""
     link = LinkModel.for_device("cpu")
     if probed:  # the probe's figures, as tune.probed_link gives them without an intra-node probe
-        link = link.with_probe(inter_latency_s=5e-3, inter_bandwidth_bytes_per_s=2e7)
+        link = link.with_probe(inter_latency_s=5e-3, inter_bandwidth_bytes_per_s=2e7,
+                               inter_allreduce_bandwidth_bytes_per_s=allreduce)
     setup = {**study.setup, "device": "cpu", "link": dataclasses.asdict(link),
              **({"gpus_per_node": gpus_per_node} if gpus_per_node else {})}
     facts = gather_facts(dataclasses.replace(study, records=records), profile=make_profile(),
@@ -561,6 +563,7 @@ def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_
     assert "nodes of 1 rank and probed" in section
     assert "| latency | 5.00 ms | 20 us | 20 us |" in section
     assert "| bandwidth | 20 MB/s | 3.00 GB/s | 3.00 GB/s |" in section
+    assert "all-reduce" not in section  # a probe that timed none (studies from before it did)
     assert "Over the 3 measured runs of configurations spanning nodes" in section
     assert "off by **+5 %** (median" in section
     assert (f"The worst: `{spans.key}` (trial #1), predicted 65.0 ms against 50.0 ms measured, **+30 %**."
@@ -571,6 +574,10 @@ def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_
     section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
     assert "No configuration over more than one node (more than 1 rank) was measured" in section
     assert "| latency | 5.00 ms |" in section
+
+    markdown, _ = over_nodes(study, records, allreduce=1.76e7)  # the probe's all-reduce got 88 % of the stream
+    section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
+    assert "| collectives' bandwidth (the probe's all-reduce) | 17.6 MB/s | as above | as above |" in section
 
 
 def test_a_one_node_report_says_nothing_of_a_link_between_nodes(study):
