@@ -503,7 +503,8 @@ class _Engine:
         if estimate.throughput_samples_per_s < best_predicted * (1 - self.options.prune_margin):
             return (
                 f"predicted {estimate.throughput_samples_per_s:.0f} samples/s, over "
-                f"{self.options.prune_margin:.0%} below the best measured candidate's {best_predicted:.0f}"
+                f"{self.options.prune_margin:.0%} below the {best_predicted:.0f} predicted for the best measured "
+                f"candidate"
             )
         return None
 
