@@ -135,7 +135,8 @@ class LinkModel:
     latency) when its post returns: gloo over TCP writes them into the socket in the thread that posts the send
     (two CPU ranks over loopback: posting 1 MiB took 0.30 ms, 4 MiB 1.05 ms, and the receiver's waiting recv
     completed 0.002 ms after). False: the wire time is the receiver's wait alone (NCCL sends on its own stream).
-    Inside a node only: a send between nodes waits on the slower link as before."""
+    Between nodes the sender pays the same copy into its socket (at the rate inside a node: traced posts of 32 KiB
+    took as long over the link as inside the node), and the receiver waits for the slower wire besides."""
     compute_slowdown: float = 0.0
     """Share by which profiled compute (layers, loss, the optimizer step) runs slower inside a pipelined step than
     timed alone: other ranks computing beside it and the stages' micro-batches taking turns share caches and memory
@@ -1060,10 +1061,12 @@ def _stage_costs(
             0.0 if s == 0 else into.latency_s * 1e3 if on_rank_in else into.transfer_ms(stage_in * wire))
         result["grad_transfer"].append(
             0.0 if s == n_stages - 1 else back.latency_s * 1e3 if on_rank_out else back.transfer_ms(stage_out * wire))
+        # across nodes the posting thread still copies the bytes into its socket (at the rate inside a node); the
+        # receiver waits for the wire on top (activation_transfer, grad_transfer above)
         result["output_send"].append(
-            stage_out * wire / link.bandwidth_bytes_per_s * 1e3 if on_rank_out and s < n_stages - 1 else 0.0)
+            stage_out * wire / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s < n_stages - 1 else 0.0)
         result["grad_send"].append(
-            stage_in * wire / link.bandwidth_bytes_per_s * 1e3 if on_rank_in and s > 0 else 0.0)
+            stage_in * wire / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s > 0 else 0.0)
         first, last = s == 0, s == n_stages - 1
         held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
         # what it keeps of its input and saves of its output are tensors counted already (memory_model)

@@ -251,6 +251,24 @@ def test_across_nodes_a_receive_posted_after_its_send_waits_for_the_sender_as_in
     assert simulate(prof, c, link=eager, gpus_per_node=1).step_time_ms == pytest.approx(9.0, abs=1e-3)
 
 
+def test_across_nodes_the_sender_still_copies_its_send_into_the_socket():
+    # sends_on_rank (gloo over TCP): the posting thread writes the bytes into its socket, across nodes too, at the
+    # rate inside a node (2 MB of activations at 1 GB/s: 2 ms on the sender's forward); the receiver waits for the
+    # slower wire between nodes besides.
+    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0,
+                     output_bytes=2_000_000, parameter_bytes=0)
+    prof = Profile.from_layer_costs([cost, cost], input_bytes=0, device="cpu")
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     sends_on_rank=True, inter_node_bandwidth_bytes_per_s=1e8)
+    c = pipeline(2, schedule=Schedule.GPIPE, m=1, layers=2)
+    for per_node in (2, 1):
+        timeline = simulate(prof, c, link=link, gpus_per_node=per_node, with_timeline=True).timeline
+        f0 = next(e for e in timeline if e.rank == 0 and e.kind == "F")
+        assert f0.end_ms - f0.start_ms == pytest.approx(1.0 + 2.0)
+    f1 = next(e for e in timeline if e.rank == 1 and e.kind == "F")
+    assert f1.start_ms == pytest.approx(3.0 + 20.0)  # 2 MB over 100 MB/s after the copy: the wire on top
+
+
 def test_across_nodes_one_way_tensors_go_in_the_order_they_were_ready_not_the_order_they_are_needed():
     # A V of three stages on torch's runtime (rank 0: stages 0 and 2, rank 1: stage 1), 2 micro-batches, F 1 ms,
     # B 2 ms, each hand-off 10 ms on the wire, 2 nodes. Rank 0 sends micro-batch 1's activations at 2, and rank 1
