@@ -700,9 +700,12 @@ def _replay(
         arrived: dict[int, float] = {}  # receivers whose transfer was placed ahead of their turn: when it ended
         replayed = bytearray(n + 1)
         replayed[n] = 1  # -1: nothing to wait for
-        # Across nodes too, a receive posted after its send waits for the sending rank's collective thread (the
-        # unshaped link, traced, bench/internode.py: in 1F1B m8 each steady-state receive posted after its send
-        # arrived 1.4-1.8 ms after it was posted, when the sender's next backward ended).
+        # Across nodes too, a receive posted after its send waits for the sending rank's collective thread, by the
+        # rule inside a node (_replay_late_receives), against this replay's first pass: it delays GPipe's receives
+        # (the sender computes when they are posted). Traced on the unshaped link (bench/internode.py), 1F1B m8's
+        # steady-state receives waited 1.4-1.8 ms too, until the sender's next backward ended; the rule misses
+        # those (the sender was still waiting, for the gradient posted with that receive): tried, charging the
+        # whole transfer from the post as inside a node (+3 ms there) made four runs' errors worse on average.
         if woken is not None:
             first, wake_ms = woken
             sender_starts = [[first[x] - dur[x] for x in ids] for ids in plan.rank_actions]
