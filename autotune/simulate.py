@@ -700,12 +700,13 @@ def _replay(
         arrived: dict[int, float] = {}  # receivers whose transfer was placed ahead of their turn: when it ended
         replayed = bytearray(n + 1)
         replayed[n] = 1  # -1: nothing to wait for
-        # Across nodes too, a receive posted after its send waits for the sending rank's collective thread, by the
-        # rule inside a node (_replay_late_receives), against this replay's first pass: it delays GPipe's receives
-        # (the sender computes when they are posted). Traced on the unshaped link (bench/internode.py), 1F1B m8's
-        # steady-state receives waited 1.4-1.8 ms too, until the sender's next backward ended; the rule misses
-        # those (the sender was still waiting, for the gradient posted with that receive): tried, charging the
-        # whole transfer from the post as inside a node (+3 ms there) made four runs' errors worse on average.
+        # Across nodes too, a receive the rank gets to after its send was posted waits for the sending rank's
+        # collective thread, by the rule inside a node (_replay_late_receives, against this replay's first pass):
+        # the tensor comes when that thread wakes or the sender's running action ends, and the whole transfer
+        # (latency and wire) from then. Traced on the unshaped link (bench/internode.py, 1F1B m8): each
+        # steady-state receive came 1.4-1.8 ms after its post, when the sender's next backward ended, and the same
+        # trial ran ~20 % slower across the link than with both ranks on one node (two runs). Over six runs of the
+        # bench the unshaped rows' mean error went 13.3 -> 12.5 % with it (five runs today: 13.8 -> 11.7 %).
         if woken is not None:
             first, wake_ms = woken
             sender_starts = [[first[x] - dur[x] for x in ids] for ids in plan.rank_actions]
@@ -763,12 +764,16 @@ def _replay(
                     at = ready(a, s, r)
                     ahead(s, r, at, dep[a])
                     u = place(a, s, r, at)
+                    if woken is not None and t > finish[dep[a]]:  # the rank gets to a after the send
+                        u = max(u, woke(t, s) + xfer[a])
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 start = max(finish[dep[a]], free.get(pair, 0.0))
                 if t > finish[dep[a]]:  # t: the rank gets to a and posts the receive, after the send
                     start = max(start, woke(t, rank[dep[a]]))
                 free[pair] = u = start + w
+                if woken is not None and t > finish[dep[a]]:  # the whole transfer from then
+                    u = start + xfer[a]
             else:
                 u = t
             v = finish[dep[a]] + xfer[a]  # and the whole transfer from the send (wire[a] is part of xfer[a])

@@ -61,15 +61,16 @@ def _mbit(rate: str) -> float | None:
 def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int, repeats: int) -> None:
     """One node of the fixed set: node 0 probes the link at every rate, then runs every trial across both nodes at
     every rate in turn (the rates of one trial back to back, so that a machine whose load drifts compares them at one
-    load), `repeats` rounds of them, keeps each trial's median round and writes out; node 1 serves its ranks until
-    node 0 is done."""
+    load), and the same trial with both ranks on node 0 (over its loopback: what the unshaped link is measured
+    against), `repeats` rounds of them, keeps each trial's median round and writes out; node 1 serves its ranks
+    until node 0 is done."""
     from _netns import NamespacePair
 
     from autotune.cli.app import start_fork_server
     from autotune.cluster.env import detect, die_with_launcher
     from autotune.cluster.node import Cluster, serve, stop_on_sigterm
     from autotune.model_file import load_model_file
-    from autotune.trial import TrialOptions
+    from autotune.trial import TrialOptions, run_trial
 
     env = detect()
     die_with_launcher()
@@ -92,19 +93,24 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
             probes[rate] = list(probed) if probed else None
         spec = load_model_file(MODEL)
         runs: dict[str, list[Any]] = {rate: [] for rate in rates}
+        one_node: list[Any] = []
         for c in candidates():
-            rounds: dict[str, list[Any]] = {rate: [] for rate in rates}
+            rounds: dict[str, list[Any]] = {rate: [] for rate in [*rates, "one node"]}
             for _ in range(repeats):
                 for rate in rates:
                     pair.shape(_mbit(rate))
                     m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
                     print(f"{rate} {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
                     rounds[rate].append(m)
-            for rate in rates:
+                m = run_trial(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180, device="cpu"))
+                print(f"one node {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
+                rounds["one node"].append(m)
+            for rate, kept_runs in [*((r, runs[r]) for r in rates), ("one node", one_node)]:
                 ok = sorted((m for m in rounds[rate] if m.step_time_ms), key=lambda m: m.step_time_ms)
                 kept = ok[(len(ok) - 1) // 2] if ok else rounds[rate][0]
-                runs[rate].append({**kept.to_dict(), "rounds_ms": [m.step_time_ms for m in rounds[rate]]})
+                kept_runs.append({**kept.to_dict(), "rounds_ms": [m.step_time_ms for m in rounds[rate]]})
         result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
+        result["one node"] = {"runs": one_node}
         code = 0
     finally:
         cluster.shutdown(code, "done" if code == 0 else "node 0 failed")
@@ -275,6 +281,11 @@ def analyse(results: list[dict[str, Any]], profile: Any) -> None:
             raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
         for row in e.get("search", {}).get("rows", []):
             row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
+        from autotune.simulate import LinkModel, Predictor
+
+        inside = Predictor(profile=profile, link=LinkModel.for_device("cpu"))  # both ranks on one node
+        for raw in e.get("one_node", []):
+            raw["predicted_ms"] = inside(Measurement.from_dict(raw).candidate).step_time_ms
 
 
 def main() -> None:
@@ -329,6 +340,8 @@ def main() -> None:
         fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates, args.repeats)
         for rate, entry in zip(args.rates, results):
             entry["fixed"] = fixed[rate]
+            if rate == "none":
+                entry["one_node"] = fixed["one node"]["runs"]
             print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
             if args.search_trials:
                 pair.shape(_mbit(rate))
@@ -361,7 +374,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
 
     from autotune.candidate import Candidate
 
-    probe_rows, trial_rows, added_rows, p2p_rows, reduce_rows = [], [], [], [], []
+    probe_rows, trial_rows, added_rows, p2p_rows, reduce_rows, one_node_rows = [], [], [], [], [], []
     unshaped: dict[str, dict[str, Any]] = {}
     for e in results:
         rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
@@ -381,6 +394,15 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
         rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None,
                  r.get("rounds_ms")) for r in e["fixed"]["runs"]]
+        for across, inside in zip(e["fixed"]["runs"], e.get("one_node", [])):  # the same trial on one node
+
+            def cells(r: dict[str, Any]) -> list[Any]:
+                measured, predicted = r["step_time_ms"], r["predicted_ms"]
+                spread = " / ".join(f"{t:.3g}" if t else "-" for t in r.get("rounds_ms") or [])
+                error = f"{(predicted - measured) / measured:+.0%}" if measured and predicted else "-"
+                return [measured or "-", spread, predicted or "-", error]
+
+            one_node_rows.append([Candidate.from_dict(across).key, *cells(across), *cells(inside)])
         for r in e["fixed"]["runs"]:  # what the link added over the same trial unshaped, measured and predicted
             key = Candidate.from_dict(r).key
             base = unshaped.get(key)
@@ -410,6 +432,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "rounds ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),
+        "unshaped: across the link and the same trial with both ranks on node 0": _results.markdown_table(
+            ["candidate", "across: measured ms", "rounds ms", "predicted ms", "error", "one node: measured ms",
+             "rounds ms", "predicted ms (one node)", "error"], one_node_rows),
         "what the link added: step time at the rate minus the same trial's unshaped": _results.markdown_table(
             ["tbf rate Mbit/s", "candidate", "measured ms", "predicted ms"], added_rows),
         "searches": _results.markdown_table(
