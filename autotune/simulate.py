@@ -688,6 +688,7 @@ def _replay(
         posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
         posted = None if posted_late else _receives_posted(plan)
+        posts: tuple[int, ...] = posted or ()  # the runtime's receive posts (only read where posted is not None)
         lanes: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (from, to rank): placed starts, ends
         waiting: dict[tuple[int, int], list[int]] = {}  # (from rank, to rank): receivers not placed, in send order
         for x in range(n):  # a rank's action ids rise along its list: send order is dep order
@@ -722,7 +723,7 @@ def _replay(
             return at + min(wake_ms, busy - at)
 
         def ready(x: int, s: int, r: int) -> float:
-            at = finish[posted[x]]  # r gets to the receive in its list and posts it
+            at = finish[posts[x]]  # r gets to the receive in its list and posts it
             starts, ends = lanes[(r, s)]
             k = bisect.bisect_right(starts, at) - 1
             if k >= 0 and at < ends[k]:  # its readiness waits behind the transfer r -> s then on the wire
@@ -746,7 +747,7 @@ def _replay(
             for x in waiting.get((s, r), ()):  # in send order: the ones sent so far are a prefix
                 if dep[x] >= before or not replayed[dep[x]]:
                     break
-                if replayed[posted[x]]:
+                if replayed[posts[x]]:
                     known.append((ready(x, s, r), x))
             for when, x in sorted(known):
                 if when <= until:

@@ -150,7 +150,8 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
             "wait_ms": median(rank, "wait"), "optimizer_ms": median(rank, "optimizer"), "rest_ms": median(rank, "rest"),
             "actions": actions,
         })
-    return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(), "measured_ms": statistics.median(measured), "measured_runs_ms": measured,
+    return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(),
+            "measured_ms": statistics.median(measured), "measured_runs_ms": measured,
             "predicted_ms": estimate.step_time_ms, "predicted_optimizer_ms": estimate.optimizer_ms,
             "handoff_ms_median": statistics.median(hands) if hands else None, "handoffs": len(hands),
             "ranks": ranks_out}

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _results  # noqa: E402
 import torch  # noqa: E402
 
-from autotune.model_file import load_model_file  # noqa: E402
 from autotune.devices import keep_freed_cpu_memory  # noqa: E402
+from autotune.model_file import load_model_file  # noqa: E402
 
 DEFAULT_MODELS = ["recipes/mlp.py", "recipes/gpt.py", "recipes/cnn.py", "bench/models/tail_heavy7.py",
                   "bench/models/gpt2block.py", "bench/models/embed_mlp.py", "bench/models/mlp13.py"]

@@ -34,12 +34,12 @@ from typing import Any  # noqa: E402
 
 from autotune.candidate import Candidate  # noqa: E402
 from autotune.costs import Profile  # noqa: E402
+from autotune.link_fit import fit_link  # noqa: E402
 from autotune.simulate import LinkModel, Predictor  # noqa: E402
 
-from autotune.link_fit import fit_link  # noqa: E402
-
 OVERHEAD_SCALES = tuple(i / 4 for i in range(17))
-"""--fit overheads: the factors tried on the per-action, per-message and wake costs (0 to 4 by 0.25), refined by 0.05."""
+"""--fit overheads: the factors tried on the per-action, per-message and wake costs (0 to 4 by 0.25), refined by
+0.05."""
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import _results  # noqa: E402
 
 from autotune.candidate import Candidate, Measurement, uniform_split  # noqa: E402
 from autotune.errors import InvalidCandidateError  # noqa: E402
+from autotune.link_fit import fit_link, measured_steps  # noqa: E402
 from autotune.model_file import check_model, load_model_file  # noqa: E402
 from autotune.schedules import SYNCHRONOUS_SCHEDULES, default_stages_per_rank  # noqa: E402
-from autotune.link_fit import fit_link, measured_steps  # noqa: E402
 from autotune.search import rule_of_thumb  # noqa: E402
 from autotune.simulate import LinkModel, Predictor  # noqa: E402
 from autotune.trial import TrialOptions, run_trial  # noqa: E402

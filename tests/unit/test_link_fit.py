@@ -3,11 +3,11 @@ predicting with it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autotune.candidate import Candidate
-from dataclasses import replace
-
 from autotune.link_fit import MIN_TRIALS, fit_link, fitted_predictor, measured_steps
 from autotune.model_file import load_model_file
 from autotune.plan import plan
