@@ -28,17 +28,10 @@ import torch  # noqa: E402
 
 from autotune.devices import keep_freed_cpu_memory  # noqa: E402
 from autotune.model_file import load_model_file  # noqa: E402
+from autotune.profiling import _flat  # noqa: E402
 
 DEFAULT_MODELS = ["recipes/mlp.py", "recipes/gpt.py", "recipes/cnn.py", "bench/models/tail_heavy7.py",
                   "bench/models/gpt2block.py", "bench/models/embed_mlp.py", "bench/models/mlp13.py"]
-
-
-def _outputs(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _outputs(v)]
-    return []
 
 
 def measure(path: str, micro_batch: int, half: int, steps: int) -> dict[str, Any]:
@@ -66,7 +59,7 @@ def measure(path: str, micro_batch: int, half: int, steps: int) -> dict[str, Any
         if half == 1:
             spec.loss_fn(out, y).backward()
         else:
-            tensors = [t for t in _outputs(out) if t.requires_grad]
+            tensors = [t for t in _flat(out) if t.requires_grad]
             torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
         return (time.perf_counter() - start) * 1e3
 
