@@ -507,7 +507,7 @@ def simulate_costs(
             return done
         if across:
             return _replay(graph, durations, transfers, stages, candidate, crossing,
-                           woken=(done, link.collective_wake_ms))
+                           woken=_WakeClock(graph, durations, done, link.collective_wake_ms))
         return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms)
 
     finish = replay(plan, dur, xfer)
@@ -603,6 +603,24 @@ def _durations(
     return dur, xfer
 
 
+class _WakeClock:
+    """When a send whose receive was posted after it moves (LinkModel.late_receives_wake): when the sending rank's
+    collective thread wakes (wake_ms) or the action the rank runs then, as a first replay placed it, ends, whichever
+    is first; at once if the rank was waiting."""
+
+    def __init__(self, plan: ActionGraph, dur: list[float], first: list[float], wake_ms: float) -> None:
+        self.starts = [[first[a] - dur[a] for a in ids] for ids in plan.rank_actions]
+        self.ends = [[first[a] for a in ids] for ids in plan.rank_actions]
+        self.wake_ms = wake_ms
+
+    def moved(self, at: float, sender: int) -> float:
+        """When the send of rank `sender` moves, for a receive posted at `at` (after the send)."""
+        starts, ends = self.starts[sender], self.ends[sender]
+        k = bisect.bisect_right(starts, at) - 1
+        busy_until = ends[k] if k >= 0 and ends[k] > at else at
+        return at + min(self.wake_ms, busy_until - at)
+
+
 def _replay_late_receives(
     plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float], wake_ms: float
 ) -> list[float]:
@@ -614,18 +632,14 @@ def _replay_late_receives(
     prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
     if not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
         return first  # no receive posted late: the same replay again
-    starts = [[first[a] - dur[a] for a in ids] for ids in plan.rank_actions]
-    ends = [[first[a] for a in ids] for ids in plan.rank_actions]
+    clock = _WakeClock(plan, dur, first, wake_ms)
     finish = [0.0] * (n + 1)
     for a in plan.order:
         t = finish[prev[a]]
         d = dep[a]
         u = finish[d] + xfer[a]
         if cross[a] and t > finish[d]:
-            sender = rank[d]
-            k = bisect.bisect_right(starts[sender], t) - 1
-            busy_until = ends[sender][k] if k >= 0 and ends[sender][k] > t else t
-            u = t + min(wake_ms, busy_until - t) + xfer[a]
+            u = clock.moved(t, rank[d]) + xfer[a]
         if u > t:
             t = u
         u = finish[own[a]]
@@ -637,12 +651,12 @@ def _replay_late_receives(
 
 def _replay(
     plan: ActionGraph, dur: list[float], xfer: list[float], stages: _StageCosts, candidate: Candidate,
-    crossing: Sequence[bool] | None, *, woken: tuple[list[float], float] | None = None,
+    crossing: Sequence[bool] | None, *, woken: _WakeClock | None = None,
 ) -> list[float]:
     """Each action's finish time when every rank runs its actions in order, as soon as their inputs arrived (one past
-    the last: 0.0). woken (across nodes): a first replay's finish times and LinkModel.collective_wake_ms, to replay
-    again with each receive posted after its send moved when the sender's collective thread wakes or the sender
-    next calls into gloo (as _replay_late_receives inside a node)."""
+    the last: 0.0). woken (across nodes): the senders' timelines of a first replay, to replay again with each
+    receive posted after its send moved when the sender's collective thread wakes or the sender next calls into gloo
+    (as _replay_late_receives inside a node)."""
     n = len(plan.kind)
     prev, dep, own = plan.prev, plan.dep, plan.own
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
@@ -708,19 +722,8 @@ def _replay(
         # steady-state receive came 1.4-1.8 ms after its post, when the sender's next backward ended, and the same
         # trial ran ~20 % slower across the link than with both ranks on one node (two runs). Over six runs of the
         # bench the unshaped rows' mean error went 13.3 -> 12.5 % with it (five runs today: 13.8 -> 11.7 %).
-        if woken is not None:
-            first, wake_ms = woken
-            sender_starts = [[first[x] - dur[x] for x in ids] for ids in plan.rank_actions]
-            sender_ends = [[first[x] for x in ids] for ids in plan.rank_actions]
-
         def woke(at: float, sender: int) -> float:
-            """When a send to a receive posted at `at`, after the send, moves: the sender's thread wakes
-            (wake_ms) or the sender's action running then (in the first replay) ends, whichever is first."""
-            if woken is None:
-                return at
-            k = bisect.bisect_right(sender_starts[sender], at) - 1
-            busy = sender_ends[sender][k] if k >= 0 and sender_ends[sender][k] > at else at
-            return at + min(wake_ms, busy - at)
+            return woken.moved(at, sender) if woken is not None else at
 
         def ready(x: int, s: int, r: int) -> float:
             at = finish[posts[x]]  # r gets to the receive in its list and posts it

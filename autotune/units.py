@@ -31,6 +31,11 @@ def parse_duration(text: str) -> float:
     return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
 
 
+def format_rate(bytes_per_s: float) -> str:
+    """A link's bandwidth as the search's probe line and the report say it: GB/s, or MB/s below one."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
+
+
 def format_bytes(n: float | None) -> str:
     if n is None:
         return "-"

@@ -33,6 +33,12 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def show(tables: dict[str, str]) -> None:
+    """Print the tables as write() puts them in the results file (for --no-write)."""
+    for heading, table in tables.items():
+        print(f"\n## {heading}\n\n{table}")
+
+
 def write(name: str, *, title: str, device: str, tables: dict[str, str], data: dict[str, Any], notes: str = "") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -187,8 +187,7 @@ def main() -> None:
              "backward, 1 rank", "backward, 2 ranks", "per reduce-scatter beyond half the compute"], fsdp_rows),
     }
     if args.no_write:
-        for title, table in tables.items():
-            print(f"\n## {title}\n\n{table}")
+        _results.show(tables)
         return
     notes = ("DDP's sync costs the step what its column adds to 'one rank alone' (all of it: on the CPU stand-in "
              "the bucket all-reduces take the rank's own time). autotune.simulate.COLLECTIVE_WAKE_CPU_MS reads these "

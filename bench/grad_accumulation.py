@@ -105,8 +105,7 @@ def main() -> None:
                   ["model", "half", "blocks", "micro-batch", "parameters MiB", "fresh ms", "accumulating ms",
                    "added ms", "added", "added ms per MiB"], rows)}
     if args.no_write:
-        for title, table in tables.items():
-            print(f"\n## {title}\n\n{table}")
+        _results.show(tables)
         return
     notes = ("Not in the simulator (issue 24): the profile times each backward into fresh gradients, and the cpu "
              "link's compute slowdown (x1.12, fitted to traces of whole trials) stands for this among other things, "

@@ -269,8 +269,10 @@ def search(pair: Any, folder: Path, trials: int, steps: int, warmup: int) -> dic
 
 
 def analyse(results: list[dict[str, Any]], profile: Any) -> None:
-    """Predict every trial of results (in place) with the current simulator over the probe of its rate."""
+    """Predict every trial of results (in place) with the current simulator over the probe of its rate, and the
+    one-node runs over the link inside a node."""
     from autotune.candidate import Candidate, Measurement
+    from autotune.simulate import LinkModel, Predictor
 
     for e in results:
         probe = e["fixed"]["probe"]
@@ -281,8 +283,6 @@ def analyse(results: list[dict[str, Any]], profile: Any) -> None:
             raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
         for row in e.get("search", {}).get("rows", []):
             row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
-        from autotune.simulate import LinkModel, Predictor
-
         inside = Predictor(profile=profile, link=LinkModel.for_device("cpu"))  # both ranks on one node
         for raw in e.get("one_node", []):
             raw["predicted_ms"] = inside(Measurement.from_dict(raw).candidate).step_time_ms
@@ -448,7 +448,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
              f"rounds {run.get('repeats', 1)}, warmup {run['warmup']}, search trials {run['search_trials']}, "
              f"batch {BATCH}, model bench/models/mlp13.py.")
     if no_write:
-        print("\n\n".join(f"## {heading}\n\n{table}" for heading, table in tables.items()))
+        _results.show(tables)
         print(notes)
         out = Path(tempfile.gettempdir()) / "internode-last.json"
         out.write_text(json.dumps({"results": results, "profile": profile, "run": run}, default=str))

@@ -237,14 +237,12 @@ def _probe(cluster: Any, device: str) -> tuple[float, float, float | None] | Non
     if measured is None:
         err_console.print("[yellow]the inter-node link probe failed: planning as if inside one node[/yellow]")
     else:
+        from autotune.units import format_rate
+
         latency, bandwidth, reduced = measured
-
-        def rate(bytes_per_s: float) -> str:
-            return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
-
-        collective = f" (all-reduce {rate(reduced)})" if reduced else ""
+        collective = f" (all-reduce {format_rate(reduced)})" if reduced else ""
         err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
-                          f"{rate(bandwidth)}{collective}", highlight=False, soft_wrap=True)
+                          f"{format_rate(bandwidth)}{collective}", highlight=False, soft_wrap=True)
     return measured
 
 

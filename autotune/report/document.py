@@ -17,7 +17,7 @@ from autotune.report.measures import NodeLink, describe_gain, percent
 from autotune.schedules import SCHEDULES
 from autotune.simulate import Estimate
 from autotune.tuned_config import mask_password
-from autotune.units import format_bytes
+from autotune.units import format_bytes, format_rate
 
 Align = Literal["left", "right"]
 
@@ -238,10 +238,11 @@ def _node_link(nodes: NodeLink, device: str) -> list[Block]:
         ("", "between nodes (probed)", "inside a node (this search)", f"{device} default"),
         (("latency", _latency(link.inter_node_latency_s or link.latency_s), _latency(link.latency_s),
           _latency(default.latency_s)),
-         ("bandwidth", _rate(link.inter_node_bandwidth_bytes_per_s or link.bandwidth_bytes_per_s),
-          _rate(link.bandwidth_bytes_per_s), _rate(default.bandwidth_bytes_per_s)))
-        + ((("collectives' bandwidth (the probe's all-reduce)", _rate(link.inter_node_allreduce_bandwidth_bytes_per_s),
-             "as above", "as above"),) if link.inter_node_allreduce_bandwidth_bytes_per_s else ()),
+         ("bandwidth", format_rate(link.inter_node_bandwidth_bytes_per_s or link.bandwidth_bytes_per_s),
+          format_rate(link.bandwidth_bytes_per_s), format_rate(default.bandwidth_bytes_per_s)))
+        + ((("collectives' bandwidth (the probe's all-reduce)",
+             format_rate(link.inter_node_allreduce_bandwidth_bytes_per_s), "as above", "as above"),)
+           if link.inter_node_allreduce_bandwidth_bytes_per_s else ()),
         ("left", "right", "right", "right"),
     )
     worst, middle = nodes.worst, nodes.median_error
@@ -260,11 +261,6 @@ def _node_link(nodes: NodeLink, device: str) -> list[Block]:
 
 def _latency(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
-
-
-def _rate(bytes_per_s: float) -> str:
-    """As the search's probe line says it: GB/s, or MB/s below one."""
-    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
 
 
 def _workers(facts: ReportFacts) -> list[Block]:

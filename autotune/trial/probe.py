@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,11 +50,14 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def round_trip(buf: torch.Tensor) -> float:
+    def timed(op: Callable[[], object]) -> float:
         t0 = time.perf_counter()
-        ping_pong(buf, rank)
+        op()
         sync()
         return time.perf_counter() - t0
+
+    def round_trip(buf: torch.Tensor) -> float:
+        return timed(lambda: ping_pong(buf, rank))
 
     def stream(n: int) -> float:
         t0 = time.perf_counter()
@@ -82,15 +86,8 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
         dist.recv(first, peer)
     n = int(first[0])
     seconds = min(stream(n) for _ in range(3)) - 2 * latency
-
-    def reduce() -> float:
-        t0 = time.perf_counter()
-        dist.all_reduce(big)
-        sync()
-        return time.perf_counter() - t0
-
     dist.all_reduce(ack)
-    reduced = min(reduce() for _ in range(3)) - 2 * latency
+    reduced = min(timed(lambda: dist.all_reduce(big)) for _ in range(3)) - 2 * latency
     dist.destroy_process_group()
     return {"rank": rank, "latency_s": latency, "bandwidth_bytes_per_s": n * PROBE_BYTES / max(seconds, 1e-9),
             "allreduce_bandwidth_bytes_per_s": PROBE_BYTES / max(reduced, 1e-9)}

@@ -164,9 +164,10 @@ def test_rank_order_round_trips_and_keeps_old_keys():
 SLOW_WIRE = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0,
                       optimizer_bytes_per_s=1e30)
 """10 ms on the wire for each 10 kB hand-off of TWO_SENDERS, no latency, no overheads."""
-TWO_SENDERS = Profile.from_layer_costs([LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0,
-                                                  saved_bytes=0, output_bytes=10_000, parameter_bytes=0)] * 2,
-                                       input_bytes=0)
+HANDOFF = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
+                    parameter_bytes=0)
+"""A layer of F 1 ms, B 2 ms, that sends 10 kB on."""
+TWO_SENDERS = Profile.from_layer_costs([HANDOFF] * 2, input_bytes=0)
 """Two layers: F 1 ms, B 2 ms, 10 kB sent on."""
 
 
@@ -209,17 +210,14 @@ def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_po
     # GPipe's own receives (49 ms, above); inside one node 29 ms.
     from autotune.simulate import simulate_costs
 
-    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
-                     parameter_bytes=0)
-    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
     actions = [[Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)],
                [Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0), Action(1, "B", 1)]]
     runtime = Candidate(schedule=Schedule.LOOPED_BFS, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
                         layers_per_stage=(1, 1))
 
     def step(candidate: Candidate, per_node: int) -> float:
-        return simulate_costs([cost, cost], candidate, input_bytes=0, optimizer_ms_per_byte=0.0,
-                              optimizer_state_ratio=0.0, link=link, actions=actions,
+        return simulate_costs([HANDOFF, HANDOFF], candidate, input_bytes=0, optimizer_ms_per_byte=0.0,
+                              optimizer_state_ratio=0.0, link=SLOW_WIRE, actions=actions,
                               gpus_per_node=per_node).step_time_ms
 
     assert step(runtime, 2) == pytest.approx(29.0)
@@ -233,9 +231,7 @@ def test_across_nodes_a_receive_posted_after_its_send_waits_for_the_sender_as_in
     # when rank 0's collective thread wakes (0.5 ms: F1 at 4.5) or B0 ends (6, with a 5 ms wake), as inside a node.
     # Traced on the unshaped link (bench/internode.py, 1F1B m8): each such receive arrived 1.4-1.8 ms after its
     # post, when the sender's backward ended.
-    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
-                     parameter_bytes=0)
-    prof = Profile.from_layer_costs([cost, cost], input_bytes=0, device="cpu")
+    prof = TWO_SENDERS
     link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
                      late_receives_wake=True, collective_wake_ms=0.5)
     c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
@@ -280,16 +276,14 @@ def test_across_nodes_one_way_tensors_go_in_the_order_they_were_ready_not_the_or
     # at 20 Mbit/s (bench/internode.py: 373 ms measured, 316 predicted that way, 370 now).
     from autotune.simulate import simulate_costs
 
-    cost = LayerCost(forward_ms=1.0, backward_input_ms=2.0, backward_weight_ms=0.0, saved_bytes=0, output_bytes=10_000,
-                     parameter_bytes=0)
-    link = LinkModel(bandwidth_bytes_per_s=1e6, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30)
     actions = [[Action(0, "F", 0), Action(0, "F", 1), Action(2, "F", 0), Action(2, "B", 0), Action(2, "F", 1),
                 Action(2, "B", 1), Action(0, "B", 0), Action(0, "B", 1)],
                [Action(1, "F", 0), Action(1, "B", 0), Action(1, "F", 1), Action(1, "B", 1)]]
     runtime = Candidate(schedule=Schedule.LOOPED_BFS, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
                         layers_per_stage=(1, 1, 1))
-    estimate = simulate_costs([cost] * 3, runtime, input_bytes=0, optimizer_ms_per_byte=0.0, optimizer_state_ratio=0.0,
-                              link=link, actions=actions, gpus_per_node=1, with_timeline=True)
+    estimate = simulate_costs([HANDOFF] * 3, runtime, input_bytes=0, optimizer_ms_per_byte=0.0,
+                              optimizer_state_ratio=0.0, link=SLOW_WIRE, actions=actions, gpus_per_node=1,
+                              with_timeline=True)
     assert estimate.step_time_ms == pytest.approx(91.0)
     rank1 = {(e.kind, e.stage, e.microbatch): e.start_ms for e in estimate.timeline if e.rank == 1}
     assert rank1[("B", 1, 0)] == pytest.approx(42.0)
