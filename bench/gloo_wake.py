@@ -10,6 +10,14 @@ COLLECTIVE_WAKE_CPU_MS): three measurements in two one-thread rank processes ove
    DDP's sync adds, and what each more bucket adds.
 3. The same model under FSDP2 (fully_shard per block, no reshard after forward), 1 and 2 ranks: what each unit's
    all-gather (forward) and reduce-scatter (backward) adds beyond the half-batch compute.
+4. By unit size (--widths): 8 Linear(W, W) blocks, batch 32 over the ranks, alone, under DDP and under FSDP2 as in 2
+   and 3, so that what a collective costs splits into a fixed part (the wake) and a part per byte (gloo's rate,
+   which is not the point-to-point one: autotune.simulate.COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S and
+   LinkModel.all_gather_passes and reduce_scatter_passes read the fit).
+5. FSDP2's hooks (--widths): the same 8 units, 2 ranks, 4 micro-batches of 8 a step as torch's pipeline stage runs
+   them (gradient sync, resharding after backward and the last backward's flag on the last only): micro-batches
+   2-4, whose units are gathered already, against the same module unsharded: what each unit costs a forward and a
+   backward (autotune.simulate.SHARD_UNIT_OVERHEAD_CPU_MS).
 
 Not a test: timings on a shared machine are noise; run it with nothing else busy and read bench/results/gloo_wake.md.
 """
@@ -32,11 +40,36 @@ MODEL = Path(__file__).resolve().parent / "models" / "mlp13.py"
 BATCH = 256
 
 
-def _model() -> Any:
+def _model(width: int = 0) -> Any:
+    if width:
+        return _Uniform(width)
     spec = importlib.util.spec_from_file_location("mlp13", MODEL)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+class _Uniform:
+    """8 Linear(width, width) + ReLU blocks, batch 32: the same FSDP2 units at one size."""
+
+    BLOCKS, BATCH = 8, 32
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def build_model(self) -> Any:
+        import torch
+
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(self.width, self.width), torch.nn.ReLU())
+                                     for _ in range(self.BLOCKS)])
+
+    def make_batch(self, batch: int) -> Any:
+        import torch
+
+        return torch.randn(batch, self.width), torch.randn(batch, self.width)
+
+    def loss_fn(self, out: Any, y: Any) -> Any:
+        return ((out - y) ** 2).mean()
 
 
 def _median_ms(values: list[float]) -> float:
@@ -66,14 +99,14 @@ def wake(rank: int, steps: int) -> dict[str, float]:
     return out
 
 
-def ddp(rank: int, steps: int, variant: str) -> dict[str, float]:
+def ddp(rank: int, steps: int, variant: str, width: int = 0) -> dict[str, float]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    module = _model()
+    module = _model(width)
     torch.manual_seed(0)
     model = module.build_model()
-    x, y = module.make_batch(BATCH // 2)
+    x, y = module.make_batch((_Uniform.BATCH if width else BATCH) // 2)
     net = model
     if variant != "alone":
         cap = 25.0 if variant == "DDP" else 0.25
@@ -89,12 +122,12 @@ def ddp(rank: int, steps: int, variant: str) -> dict[str, float]:
     return {"forward + backward": _median_ms(times[3:])}
 
 
-def fsdp(rank: int, world: int, steps: int) -> dict[str, float]:
+def fsdp(rank: int, world: int, steps: int, width: int = 0) -> dict[str, float]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    module = _model()
+    module = _model(width)
     torch.manual_seed(0)
     model = module.build_model()
     mesh = init_device_mesh("cpu", (world,))
@@ -102,7 +135,7 @@ def fsdp(rank: int, world: int, steps: int) -> dict[str, float]:
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    x, y = module.make_batch(BATCH // world)
+    x, y = module.make_batch((_Uniform.BATCH if width else BATCH) // world)
     forward, backward = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -116,7 +149,44 @@ def fsdp(rank: int, world: int, steps: int) -> dict[str, float]:
     return {"units": len(units), "forward": _median_ms(forward[3:]), "backward": _median_ms(backward[3:])}
 
 
-def rank_main(rank: int, world: int, port: int, what: str, steps: int, queue: Any) -> None:
+def hooks(rank: int, world: int, steps: int, width: int) -> dict[str, float]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    module = _Uniform(width)
+    torch.manual_seed(0)
+    plain, sharded = module.build_model(), module.build_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in sharded:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(8, width)
+    times: dict[str, list[float]] = {"plain F": [], "plain B": [], "FSDP2 F": [], "FSDP2 B": []}
+    for step in range(steps):
+        for name, net in (("plain", plain), ("FSDP2", sharded)):
+            torch.distributed.barrier()
+            for i in range(4):
+                last = i == 3
+                if net is sharded:
+                    net.set_requires_gradient_sync(last)
+                    net.set_reshard_after_backward(last)
+                    net.set_is_last_backward(last)
+                t0 = time.perf_counter()
+                out = net(x)
+                t1 = time.perf_counter()
+                out.square().mean().backward()
+                t2 = time.perf_counter()
+                if step >= 3 and 0 < i < 3:  # gathered already, no reduce-scatter after
+                    times[f"{name} F"].append(t1 - t0)
+                    times[f"{name} B"].append(t2 - t1)
+            net.zero_grad()
+    units = _Uniform.BLOCKS
+    return {"forward": (_median_ms(times["FSDP2 F"]) - _median_ms(times["plain F"])) / units,
+            "backward": (_median_ms(times["FSDP2 B"]) - _median_ms(times["plain B"])) / units}
+
+
+def rank_main(rank: int, world: int, port: int, what: str, steps: int, queue: Any, width: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
@@ -126,22 +196,24 @@ def rank_main(rank: int, world: int, port: int, what: str, steps: int, queue: An
     try:
         if what == "wake":
             result = wake(rank, steps)
+        elif what == "hooks":
+            result = hooks(rank, world, steps, width)
         elif what.startswith("fsdp"):
-            result = fsdp(rank, world, steps)
+            result = fsdp(rank, world, steps, width)
         else:
-            result = ddp(rank, steps, what)
+            result = ddp(rank, steps, what, width)
         if rank == 0:
             queue.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def run(what: str, world: int, steps: int, port: int) -> dict[str, float]:
+def run(what: str, world: int, steps: int, port: int, width: int = 0) -> dict[str, float]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, what, steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, what, steps, queue, width)) for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get(timeout=300)
@@ -150,12 +222,74 @@ def run(what: str, world: int, steps: int, port: int) -> dict[str, float]:
     return result
 
 
+SIZE_HEADER = ["width", "run", "unit MiB", "alone (half batch)", "DDP sync", "FSDP2 forward, 1 rank",
+               "FSDP2 forward, 2 ranks", "per all-gather", "FSDP2 backward, 1 rank", "FSDP2 backward, 2 ranks",
+               "per reduce-scatter", "hooks per unit, forward", "hooks per unit, backward"]
+
+
+def widths(values: list[int], repeats: int, steps: int) -> list[list[Any]]:
+    """Part 4: per width and run, DDP's sync (what it adds to the half batch alone) and what each FSDP2 unit's
+    all-gather and reduce-scatter add beyond the half-batch compute."""
+    rows, port = [], 29700
+    for repeat in range(repeats):
+        for width in values:
+            port += 5
+            alone = run("alone", 1, steps, port, width)["forward + backward"]
+            synced = run("DDP", 2, steps, port + 1, width)["forward + backward"]
+            one = run("fsdp", 1, steps, port + 2, width)
+            two = run("fsdp", 2, steps, port + 3, width)
+            units = int(two["units"])
+            rows.append([width, repeat + 1, round(4 * (width * width + width) / 2**20, 3), round(alone, 2),
+                         round(synced - alone, 2), round(one["forward"], 2), round(two["forward"], 2),
+                         round((two["forward"] - one["forward"] / 2) / units, 3), round(one["backward"], 2),
+                         round(two["backward"], 2), round((two["backward"] - one["backward"] / 2) / units, 3)])
+            hook = run("hooks", 2, steps, port + 4, width)
+            rows[-1] += [round(hook["forward"], 3), round(hook["backward"], 3)]
+            print(rows[-1], flush=True)
+    return rows
+
+
+def fit_rows(rows: list[list[Any]]) -> list[list[Any]]:
+    """ms = fixed + MiB x slope over the widths (medians of the runs): DDP's sync against the model's bytes, the
+    FSDP2 collectives per unit against the unit's."""
+    by_width: dict[int, list[list[Any]]] = {}
+    for row in rows:
+        by_width.setdefault(row[0], []).append(row)
+    units = _Uniform.BLOCKS
+    points = {"DDP all-reduce (per step)": [], "FSDP2 all-gather (per unit)": [],
+              "FSDP2 reduce-scatter (per unit)": []}
+    for group in by_width.values():
+        mib = group[0][2]
+        points["DDP all-reduce (per step)"].append((mib * units, statistics.median(r[4] for r in group)))
+        points["FSDP2 all-gather (per unit)"].append((mib, statistics.median(r[7] for r in group)))
+        points["FSDP2 reduce-scatter (per unit)"].append((mib, statistics.median(r[10] for r in group)))
+    out = []
+    for name, xy in points.items():
+        if len(xy) < 2:
+            continue
+        mx, my = statistics.fmean(x for x, _ in xy), statistics.fmean(y for _, y in xy)
+        slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        out.append([name, round(my - slope * mx, 2), round(slope, 3),
+                    round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
+    out.append(["FSDP2 hooks per unit, gathered (median forward / backward)",
+                f"{statistics.median(r[11] for r in rows):.3f} / {statistics.median(r[12] for r in rows):.3f}",
+                "-", "-"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (one row each)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--widths", type=int, nargs="*", default=[256, 512, 1024, 1448],
+                        help="part 4's block widths (unit bytes 4 W^2)")
+    parser.add_argument("--only-widths", action="store_true", help="part 4 alone (prints; writes nothing)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    size_rows = widths(args.widths, args.repeats, args.steps)
+    if args.only_widths:
+        _results.show({"by unit size": _results.markdown_table(SIZE_HEADER, size_rows)})
+        return
 
     port = 29600
     wake_rows, ddp_rows, fsdp_rows = [], [], []
@@ -185,15 +319,22 @@ def main() -> None:
         "mlp13 under FSDP2, batch 256 over the ranks (median ms)": _results.markdown_table(
             ["run", "units", "forward, 1 rank", "forward, 2 ranks", "per all-gather beyond half the compute",
              "backward, 1 rank", "backward, 2 ranks", "per reduce-scatter beyond half the compute"], fsdp_rows),
+        "by unit size: 8 Linear(W, W) blocks, batch 32 over 2 ranks (median ms)": _results.markdown_table(
+            SIZE_HEADER, size_rows),
+        "by unit size: a fixed part and a rate, least squares over the widths' medians": _results.markdown_table(
+            ["collective", "fixed ms (per unit, or per step for DDP)", "ms per MiB of the tensor",
+             "GB/s of the tensor"], fit_rows(size_rows)),
     }
     if args.no_write:
         _results.show(tables)
         return
     notes = ("DDP's sync costs the step what its column adds to 'one rank alone' (all of it: on the CPU stand-in "
              "the bucket all-reduces take the rank's own time). autotune.simulate.COLLECTIVE_WAKE_CPU_MS reads these "
-             "figures.")
+             "figures; COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S, LinkModel.all_gather_passes / reduce_scatter_passes "
+             "(cpu) and SHARD_UNIT_OVERHEAD_CPU_MS read the last two tables.")
     _results.write("gloo_wake", title="What a gloo collective costs a CPU rank beyond its wire time",
-                          device="cpu", tables=tables, data={"wake": wake_rows, "ddp": ddp_rows, "fsdp": fsdp_rows},
+                          device="cpu", tables=tables, data={"wake": wake_rows, "ddp": ddp_rows, "fsdp": fsdp_rows,
+                                                            "sizes": size_rows},
                           notes=notes)
 
 
