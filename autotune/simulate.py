@@ -75,6 +75,27 @@ CPU_COMPUTE_SLOWDOWN = 0.12
 CPU_STEP_OVERHEAD_MS = 0.8
 """Once per step and rank outside its actions (traced fit's intercept)."""
 
+COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S = 1.05e9
+"""What gloo's collectives get per byte of a ring step on the CPU stand-in, where the rank's own thread and gloo's
+share a core. `python bench/gloo_wake.py --repeats 2` part 4 (8 Linear(W, W) units, W 256-1448: 0.25-8 MiB a unit;
+2 one-thread ranks), least squares over the widths, ms per MiB of the tensor beyond a fixed 1.4-2.0 ms
+(COLLECTIVE_WAKE_CPU_MS): DistributedDataParallel's sync 0.72, FSDP2's all-gather 0.89 and its reduce-scatter 1.30
+a unit (three earlier runs: 0.72, 0.86, 1.38), where the ring over the point-to-point 3 GB/s charged 0.35, 0.17
+and 0.17. gloo's collectives alone, back to back, 16 MiB: all-gather 9.9, all-reduce 13.3, reduce-scatter 20-22 ms
+(medians; /tmp script, not committed). So here an all-gather costs
+about an all-reduce's two ring passes of its tensor and a reduce-scatter three (LinkModel.all_gather_passes,
+reduce_scatter_passes), at one rate: 1.05 GB/s, 1.0 ms per MiB for the first two and 1.5 for the reduce-scatter.
+Checked on whole trials, recipes/mlp.py dp 2 at B 64 (8.9 MB of gradients in 10 units), 1F1B: replicate m1 and m4
+24.2 and 39.3 ms measured, 19.1 and 33.8 predicted with the ring over 3 GB/s, 24.3 and 37.6 with this."""
+
+SHARD_UNIT_OVERHEAD_CPU_MS = 0.2
+"""FSDP2's hooks per unit and compute action on the CPU stand-in, the unit already gathered: `python
+bench/gloo_wake.py` part 5 (8 units, 2 ranks, micro-batches 2-4 of a step under FSDP2 against the same module
+unsharded): medians 0.21 ms per unit a forward and 0.21 a backward (0.13-0.36 by width and run, more for the
+larger units).
+Checked on whole trials with the collectives' terms above, recipes/mlp.py dp 2 at B 64 (10 units), 1F1B, shard m1
+and m4: 74.5 and 102.5 ms measured, 54.2 and 69.0 predicted before, 72.6 and 98.7 with both."""
+
 COLLECTIVE_WAKE_CPU_MS = 2.0
 """What a collective a CPU rank waits for costs beyond its wire time: gloo's threads sleep while the rank computes,
 and waking them is slow on a VM (up to a 4 ms scheduler tick at the development machine's 250 Hz).
@@ -147,6 +168,21 @@ class LinkModel:
     gradient_sync_overlaps: bool = True
     """Whether DistributedDataParallel's bucketed all-reduces run beside the backward that fills them (NCCL on its
     own stream); False where they take the rank's own time (gloo on the CPU core the rank computes on)."""
+    collective_bandwidth_bytes_per_s: float | None = None
+    """What a data-parallel collective inside a node gets per byte of each ring step (DDP's all-reduce, FSDP2's
+    all-gathers and reduce-scatters); None: the point-to-point bandwidth (NCCL's rings). gloo on the CPU stand-in
+    moves a collective's bytes at well under a send's rate (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    all_gather_passes: int = 1
+    """Ring passes an all-gather costs: 1, half an all-reduce (NCCL's rings); 2 on the CPU stand-in, where FSDP2's
+    all-gather over gloo costs about what an all-reduce of the same tensor does (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S
+    says what was measured)."""
+    reduce_scatter_passes: int = 1
+    """Ring passes a reduce-scatter costs: 1 (NCCL); 3 on the CPU stand-in, where gloo's reduce-scatter is slower
+    than its all-reduce of the same tensor (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    shard_unit_overhead_ms: float = 0.0
+    """What FSDP2's hooks cost a rank per sharded unit and compute action, its parameters already gathered (its
+    pre/post-forward and pre/post-backward work on the rank's thread); 0 where it was not measured (cuda: the hooks
+    run ahead of the GPU's kernels). CPU: SHARD_UNIT_OVERHEAD_CPU_MS."""
     collective_wake_ms: float = 0.0
     """What a data-parallel collective the rank waits for costs it beyond the wire time, where the collectives'
     threads sleep while the rank computes (gloo on the CPU stand-in, COLLECTIVE_WAKE_CPU_MS): paid by each FSDP2
@@ -184,7 +220,10 @@ class LinkModel:
                     "compute_slowdown": CPU_COMPUTE_SLOWDOWN, "step_overhead_ms": CPU_STEP_OVERHEAD_MS,
                     "sends_on_rank": True, "late_receives_wake": True,
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
-                    "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS}
+                    "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
+                    "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
+                    "all_gather_passes": 2, "reduce_scatter_passes": 3,
+                    "shard_unit_overhead_ms": SHARD_UNIT_OVERHEAD_CPU_MS}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s",
@@ -206,13 +245,13 @@ class LinkModel:
 
     def all_gather_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """All-gather of a tensor of nbytes (whole, gathered) from world_size equal shards: half an all-reduce
-        (ring_ms, 1 pass): FSDP2's unshard."""
-        return self.ring_ms(nbytes, world_size, n_nodes, passes=1)
+        (ring_ms, all_gather_passes passes): FSDP2's unshard."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.all_gather_passes)
 
     def reduce_scatter_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """Reduce-scatter of nbytes (whole, before scattering) into world_size shards: the other half of an
-        all-reduce (ring_ms, 1 pass): FSDP2's gradient reduction."""
-        return self.ring_ms(nbytes, world_size, n_nodes, passes=1)
+        all-reduce (ring_ms, reduce_scatter_passes passes): FSDP2's gradient reduction."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.reduce_scatter_passes)
 
     def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: int) -> float:
         """`passes` ring passes over nbytes (1: reduce-scatter or all-gather, 2: all-reduce), each d-1 steps of
@@ -222,7 +261,8 @@ class LinkModel:
             return 0.0
         if n_nodes <= 1:
             steps = passes * (world_size - 1)
-            return steps * (self.latency_s + nbytes / world_size / self.bandwidth_bytes_per_s) * 1e3
+            bandwidth = self.collective_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+            return steps * (self.latency_s + nbytes / world_size / bandwidth) * 1e3
         k = max(1, world_size // n_nodes)
         inside = self.ring_ms(nbytes, k, passes=passes) if k > 1 else 0.0
         far = self.across_nodes()
@@ -239,6 +279,7 @@ class LinkModel:
             inter_node_bandwidth_bytes_per_s=None,
             inter_node_latency_s=None,
             inter_node_allreduce_bandwidth_bytes_per_s=None,
+            collective_bandwidth_bytes_per_s=None,  # across nodes: the probed all-reduce's rate, or the link's
         )
 
     def with_probe(
@@ -1237,12 +1278,14 @@ def _add_shard_costs(
     rest = [link.all_gather_ms(c - b, dp, n_nodes) for c, b in zip(stages.working_copy_bytes,
                                                                      stages.gather_unit_bytes)]
     reduce = [link.reduce_scatter_ms(g, dp, n_nodes) for g in stages.unsharded_grad_bytes]
+    hooks = [link.shard_unit_overhead_ms * n for n in stages.shard_units]
     if link.collective_wake_ms:  # each unit's collective is waited for on its own (LinkModel.collective_wake_ms)
         unit = [u + link.collective_wake_ms * n for u, n in zip(unit, stages.shard_units)]
         reduce = [r + link.collective_wake_ms * n for r, n in zip(reduce, stages.shard_units)]
     gather_ms = [0.0] * candidate.pipeline_degree
     reduce_ms = [0.0] * candidate.pipeline_degree
     for a, s in enumerate(plan.stage):
+        dur[a] += hooks[s]
         if walk.gathers[a]:
             dur[a] += unit[s] + max(0.0, rest[s] - dur[a])
             gather_ms[plan.rank[a]] += unit[s] + rest[s]

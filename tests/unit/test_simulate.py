@@ -602,8 +602,40 @@ def test_all_gather_and_reduce_scatter_are_the_halves_of_the_all_reduce():
     assert link.all_gather_ms(8e6, 1) == link.reduce_scatter_ms(0, 4) == 0.0
 
 
+def test_collectives_inside_a_node_go_at_their_own_rate_and_passes_and_across_at_the_links():
+    """gloo on the CPU stand-in: a collective's ring steps go at 0.5 GB/s here, not a send's 1 GB/s, an all-gather
+    costs two passes and a reduce-scatter three. 8 MB over 2 ranks: a pass is 1 step of 4 MB, 8 ms; across 2 nodes
+    of 1 the inter-node link's own rate (0.25 GB/s: 16 ms a pass), not the collectives' rate inside a node."""
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
+                     collective_bandwidth_bytes_per_s=0.5e9, all_gather_passes=2, reduce_scatter_passes=3,
+                     inter_node_bandwidth_bytes_per_s=0.25e9)
+    assert link.allreduce_ms(8e6, 2) == pytest.approx(16.0)
+    assert link.all_gather_ms(8e6, 2) == pytest.approx(16.0)
+    assert link.reduce_scatter_ms(8e6, 2) == pytest.approx(24.0)
+    assert link.transfer_ms(4e6) == pytest.approx(4.0)  # sends keep the point-to-point rate
+    assert link.allreduce_ms(8e6, 2, n_nodes=2) == pytest.approx(32.0)
+    assert link.reduce_scatter_ms(8e6, 2, n_nodes=2) == pytest.approx(48.0)
+    cpu, cuda = LinkModel.for_device("cpu"), LinkModel.for_device("cuda")
+    assert cpu.collective_bandwidth_bytes_per_s < cpu.bandwidth_bytes_per_s
+    assert (cpu.all_gather_passes, cpu.reduce_scatter_passes) == (2, 3) and cpu.shard_unit_overhead_ms > 0
+    assert cuda.collective_bandwidth_bytes_per_s is None and cuda.shard_unit_overhead_ms == 0.0
+    assert (cuda.all_gather_passes, cuda.reduce_scatter_passes) == (1, 1)
+
+
 WIRE_1GBS = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0,
                       optimizer_bytes_per_s=1e12)
+
+
+def test_fsdp2s_hooks_cost_each_action_per_sharded_unit():
+    """The keep case below (F0 B0 F1 B1 on one rank, two sharded units) with 0.5 ms per unit and action: 4 actions
+    x 2 units x 0.5 ms on the rank's own time; a replicated candidate pays none of it."""
+    prof = Profile.from_layer_costs([layer(f=1.0, b=1.0, w=1.0, params=4_000_000)] * 2)
+    hooked = dataclasses.replace(WIRE_1GBS, shard_unit_overhead_ms=0.5)
+    shard = candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2, data_parallel_mode="shard")
+    assert simulate(prof, shard, link=hooked).step_time_ms == pytest.approx(
+        simulate(prof, shard, link=WIRE_1GBS).step_time_ms + 4.0)
+    replicate = candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2)
+    assert simulate(prof, replicate, link=hooked).step_time_ms == simulate(prof, replicate, link=WIRE_1GBS).step_time_ms
 
 
 @pytest.mark.parametrize(
