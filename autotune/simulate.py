@@ -78,23 +78,31 @@ CPU_STEP_OVERHEAD_MS = 0.8
 COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S = 1.05e9
 """What gloo's collectives get per byte of a ring step on the CPU stand-in, where the rank's own thread and gloo's
 share a core. `python bench/gloo_wake.py --repeats 2` part 4 (8 Linear(W, W) units, W 256-1448: 0.25-8 MiB a unit;
-2 one-thread ranks), least squares over the widths, ms per MiB of the tensor beyond a fixed 1.4-2.0 ms
-(COLLECTIVE_WAKE_CPU_MS): DistributedDataParallel's sync 0.72, FSDP2's all-gather 0.89 and its reduce-scatter 1.30
-a unit (three earlier runs: 0.72, 0.86, 1.38), where the ring over the point-to-point 3 GB/s charged 0.35, 0.17
-and 0.17. gloo's collectives alone, back to back, 16 MiB: all-gather 9.9, all-reduce 13.3, reduce-scatter 20-22 ms
-(medians; /tmp script, not committed). So here an all-gather costs
-about an all-reduce's two ring passes of its tensor and a reduce-scatter three (LinkModel.all_gather_passes,
+2 one-thread ranks), least squares over the widths, ms per MiB of the tensor beyond a fixed 1.6-2.0 ms
+(COLLECTIVE_WAKE_CPU_MS): DistributedDataParallel's sync 0.59, FSDP2's all-gather 0.95 and its reduce-scatter 1.34
+a unit (bench/results/gloo_wake.md; two earlier runs: 0.72, 0.89, 1.30 and 0.72, 0.86, 1.38), where the ring over
+the point-to-point 3 GB/s charged 0.35, 0.17 and 0.17. gloo's collectives alone, back to back, 16 MiB: all-gather
+9.9, all-reduce 13.3, reduce-scatter 20-22 ms (medians; a /tmp script). So here an all-gather costs about an
+all-reduce's two ring passes of its tensor and a reduce-scatter three (LinkModel.all_gather_passes,
 reduce_scatter_passes), at one rate: 1.05 GB/s, 1.0 ms per MiB for the first two and 1.5 for the reduce-scatter.
 Checked on whole trials, recipes/mlp.py dp 2 at B 64 (8.9 MB of gradients in 10 units), 1F1B: replicate m1 and m4
 24.2 and 39.3 ms measured, 19.1 and 33.8 predicted with the ring over 3 GB/s, 24.3 and 37.6 with this."""
 
-SHARD_UNIT_OVERHEAD_CPU_MS = 0.2
-"""FSDP2's hooks per unit and compute action on the CPU stand-in, the unit already gathered: `python
-bench/gloo_wake.py` part 5 (8 units, 2 ranks, micro-batches 2-4 of a step under FSDP2 against the same module
-unsharded): medians 0.21 ms per unit a forward and 0.21 a backward (0.13-0.36 by width and run, more for the
-larger units).
-Checked on whole trials with the collectives' terms above, recipes/mlp.py dp 2 at B 64 (10 units), 1F1B, shard m1
-and m4: 74.5 and 102.5 ms measured, 54.2 and 69.0 predicted before, 72.6 and 98.7 with both."""
+SHARD_UNIT_OVERHEAD_CPU_MS = 0.18
+SHARD_UNIT_OVERHEAD_CPU_MS_PER_MIB = 0.015
+"""FSDP2's hooks per unit and compute action on the CPU stand-in, the unit already gathered, and what they cost more
+per MiB of the unit's parameters: `python bench/gloo_wake.py --repeats 2` part 5 (8 units, 2 ranks, micro-batches
+2-4 of a step under FSDP2 against the same module unsharded; least squares over units of 0.25-8 MiB of the mean
+of a forward's and a backward's: 0.18 ms + 0.015 ms per MiB; an earlier run 0.15 + 0.024). Whole models the same
+way (a /tmp script, 4 micro-batches of 8): bench/models/mlp13.py 0.19 / 0.16 ms a forward / backward (0.25 MiB
+units), recipes/gpt.py 0.25 / 0.21 (0.19 MiB, 12 tensors a block), recipes/mlp.py 0.34 / 0.38 (up to 4 MiB)."""
+
+SHARDED_OPTIMIZER_GROUP_CPU_MS = 0.4
+"""AdamW over FSDP2's DTensor shards on the CPU stand-in, per parameter-holding module beyond half the unsharded
+step: `python bench/gloo_wake.py --repeats 2` part 5 (one Linear per unit: median 0.45 ms, 0.39-1.0 over units
+of 0.25-8 MiB); whole models the same way (a /tmp script): recipes/gpt.py 14.8 ms against 3.4 unsharded (40
+modules: 0.33 each), bench/models/mlp13.py 8.0 against 3.2 (13: 0.49), recipes/mlp.py 10.6 against 8.4 (10:
+0.64)."""
 
 COLLECTIVE_WAKE_CPU_MS = 2.0
 """What a collective a CPU rank waits for costs beyond its wire time: gloo's threads sleep while the rank computes,
@@ -179,10 +187,18 @@ class LinkModel:
     reduce_scatter_passes: int = 1
     """Ring passes a reduce-scatter costs: 1 (NCCL); 3 on the CPU stand-in, where gloo's reduce-scatter is slower
     than its all-reduce of the same tensor (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    sharded_optimizer_group_ms: float = 0.0
+    """What the optimizer step costs a sharded rank per parameter-holding module beyond its shards' bytes: stepping
+    DTensors a tensor at a time goes through DTensor's dispatch for each op (torch's default AdamW off CUDA); 0 where
+    it was not measured (cuda: foreach steps a list at once). CPU: SHARDED_OPTIMIZER_GROUP_CPU_MS."""
     shard_unit_overhead_ms: float = 0.0
     """What FSDP2's hooks cost a rank per sharded unit and compute action, its parameters already gathered (its
     pre/post-forward and pre/post-backward work on the rank's thread); 0 where it was not measured (cuda: the hooks
     run ahead of the GPU's kernels). CPU: SHARD_UNIT_OVERHEAD_CPU_MS."""
+    shard_unit_overhead_ms_per_mib: float = 0.0
+    """What FSDP2's hooks cost beyond shard_unit_overhead_ms per MiB of the unit's parameters, per compute action
+    (larger units cost more: the gradients a backward accumulates unsharded between syncs, among others); 0 where
+    it was not measured (cuda). CPU: SHARD_UNIT_OVERHEAD_CPU_MS_PER_MIB."""
     collective_wake_ms: float = 0.0
     """What a data-parallel collective the rank waits for costs it beyond the wire time, where the collectives'
     threads sleep while the rank computes (gloo on the CPU stand-in, COLLECTIVE_WAKE_CPU_MS): paid by each FSDP2
@@ -223,7 +239,9 @@ class LinkModel:
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
                     "all_gather_passes": 2, "reduce_scatter_passes": 3,
-                    "shard_unit_overhead_ms": SHARD_UNIT_OVERHEAD_CPU_MS}
+                    "shard_unit_overhead_ms": SHARD_UNIT_OVERHEAD_CPU_MS,
+                    "shard_unit_overhead_ms_per_mib": SHARD_UNIT_OVERHEAD_CPU_MS_PER_MIB,
+                    "sharded_optimizer_group_ms": SHARDED_OPTIMIZER_GROUP_CPU_MS}
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s",
@@ -576,6 +594,9 @@ def simulate_costs(
     # One step per rank over its stages (sharded: over its shards): the fixed cost once, the rest by bytes.
     optimizer_ms = [(optimizer_call_ms + p / shards * optimizer_ms_per_byte) * (1.0 + link.compute_slowdown) if p
                     else 0.0 for p in rank_params]
+    if candidate.sharded and link.sharded_optimizer_group_ms:  # stepping DTensors, a module's tensors at a time
+        for s, r in enumerate(plan.stage_rank):
+            optimizer_ms[r] += link.sharded_optimizer_group_ms * stages.shard_groups[s]
     if candidate.sharded:  # the reduce-scatters are in the last backwards' durations (_add_shard_costs)
         allreduce_ms = [0.0] * pp
         sync_end = rank_end
@@ -1021,6 +1042,9 @@ class _StageCosts:
     shard_units: list[int]
     """Sharded: the stage's FSDP2 units (its blocks that hold parameters, each fully_shard-ed: one collective each
     per gather and per reduce-scatter); 0 replicated."""
+    shard_groups: list[int]
+    """Sharded: the stage's modules holding parameters of their own (LayerCost.parameter_groups, at least one per
+    layer with parameters): their DTensor shards are what the optimizer steps through; 0 replicated."""
     forward_copy_bytes: list[int]
     """Sharded with reshard_after_forward: what a forward that gathers holds at once (two units, the one computing
     and the next, prefetched); 0 otherwise."""
@@ -1180,6 +1204,8 @@ def _stage_costs(
         result["working_copy_bytes"].append(copy)
         result["gather_unit_bytes"].append(int(min(largest, stage_parameters) * param_factor) if sharded else 0)
         result["shard_units"].append(sum(1 for p in parameter_bytes[a:b] if p) if sharded else 0)
+        result["shard_groups"].append(sum(max(1, c.parameter_groups) for c in costs[a:b] if c.parameter_bytes)
+                                      if sharded else 0)
         two_units = int(min(2 * largest, stage_parameters) * param_factor)
         result["forward_copy_bytes"].append(two_units if sharded and candidate.reshard_after_forward else 0)
         result["gather_buffer_bytes"].append(int(gather_buffer_bytes(largest, candidate=candidate)))
@@ -1278,7 +1304,8 @@ def _add_shard_costs(
     rest = [link.all_gather_ms(c - b, dp, n_nodes) for c, b in zip(stages.working_copy_bytes,
                                                                      stages.gather_unit_bytes)]
     reduce = [link.reduce_scatter_ms(g, dp, n_nodes) for g in stages.unsharded_grad_bytes]
-    hooks = [link.shard_unit_overhead_ms * n for n in stages.shard_units]
+    hooks = [link.shard_unit_overhead_ms * n + link.shard_unit_overhead_ms_per_mib * p / 2**20
+             for n, p in zip(stages.shard_units, stages.parameter_bytes)]
     if link.collective_wake_ms:  # each unit's collective is waited for on its own (LinkModel.collective_wake_ms)
         unit = [u + link.collective_wake_ms * n for u, n in zip(unit, stages.shard_units)]
         reduce = [r + link.collective_wake_ms * n for r, n in zip(reduce, stages.shard_units)]

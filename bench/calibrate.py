@@ -8,6 +8,8 @@ run each as a real trial (2 ranks), --passes times interleaved (medians), and co
 --memory-only: peak memory alone (deterministic on the CPU stand-in: its tracker counts live tensor bytes), one
 pass of one step per configuration, step times not reported; --models adds model files (bench/models/*.py) to the
 recipes. Exits 1 when any configuration's predicted peak is off by more than --peak-tolerance (default 5 %).
+--data-parallel calibrates pp 1 x dp 2 instead (both ranks one replica each, DistributedDataParallel or FSDP2):
+what the pipeline candidates leave out, the data-parallel collectives.
 The step-time run exits 1 when a model misses issue 24's goals (MAPE <= 10 %, every schedule family <= 15 %,
 Spearman at or above the measurements' own pass-to-pass Spearman), after writing its results with a per-schedule
 table. --from-json FILE predicts a saved run's measurements again with the simulator as it is now (nothing is run).
@@ -75,15 +77,34 @@ def pick(planned: list, n: int) -> list:
     return list(chosen.values())[:n]
 
 
+def pick_data_parallel(planned: list, n: int) -> list:
+    """n pp 1 x dp 2 candidates: per way of holding the replicas (replicate, shard; keeping the gathered
+    parameters or resharding after forward), the fastest and a middling one, then spread over the ranking."""
+    by_mode: dict = {}
+    for p in planned:
+        by_mode.setdefault((p.candidate.data_parallel_mode, p.candidate.reshard_after_forward), []).append(p)
+    chosen: dict = {}
+    for entries in by_mode.values():
+        for p in (entries[0], entries[len(entries) // 2], entries[-1]):
+            chosen.setdefault(p.candidate.key, p)
+    stride = max(1, len(planned) // n)
+    for p in planned[::stride]:
+        if len(chosen) >= n:
+            break
+        chosen.setdefault(p.candidate.key, p)
+    return list(chosen.values())[:n]
+
+
 def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, device: str,
-              memory_only: bool = False) -> dict:
+              memory_only: bool = False, data_parallel: bool = False) -> dict:
     path = Path(recipe) if recipe.endswith(".py") else ROOT / "recipes" / f"{recipe}.py"
     spec = load_model_file(path)
     check_model(spec, batch_size)
     profile = profile_model(spec, batch_size=batch_size, device=device)
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
-    planned = [p for p in planned if p.candidate.data_parallel_degree == 1 and p.candidate.n_microbatches <= 64]
-    configs = pick(planned, n_configs)
+    dp = 2 if data_parallel else 1
+    planned = [p for p in planned if p.candidate.data_parallel_degree == dp and p.candidate.n_microbatches <= 64]
+    configs = pick_data_parallel(planned, n_configs) if data_parallel else pick(planned, n_configs)
     options = TrialOptions(steps=1 if memory_only else 5, warmup=2, device=device)
     measured: dict[str, list] = {p.candidate.key: [] for p in configs}
     started = time.time()
@@ -141,6 +162,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", nargs="*", default=[], help="model files to calibrate besides the recipes")
     parser.add_argument("--memory-only", action="store_true", help="peak memory only: one pass of one step")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="pp 1 x dp 2 candidates (replicate and FSDP2 shard) instead of pipelines")
     parser.add_argument("--peak-tolerance", type=float, default=0.05)
     parser.add_argument("--name", default="calibration", help="results file name under bench/results/")
     parser.add_argument("--from-json", type=Path,
@@ -155,7 +178,8 @@ def main() -> None:
                              r["pass_to_pass_spearman"], r["wall_s"]) for r in saved]
     else:
         results = [calibrate(r, batch_size=args.batch_size, n_configs=args.configs, passes=args.passes,
-                             device=args.device, memory_only=args.memory_only) for r in [*args.recipes, *args.models]]
+                             device=args.device, memory_only=args.memory_only, data_parallel=args.data_parallel)
+                   for r in [*args.recipes, *args.models]]
     if args.memory_only:
         memory_only_report(results, args)
         return

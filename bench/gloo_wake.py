@@ -17,7 +17,9 @@ COLLECTIVE_WAKE_CPU_MS): three measurements in two one-thread rank processes ove
 5. FSDP2's hooks (--widths): the same 8 units, 2 ranks, 4 micro-batches of 8 a step as torch's pipeline stage runs
    them (gradient sync, resharding after backward and the last backward's flag on the last only): micro-batches
    2-4, whose units are gathered already, against the same module unsharded: what each unit costs a forward and a
-   backward (autotune.simulate.SHARD_UNIT_OVERHEAD_CPU_MS).
+   backward (autotune.simulate.SHARD_UNIT_OVERHEAD_CPU_MS); and each one's AdamW step (torch's default on CPU: a
+   tensor at a time), FSDP2's over its DTensor shards beyond half the unsharded one's, per unit (one
+   parameter-holding module each: autotune.simulate.SHARDED_OPTIMIZER_GROUP_CPU_MS).
 
 Not a test: timings on a shared machine are noise; run it with nothing else busy and read bench/results/gloo_wake.md.
 """
@@ -162,7 +164,10 @@ def hooks(rank: int, world: int, steps: int, width: int) -> dict[str, float]:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
     x = torch.randn(8, width)
-    times: dict[str, list[float]] = {"plain F": [], "plain B": [], "FSDP2 F": [], "FSDP2 B": []}
+    times: dict[str, list[float]] = {"plain F": [], "plain B": [], "FSDP2 F": [], "FSDP2 B": [], "plain opt": [],
+                                     "FSDP2 opt": []}
+    optimizers = {"plain": torch.optim.AdamW(plain.parameters(), lr=1e-4),
+                  "FSDP2": torch.optim.AdamW(sharded.parameters(), lr=1e-4)}
     for step in range(steps):
         for name, net in (("plain", plain), ("FSDP2", sharded)):
             torch.distributed.barrier()
@@ -180,10 +185,14 @@ def hooks(rank: int, world: int, steps: int, width: int) -> dict[str, float]:
                 if step >= 3 and 0 < i < 3:  # gathered already, no reduce-scatter after
                     times[f"{name} F"].append(t1 - t0)
                     times[f"{name} B"].append(t2 - t1)
+            t3 = time.perf_counter()
+            optimizers[name].step()
+            times[f"{name} opt"].append(time.perf_counter() - t3)
             net.zero_grad()
     units = _Uniform.BLOCKS
     return {"forward": (_median_ms(times["FSDP2 F"]) - _median_ms(times["plain F"])) / units,
-            "backward": (_median_ms(times["FSDP2 B"]) - _median_ms(times["plain B"])) / units}
+            "backward": (_median_ms(times["FSDP2 B"]) - _median_ms(times["plain B"])) / units,
+            "optimizer": (_median_ms(times["FSDP2 opt"][3:]) - _median_ms(times["plain opt"][3:]) / world) / units}
 
 
 def rank_main(rank: int, world: int, port: int, what: str, steps: int, queue: Any, width: int = 0) -> None:
@@ -224,7 +233,8 @@ def run(what: str, world: int, steps: int, port: int, width: int = 0) -> dict[st
 
 SIZE_HEADER = ["width", "run", "unit MiB", "alone (half batch)", "DDP sync", "FSDP2 forward, 1 rank",
                "FSDP2 forward, 2 ranks", "per all-gather", "FSDP2 backward, 1 rank", "FSDP2 backward, 2 ranks",
-               "per reduce-scatter", "hooks per unit, forward", "hooks per unit, backward"]
+               "per reduce-scatter", "hooks per unit, forward", "hooks per unit, backward",
+               "FSDP2's optimizer step per unit beyond half the plain one's"]
 
 
 def widths(values: list[int], repeats: int, steps: int) -> list[list[Any]]:
@@ -244,7 +254,7 @@ def widths(values: list[int], repeats: int, steps: int) -> list[list[Any]]:
                          round((two["forward"] - one["forward"] / 2) / units, 3), round(one["backward"], 2),
                          round(two["backward"], 2), round((two["backward"] - one["backward"] / 2) / units, 3)])
             hook = run("hooks", 2, steps, port + 4, width)
-            rows[-1] += [round(hook["forward"], 3), round(hook["backward"], 3)]
+            rows[-1] += [round(hook["forward"], 3), round(hook["backward"], 3), round(hook["optimizer"], 3)]
             print(rows[-1], flush=True)
     return rows
 
@@ -271,9 +281,14 @@ def fit_rows(rows: list[list[Any]]) -> list[list[Any]]:
         slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
         out.append([name, round(my - slope * mx, 2), round(slope, 3),
                     round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
-    out.append(["FSDP2 hooks per unit, gathered (median forward / backward)",
-                f"{statistics.median(r[11] for r in rows):.3f} / {statistics.median(r[12] for r in rows):.3f}",
-                "-", "-"])
+    hooks = [(group[0][2], statistics.median((r[11] + r[12]) / 2 for r in group)) for group in by_width.values()]
+    if len(hooks) >= 2:
+        mx, my = statistics.fmean(x for x, _ in hooks), statistics.fmean(y for _, y in hooks)
+        slope = sum((x - mx) * (y - my) for x, y in hooks) / sum((x - mx) ** 2 for x, _ in hooks)
+        out.append(["FSDP2 hooks per unit and action, gathered (mean of forward and backward)",
+                    round(my - slope * mx, 3), round(slope, 4), "-"])
+    out.append(["FSDP2's optimizer step per unit beyond half the plain one's (median)",
+                f"{statistics.median(r[13] for r in rows):.3f}", "-", "-"])
     return out
 
 

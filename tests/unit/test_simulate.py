@@ -618,7 +618,9 @@ def test_collectives_inside_a_node_go_at_their_own_rate_and_passes_and_across_at
     cpu, cuda = LinkModel.for_device("cpu"), LinkModel.for_device("cuda")
     assert cpu.collective_bandwidth_bytes_per_s < cpu.bandwidth_bytes_per_s
     assert (cpu.all_gather_passes, cpu.reduce_scatter_passes) == (2, 3) and cpu.shard_unit_overhead_ms > 0
+    assert cpu.shard_unit_overhead_ms_per_mib > 0 and cpu.sharded_optimizer_group_ms > 0
     assert cuda.collective_bandwidth_bytes_per_s is None and cuda.shard_unit_overhead_ms == 0.0
+    assert cuda.shard_unit_overhead_ms_per_mib == cuda.sharded_optimizer_group_ms == 0.0
     assert (cuda.all_gather_passes, cuda.reduce_scatter_passes) == (1, 1)
 
 
@@ -626,14 +628,18 @@ WIRE_1GBS = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overh
                       optimizer_bytes_per_s=1e12)
 
 
-def test_fsdp2s_hooks_cost_each_action_per_sharded_unit():
-    """The keep case below (F0 B0 F1 B1 on one rank, two sharded units) with 0.5 ms per unit and action: 4 actions
-    x 2 units x 0.5 ms on the rank's own time; a replicated candidate pays none of it."""
+def test_fsdp2s_hooks_cost_each_action_per_sharded_unit_and_its_optimizer_each_module():
+    """The keep case below (F0 B0 F1 B1 on one rank, two sharded units of 4 MB) with hooks of 0.5 ms per unit and
+    0.25 ms per MiB of the stage's parameters, per action: 4 x (2 x 0.5 + 0.25 x 8e6 / 2**20) on the rank's own
+    time; the optimizer over DTensor shards 1.5 ms per module holding parameters (one a layer here). A replicated
+    candidate pays none of it."""
     prof = Profile.from_layer_costs([layer(f=1.0, b=1.0, w=1.0, params=4_000_000)] * 2)
-    hooked = dataclasses.replace(WIRE_1GBS, shard_unit_overhead_ms=0.5)
+    hooked = dataclasses.replace(WIRE_1GBS, shard_unit_overhead_ms=0.5, shard_unit_overhead_ms_per_mib=0.25,
+                                 sharded_optimizer_group_ms=1.5)
     shard = candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2, data_parallel_mode="shard")
-    assert simulate(prof, shard, link=hooked).step_time_ms == pytest.approx(
-        simulate(prof, shard, link=WIRE_1GBS).step_time_ms + 4.0)
+    plain, charged = simulate(prof, shard, link=WIRE_1GBS), simulate(prof, shard, link=hooked)
+    assert charged.optimizer_ms == pytest.approx(plain.optimizer_ms + 2 * 1.5)
+    assert charged.step_time_ms == pytest.approx(plain.step_time_ms + 4 * (2 * 0.5 + 0.25 * 8e6 / 2**20) + 3.0)
     replicate = candidate(Schedule.ONE_F_ONE_B, 1, 2, [2], dp=2)
     assert simulate(prof, replicate, link=hooked).step_time_ms == simulate(prof, replicate, link=WIRE_1GBS).step_time_ms
 
