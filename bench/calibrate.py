@@ -60,32 +60,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def pick(planned: list, n: int) -> list:
-    """n candidates spread over the ranking, every schedule represented, no repeats."""
-    by_schedule: dict = {}
+def pick(planned: list, n: int, *, data_parallel: bool = False) -> list:
+    """n candidates spread over the ranking, no repeats: the best and a middling one of each schedule (data_parallel:
+    of each way of holding the replicas, replicate or shard, and its slowest too), then the ranking at a stride."""
+    groups: dict = {}
     for p in planned:
-        by_schedule.setdefault(p.candidate.schedule, []).append(p)
+        c = p.candidate
+        key = (c.data_parallel_mode, c.reshard_after_forward) if data_parallel else c.schedule
+        groups.setdefault(key, []).append(p)
     chosen: dict = {}
-    for entries in by_schedule.values():  # the best and a middling one of each schedule
-        for p in (entries[0], entries[len(entries) // 2]):
-            chosen.setdefault(p.candidate.key, p)
-    stride = max(1, len(planned) // n)
-    for p in planned[::stride]:
-        if len(chosen) >= n:
-            break
-        chosen.setdefault(p.candidate.key, p)
-    return list(chosen.values())[:n]
-
-
-def pick_data_parallel(planned: list, n: int) -> list:
-    """n pp 1 x dp 2 candidates: per way of holding the replicas (replicate, shard; keeping the gathered
-    parameters or resharding after forward), the fastest and a middling one, then spread over the ranking."""
-    by_mode: dict = {}
-    for p in planned:
-        by_mode.setdefault((p.candidate.data_parallel_mode, p.candidate.reshard_after_forward), []).append(p)
-    chosen: dict = {}
-    for entries in by_mode.values():
-        for p in (entries[0], entries[len(entries) // 2], entries[-1]):
+    for entries in groups.values():
+        ends = [entries[0], entries[len(entries) // 2]] + ([entries[-1]] if data_parallel else [])
+        for p in ends:
             chosen.setdefault(p.candidate.key, p)
     stride = max(1, len(planned) // n)
     for p in planned[::stride]:
@@ -104,7 +90,7 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
     dp = 2 if data_parallel else 1
     planned = [p for p in planned if p.candidate.data_parallel_degree == dp and p.candidate.n_microbatches <= 64]
-    configs = pick_data_parallel(planned, n_configs) if data_parallel else pick(planned, n_configs)
+    configs = pick(planned, n_configs, data_parallel=data_parallel)
     options = TrialOptions(steps=1 if memory_only else 5, warmup=2, device=device)
     measured: dict[str, list] = {p.candidate.key: [] for p in configs}
     started = time.time()
