@@ -253,7 +253,7 @@ class Context(nn.Module):
             if name == anatomy.norm_name:
                 replace[name] = Absent(name, "the context stops after the stage's last layer")
             elif any(True for _ in child.parameters()):
-                replace[name] = Zero()
+                replace[name] = Zero(embedding=isinstance(child, nn.Embedding))
             elif isinstance(child, nn.modules.dropout._DropoutNd):
                 replace[name] = Passthrough()
         self.base = view(base, replace=replace, keep_parameters=False)

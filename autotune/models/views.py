@@ -115,11 +115,17 @@ class Absent(nn.Module):
 class Zero(nn.Module):
     """Stands for a module whose output only feeds values the view discards (a position embedding or an embedding
     norm while the view computes masks): zeros shaped like a float input (a norm keeps its input's shape), or a
-    0-dim zero for an index input (an embedding's output broadcasts against the hidden state it is added to)."""
+    0-dim zero for an index input or wherever it stands for an embedding (`embedding`: its output broadcasts
+    against the hidden state it is added to; OPT's learned positions are looked up from the attention mask, a float
+    tensor of ones when the batch has none)."""
+
+    def __init__(self, *, embedding: bool = False) -> None:
+        super().__init__()
+        self.embedding = embedding
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         like = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if like is not None and like.is_floating_point():
+        if like is not None and like.is_floating_point() and not self.embedding:
             return torch.zeros_like(like)
         return torch.zeros((), device=like.device if like is not None else None)
 
