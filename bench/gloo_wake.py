@@ -1,5 +1,6 @@
 """What a gloo collective costs a CPU rank beyond its wire time, once the rank has computed (autotune.simulate
-COLLECTIVE_WAKE_CPU_MS): three measurements in two one-thread rank processes over gloo.
+COLLECTIVE_WAKE_CPU_MS), what it costs per byte, and what FSDP2 costs around it: five measurements in two one-thread
+rank processes over gloo.
 
     python bench/gloo_wake.py --repeats 2
 
