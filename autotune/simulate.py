@@ -183,10 +183,15 @@ class LinkModel:
     all_gather_passes: int = 1
     """Ring passes an all-gather costs: 1, half an all-reduce (NCCL's rings); 2 on the CPU stand-in, where FSDP2's
     all-gather over gloo costs about what an all-reduce of the same tensor does (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S
-    says what was measured)."""
+    says what was measured). Inside a node: across nodes, where the wire decides, an all-gather is one pass."""
     reduce_scatter_passes: int = 1
-    """Ring passes a reduce-scatter costs: 1 (NCCL); 3 on the CPU stand-in, where gloo's reduce-scatter is slower
-    than its all-reduce of the same tensor (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    """Ring passes a reduce-scatter costs inside a node: 1 (NCCL); 3 on the CPU stand-in, where gloo's
+    reduce-scatter is slower than its all-reduce of the same tensor (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    reduce_scatter_passes_across_nodes: int = 1
+    """Ring passes a reduce-scatter costs on the link between nodes: 1 (NCCL); 2 for gloo, whose reduce-scatter
+    moves an all-reduce's bytes: bench/internode.py, mlp13 dp 2 sharded across a tbf-shaped link (13 units, 3.3 MiB),
+    what the link added to the step was 3.4 (20 Mbit/s) and 3.5 (200 Mbit/s) times what one ring pass of the
+    replicated all-reduce took (an all-gather's pass and a reduce-scatter's two: 3)."""
     sharded_optimizer_group_ms: float = 0.0
     """What the optimizer step costs a sharded rank per parameter-holding module beyond its shards' bytes: stepping
     DTensors a tensor at a time goes through DTensor's dispatch for each op (torch's default AdamW off CUDA); 0 where
@@ -238,7 +243,7 @@ class LinkModel:
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
-                    "all_gather_passes": 2, "reduce_scatter_passes": 3,
+                    "all_gather_passes": 2, "reduce_scatter_passes": 3, "reduce_scatter_passes_across_nodes": 2,
                     "shard_unit_overhead_ms": SHARD_UNIT_OVERHEAD_CPU_MS,
                     "shard_unit_overhead_ms_per_mib": SHARD_UNIT_OVERHEAD_CPU_MS_PER_MIB,
                     "sharded_optimizer_group_ms": SHARDED_OPTIMIZER_GROUP_CPU_MS}
@@ -263,18 +268,21 @@ class LinkModel:
 
     def all_gather_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """All-gather of a tensor of nbytes (whole, gathered) from world_size equal shards: half an all-reduce
-        (ring_ms, all_gather_passes passes): FSDP2's unshard."""
-        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.all_gather_passes)
+        (ring_ms, all_gather_passes passes inside a node, one across nodes): FSDP2's unshard."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.all_gather_passes, far_passes=1)
 
     def reduce_scatter_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """Reduce-scatter of nbytes (whole, before scattering) into world_size shards: the other half of an
-        all-reduce (ring_ms, reduce_scatter_passes passes): FSDP2's gradient reduction."""
-        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.reduce_scatter_passes)
+        all-reduce (ring_ms, reduce_scatter_passes passes inside a node, reduce_scatter_passes_across_nodes across):
+        FSDP2's gradient reduction."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.reduce_scatter_passes,
+                            far_passes=self.reduce_scatter_passes_across_nodes)
 
-    def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: int) -> float:
+    def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: int,
+                far_passes: int | None = None) -> float:
         """`passes` ring passes over nbytes (1: reduce-scatter or all-gather, 2: all-reduce), each d-1 steps of
-        nbytes/d on one node; over nodes, the passes inside each node's ring of k plus those of the 1/k shard across
-        the nodes on the inter-node link."""
+        nbytes/d on one node; over nodes, the passes inside each node's ring of k plus `far_passes` (default
+        `passes`) of the 1/k shard across the nodes on the inter-node link."""
         if world_size <= 1 or nbytes <= 0:
             return 0.0
         if n_nodes <= 1:
@@ -286,7 +294,7 @@ class LinkModel:
         far = self.across_nodes()
         if self.inter_node_allreduce_bandwidth_bytes_per_s:
             far = replace(far, bandwidth_bytes_per_s=self.inter_node_allreduce_bandwidth_bytes_per_s)
-        return inside + far.ring_ms(nbytes / k, n_nodes, passes=passes)
+        return inside + far.ring_ms(nbytes / k, n_nodes, passes=passes if far_passes is None else far_passes)
 
     def across_nodes(self) -> LinkModel:
         """The link between ranks on different nodes (this one where no inter-node figures are set)."""

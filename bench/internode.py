@@ -30,15 +30,17 @@ MODEL = ROOT / "bench" / "models" / "mlp13.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 BATCH = 256
 
-# (schedule, pp, dp, B/M per replica, layers per stage, checkpointing, wire dtype): pp 2 across the link at several
-# B/M and both wire dtypes, a V schedule (its two middle hand-offs cross), and dp 2 (the all-reduce crosses).
-FIXED: list[tuple[str, int, int, int, tuple[int, ...], bool, str]] = [
-    ("1F1B", 2, 1, 2, (6, 7), False, "float32"),
-    ("1F1B", 2, 1, 8, (6, 7), False, "float32"),
-    ("1F1B", 2, 1, 8, (6, 7), False, "bfloat16"),
-    ("GPipe", 2, 1, 4, (6, 7), True, "float32"),
-    ("VHalf", 2, 1, 4, (3, 3, 3, 4), False, "float32"),
-    ("1F1B", 1, 2, 1, (13,), False, "float32"),
+# (schedule, pp, dp, B/M per replica, layers per stage, checkpointing, wire dtype, dp mode): pp 2 across the link at
+# several B/M and both wire dtypes, a V schedule (its two middle hand-offs cross), and dp 2 (the all-reduce crosses;
+# sharded: FSDP2's all-gathers and reduce-scatters cross).
+FIXED: list[tuple[str, int, int, int, tuple[int, ...], bool, str, str]] = [
+    ("1F1B", 2, 1, 2, (6, 7), False, "float32", "replicate"),
+    ("1F1B", 2, 1, 8, (6, 7), False, "float32", "replicate"),
+    ("1F1B", 2, 1, 8, (6, 7), False, "bfloat16", "replicate"),
+    ("GPipe", 2, 1, 4, (6, 7), True, "float32", "replicate"),
+    ("VHalf", 2, 1, 4, (3, 3, 3, 4), False, "float32", "replicate"),
+    ("1F1B", 1, 2, 1, (13,), False, "float32", "replicate"),
+    ("1F1B", 1, 2, 1, (13,), False, "float32", "shard"),
 ]
 
 
@@ -47,8 +49,9 @@ def candidates() -> list[Any]:
     from autotune.schedules import Schedule
 
     return [Candidate(schedule=Schedule(s), pipeline_degree=pp, data_parallel_degree=dp, global_batch_size=BATCH,
-                      n_microbatches=m, layers_per_stage=split, activation_checkpointing=ckpt, wire_dtype=wire)
-            for s, pp, dp, m, split, ckpt, wire in FIXED]
+                      n_microbatches=m, layers_per_stage=split, activation_checkpointing=ckpt, wire_dtype=wire,
+                      data_parallel_mode=mode)
+            for s, pp, dp, m, split, ckpt, wire, mode in FIXED]
 
 
 # --- inside a namespace, under torchrun ---------------------------------------------------------------------------

@@ -604,24 +604,29 @@ def test_all_gather_and_reduce_scatter_are_the_halves_of_the_all_reduce():
 
 def test_collectives_inside_a_node_go_at_their_own_rate_and_passes_and_across_at_the_links():
     """gloo on the CPU stand-in: a collective's ring steps go at 0.5 GB/s here, not a send's 1 GB/s, an all-gather
-    costs two passes and a reduce-scatter three. 8 MB over 2 ranks: a pass is 1 step of 4 MB, 8 ms; across 2 nodes
-    of 1 the inter-node link's own rate (0.25 GB/s: 16 ms a pass), not the collectives' rate inside a node."""
+    costs two passes and a reduce-scatter three inside a node. 8 MB over 2 ranks: a pass is 1 step of 4 MB, 8 ms.
+    Across 2 nodes of 1: the inter-node link's own rate (0.25 GB/s: 16 ms a pass), not the collectives' rate inside a
+    node, one pass for an all-gather and reduce_scatter_passes_across_nodes (2 here) for a reduce-scatter."""
     link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
                      collective_bandwidth_bytes_per_s=0.5e9, all_gather_passes=2, reduce_scatter_passes=3,
-                     inter_node_bandwidth_bytes_per_s=0.25e9)
+                     reduce_scatter_passes_across_nodes=2, inter_node_bandwidth_bytes_per_s=0.25e9)
     assert link.allreduce_ms(8e6, 2) == pytest.approx(16.0)
     assert link.all_gather_ms(8e6, 2) == pytest.approx(16.0)
     assert link.reduce_scatter_ms(8e6, 2) == pytest.approx(24.0)
     assert link.transfer_ms(4e6) == pytest.approx(4.0)  # sends keep the point-to-point rate
     assert link.allreduce_ms(8e6, 2, n_nodes=2) == pytest.approx(32.0)
-    assert link.reduce_scatter_ms(8e6, 2, n_nodes=2) == pytest.approx(48.0)
+    assert link.all_gather_ms(8e6, 2, n_nodes=2) == pytest.approx(16.0)
+    assert link.reduce_scatter_ms(8e6, 2, n_nodes=2) == pytest.approx(32.0)
+    # 2 nodes of 2: inside each node the collectives' passes over the whole tensor, across the link the half
+    assert link.reduce_scatter_ms(8e6, 4, n_nodes=2) == pytest.approx(3 * 8.0 + 2 * 8.0)
     cpu, cuda = LinkModel.for_device("cpu"), LinkModel.for_device("cuda")
     assert cpu.collective_bandwidth_bytes_per_s < cpu.bandwidth_bytes_per_s
     assert (cpu.all_gather_passes, cpu.reduce_scatter_passes) == (2, 3) and cpu.shard_unit_overhead_ms > 0
     assert cpu.shard_unit_overhead_ms_per_mib > 0 and cpu.sharded_optimizer_group_ms > 0
     assert cuda.collective_bandwidth_bytes_per_s is None and cuda.shard_unit_overhead_ms == 0.0
     assert cuda.shard_unit_overhead_ms_per_mib == cuda.sharded_optimizer_group_ms == 0.0
-    assert (cuda.all_gather_passes, cuda.reduce_scatter_passes) == (1, 1)
+    assert (cuda.all_gather_passes, cuda.reduce_scatter_passes, cuda.reduce_scatter_passes_across_nodes) == (1, 1, 1)
+    assert cpu.reduce_scatter_passes_across_nodes == 2
 
 
 WIRE_1GBS = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0,
