@@ -52,6 +52,11 @@ def _model(width: int = 0) -> Any:
     return module
 
 
+def _batch(width: int) -> int:
+    """The global batch of part 4's units (width > 0), or of mlp13's parts 2 and 3."""
+    return _Uniform.BATCH if width else BATCH
+
+
 class _Uniform:
     """8 Linear(width, width) + ReLU blocks, batch 32: the same FSDP2 units at one size."""
 
@@ -109,7 +114,7 @@ def ddp(rank: int, steps: int, variant: str, width: int = 0) -> dict[str, float]
     module = _model(width)
     torch.manual_seed(0)
     model = module.build_model()
-    x, y = module.make_batch((_Uniform.BATCH if width else BATCH) // 2)
+    x, y = module.make_batch(_batch(width) // 2)
     net = model
     if variant != "alone":
         cap = 25.0 if variant == "DDP" else 0.25
@@ -138,7 +143,7 @@ def fsdp(rank: int, world: int, steps: int, width: int = 0) -> dict[str, float]:
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    x, y = module.make_batch((_Uniform.BATCH if width else BATCH) // world)
+    x, y = module.make_batch(_batch(width) // world)
     forward, backward = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -275,19 +280,24 @@ def fit_rows(rows: list[list[Any]]) -> list[list[Any]]:
         points["FSDP2 all-gather (per unit)"].append((mib, statistics.median(r[7] for r in group)))
         points["FSDP2 reduce-scatter (per unit)"].append((mib, statistics.median(r[10] for r in group)))
     out = []
+    if len(by_width) >= 2:  # a line needs two widths
+        for name, xy in points.items():
+            slope, fixed = statistics.linear_regression(*zip(*xy))
+            out.append([name, round(fixed, 2), round(slope, 3), round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
+        hooks = [(group[0][2], statistics.median((r[11] + r[12]) / 2 for r in group)) for group in by_width.values()]
+        slope, fixed = statistics.linear_regression(*zip(*hooks))
+        out.append(["FSDP2 hooks per unit and action, gathered (mean of forward and backward)", round(fixed, 3),
+                    round(slope, 4), "-"])
+    out.append(["FSDP2's optimizer step per unit beyond half the plain one's (median)",
+                f"{statistics.median(r[13] for r in rows):.3f}", "-", "-"])
+    return out
     for name, xy in points.items():
-        if len(xy) < 2:
-            continue
-        mx, my = statistics.fmean(x for x, _ in xy), statistics.fmean(y for _, y in xy)
-        slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
-        out.append([name, round(my - slope * mx, 2), round(slope, 3),
-                    round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
+        slope, fixed = statistics.linear_regression(*zip(*xy))
+        out.append([name, round(fixed, 2), round(slope, 3), round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
     hooks = [(group[0][2], statistics.median((r[11] + r[12]) / 2 for r in group)) for group in by_width.values()]
-    if len(hooks) >= 2:
-        mx, my = statistics.fmean(x for x, _ in hooks), statistics.fmean(y for _, y in hooks)
-        slope = sum((x - mx) * (y - my) for x, y in hooks) / sum((x - mx) ** 2 for x, _ in hooks)
-        out.append(["FSDP2 hooks per unit and action, gathered (mean of forward and backward)",
-                    round(my - slope * mx, 3), round(slope, 4), "-"])
+    slope, fixed = statistics.linear_regression(*zip(*hooks))
+    out.append(["FSDP2 hooks per unit and action, gathered (mean of forward and backward)", round(fixed, 3),
+                round(slope, 4), "-"])
     out.append(["FSDP2's optimizer step per unit beyond half the plain one's (median)",
                 f"{statistics.median(r[13] for r in rows):.3f}", "-", "-"])
     return out
