@@ -204,6 +204,12 @@ class Profile:
     """loss_fn backward time per micro-batch size (charged to the last layer's input-grad time); () means 0."""
     loss_saved_bytes: tuple[int, ...] = ()
     """Bytes loss_fn saves for its backward, per micro-batch size (charged to the last layer); () means 0."""
+    loss_input_bytes: tuple[int, ...] = ()
+    """Bytes of the last layer's output as loss_fn gets it, per micro-batch size: float32 in bf16 (the last stage
+    keeps that copy); () in profiles saved before it was recorded (the output's bytes)."""
+    loss_backward_bytes: tuple[int, ...] = ()
+    """The peak loss_fn's backward holds over what was alive before it (its input and what it saved), per
+    micro-batch size; () in profiles saved before it was recorded (memory_model.loss_backward_bytes)."""
     checkpoint_forward_ratio: tuple[float, ...] = ()
     """Per micro-batch size: the model's forward checkpointed as one unit (as a stage is) over its plain forward;
     () means 1."""
@@ -268,7 +274,8 @@ class Profile:
         per_size += [
             s
             for s in (self.target_bytes, self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
-                      self.checkpoint_forward_ratio, self.checkpoint_recompute_ratio)
+                      self.loss_input_bytes, self.loss_backward_bytes, self.checkpoint_forward_ratio,
+                      self.checkpoint_recompute_ratio)
             if s
         ]
         if any(len(series) != len(sizes) for series in per_size):
@@ -358,6 +365,19 @@ class Profile:
             return 0
         return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_saved_bytes))
 
+    def loss_input_bytes_at(self, micro_batch_size: float) -> int | None:
+        """Bytes of the last layer's output as loss_fn gets it for one micro-batch of size M (None when not
+        profiled: the output's bytes)."""
+        if not self.loss_input_bytes:
+            return None
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_input_bytes))
+
+    def loss_backward_bytes_at(self, micro_batch_size: float) -> int | None:
+        """The peak loss_fn's backward holds for one micro-batch of size M (None when not profiled)."""
+        if not self.loss_backward_bytes:
+            return None
+        return math.ceil(_Interpolator(self.micro_batch_sizes, micro_batch_size)(self.loss_backward_bytes))
+
     def loss_forward_ms_at(self, micro_batch_size: float) -> float:
         """loss_fn's forward time for one micro-batch of size M (0 when not profiled), part of the last layer's
         forward_ms in layer_costs."""
@@ -438,6 +458,8 @@ class Profile:
             "loss_forward_ms": list(self.loss_forward_ms),
             "loss_backward_ms": list(self.loss_backward_ms),
             "loss_saved_bytes": list(self.loss_saved_bytes),
+            **({"loss_input_bytes": list(self.loss_input_bytes)} if self.loss_input_bytes else {}),
+            **({"loss_backward_bytes": list(self.loss_backward_bytes)} if self.loss_backward_bytes else {}),
             "checkpoint_forward_ratio": list(self.checkpoint_forward_ratio),
             "checkpoint_recompute_ratio": list(self.checkpoint_recompute_ratio),
             "optimizer_step_ms": self.optimizer_step_ms,
@@ -500,6 +522,8 @@ class Profile:
                 loss_forward_ms=tuple(float(x) for x in data.get("loss_forward_ms", ())),
                 loss_backward_ms=tuple(float(x) for x in data.get("loss_backward_ms", ())),
                 loss_saved_bytes=tuple(int(x) for x in data.get("loss_saved_bytes", ())),
+                loss_input_bytes=tuple(int(x) for x in data.get("loss_input_bytes", ())),
+                loss_backward_bytes=tuple(int(x) for x in data.get("loss_backward_bytes", ())),
                 checkpoint_forward_ratio=tuple(float(x) for x in data.get("checkpoint_forward_ratio", ())),
                 checkpoint_recompute_ratio=tuple(float(x) for x in data.get("checkpoint_recompute_ratio", ())),
                 optimizer_step_ms=float(data.get("optimizer_step_ms", 0.0)),

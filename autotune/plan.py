@@ -454,6 +454,8 @@ class _Costs:
         self.step_ratio = profile.optimizer_peak_ratio
         self.step_per_tensor = profile.device == "cpu"
         self.loss_saved = profile.loss_saved_bytes_at(micro_batch_size)
+        self.loss_input = profile.loss_input_bytes_at(micro_batch_size)
+        self.loss_backward = profile.loss_backward_bytes_at(micro_batch_size)
         self.target_bytes = profile.target_bytes_at(micro_batch_size)
         self.workspace_bytes = profile.device_workspace_bytes
         self.optimizer_ms_per_byte = optimizer_ms_per_byte(profile, link)
@@ -488,6 +490,8 @@ class _Costs:
             optimizer_peak_ratio=self.step_ratio,
             optimizer_per_tensor=self.step_per_tensor,
             loss_saved_bytes=self.loss_saved,
+            loss_input_bytes=self.loss_input,
+            loss_backward_bytes=self.loss_backward,
             target_bytes=self.target_bytes,
             link=self.link,
             memory_limit_bytes=memory_limit_bytes,
@@ -530,7 +534,8 @@ class _Costs:
                 saved=self.saved_prefix[stop] - self.saved_prefix[start] + autocast_copy_bytes(
                     self.copies_prefix[stop] - self.copies_prefix[start], candidate=candidate),
                 stage_in=self.input_bytes if start == 0 else self.layers[start - 1].output_bytes,
-                stage_out=self.layers[stop - 1].output_bytes,
+                stage_out=(self.loss_input if stage == last and self.loss_input is not None
+                           else self.layers[stop - 1].output_bytes),  # the last keeps the loss's input
                 in_flight=in_flight[stage],
                 candidate=candidate,
                 first=stage == 0,

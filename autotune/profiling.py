@@ -10,7 +10,7 @@ import gc
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +27,7 @@ from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton
 from autotune.models.hf import Layer as HFLayer
 from autotune.models.materialize import home_blocks, materialize, release_block
 from autotune.models.signature import TensorSpec, block_signature
+from autotune.runtime import loss_input
 from autotune.trial.memory import is_out_of_memory, requested_bytes
 from autotune.units import format_bytes
 
@@ -107,8 +108,9 @@ def profile_model(
     fit under memory_limit_bytes x state_shards. On CPU torch runs one thread (one
     thread per rank is the stand-in); the caller's thread count is restored afterwards.
 
-    precision bf16 runs each block's forward and the loss under torch.autocast(bfloat16), as the replicate runtime
-    trains, so times, saved-activation and output bytes are bf16's; the bfloat16 copies autocast makes of the
+    precision bf16 runs each block's forward under torch.autocast(bfloat16), as the replicate runtime trains, so
+    times, saved-activation and output bytes are bf16's, and the loss as the runtime runs it, outside autocast on
+    the last block's output made float32 (runtime.loss_input); the bfloat16 copies autocast makes of the
     block's weights (saved for the backward) are counted apart (LayerProfile.autocast_copy_bytes)."""
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
@@ -190,6 +192,8 @@ def profile_model(
         loss_forward_ms=tuple(last.sizes[m].loss_forward_ms for m in sizes),
         loss_backward_ms=tuple(last.sizes[m].loss_backward_ms for m in sizes),
         loss_saved_bytes=tuple(last.sizes[m].loss_saved_bytes for m in sizes),
+        loss_input_bytes=tuple(last.sizes[m].loss_input_bytes for m in sizes),
+        loss_backward_bytes=tuple(last.sizes[m].loss_backward_bytes for m in sizes),
         checkpoint_forward_ratio=tuple(r[0] for r in ratios),
         checkpoint_recompute_ratio=tuple(r[1] for r in ratios),
         optimizer_step_ms=sum(r.optimizer_ms for r in measured),
@@ -288,6 +292,10 @@ class _SizeResult:
     loss_forward_ms: float = 0.0
     loss_backward_ms: float = 0.0
     loss_saved_bytes: int = 0
+    loss_input_bytes: int = 0
+    """The last block: its output as the loss gets it (float32 in bf16), which the last stage keeps."""
+    loss_backward_bytes: int = 0
+    """The last block: the peak of the loss's backward over what was alive before it (_loss_bytes)."""
     plain: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) of the block as a stage, the fastest of the rounds."""
     checkpointed: tuple[float, float] = (0.0, 0.0)
@@ -600,9 +608,8 @@ class _Walk:
         if unit.last:
             targets = self.targets[m]
 
-            def loss(output: Any) -> torch.Tensor:
-                with unit.precision():
-                    return self.spec.loss_fn(output, targets)
+            def loss(output: Any) -> torch.Tensor:  # as the last stage hands it over (runtime.StageBoundary)
+                return self.spec.loss_fn(loss_input(output) if unit.autocast else output, targets)
 
             return loss
         return _Surrogate()
@@ -758,6 +765,8 @@ class _SizeSamples:
         (self.saved, self.loss_saved, self.output_bytes, self.saved_input, self.saved_output, self.copies,
          output) = _saved_bytes(unit, (self.args, self.side), loss)
         self.outputs = tuple(t.detach() for t in _flat(output))
+        self.loss_input_bytes, self.loss_backward_bytes = (
+            _loss_bytes(output, loss, cast=unit.autocast) if unit.last else (0, 0))
         del output  # and with it the pass's graph
         self.backward_bytes = _backward_bytes(unit, (self.args, self.side))
         self.forward: list[float] = []
@@ -814,6 +823,8 @@ class _SizeSamples:
             loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
             loss_backward_ms=statistics.median(self.loss_backward) if last else 0.0,
             loss_saved_bytes=self.loss_saved if last else 0,
+            loss_input_bytes=self.loss_input_bytes,
+            loss_backward_bytes=self.loss_backward_bytes,
             plain=_fastest(self.plain),
             checkpointed=_fastest(self.checkpointed),
         )
@@ -1078,6 +1089,54 @@ def _saved_bytes(
         return sum(nbytes for ptr, nbytes in storages.items() if seen.get(ptr) == 0)
 
     return saved[0], saved[1], _nbytes(output), own(list(args)), own(_flat(output)), saved[2], output
+
+
+def _loss_bytes(output: Any, loss_fn: Callable[[Any], torch.Tensor], *, cast: bool) -> tuple[int, int]:
+    """The last block's loss on its own output: (the bytes of the loss's input as the last stage keeps it, float32
+    where `cast`, bf16's runtime.loss_input; the peak the loss's backward holds over what was alive before it, that
+    input and what the loss saved included), from the allocator on CUDA, the live tensor-storage tracker on CPU.
+
+    Not twice the output, as it was modelled: in bf16 the loss computes on the float32 copy, and cross-entropy's
+    gradients of its log-probabilities and of that copy are float32 (a 32 k-vocabulary GPT's bf16 peak on an H200
+    was 2.1 GB over the prediction at micro-batch 32, bench/results/cuda_loss_bytes.md). `loss_fn` casts (the
+    profile's _loss): the backward runs through the cast to a leaf of the output's dtype, as the stage's does."""
+    from autotune.trial.memory import LiveTensorBytes
+
+    leaves = [t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in _flat(output)]
+    if not any(t.requires_grad for t in leaves):
+        return 0, 0
+    it = iter(leaves)
+    given = _rebuild(output, it)
+    held = sum(_nbytes(t) for t in _flat(loss_input(given) if cast else given))
+    device = leaves[0].device
+    cuda = device.type == "cuda"
+    tracker = LiveTensorBytes(alive=leaves)
+    with contextlib.nullcontext() if cuda else tracker:
+        loss = loss_fn(given)
+        if not loss.requires_grad:
+            return held, 0
+        if cuda:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            before = tracker.peak_bytes = tracker.live_bytes
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = tracker.peak_bytes
+    return held, max(0, peak - before)
+
+
+def _rebuild(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """`value` with its tensors replaced, in _flat's order, by the next of `tensors`."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuild(v, tensors) for v in value)
+    return value
 
 
 def _backward_bytes(unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]]) -> BackwardBytes:

@@ -133,7 +133,7 @@ class StageBoundary(nn.Module):
         else:
             out = self.inner(*args, **side)
         if self.last:
-            return _as_float(out) if self.float_output else out
+            return loss_input(out) if self.float_output else out
         if isinstance(out, tuple):
             return handoff(tuple(self._leave(t) for t in out), args)
         return handoff(self._leave(out), args) if isinstance(out, torch.Tensor) else out
@@ -153,12 +153,13 @@ class StageBoundary(nn.Module):
         return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
-def _as_float(out: Any) -> Any:
-    """The last stage's floating output(s) as float32, for the loss."""
+def loss_input(out: Any) -> Any:
+    """The last stage's floating output(s) as float32, for the loss (bf16: the stage keeps this copy until its
+    backward; the profile measures the loss on it, profiling._loss_bytes)."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.is_floating_point() else out
     if isinstance(out, tuple):
-        return tuple(_as_float(t) for t in out)
+        return tuple(loss_input(t) for t in out)
     return out
 
 

@@ -455,6 +455,8 @@ def simulate(
         optimizer_peak_ratio=profile.optimizer_peak_ratio,
         optimizer_per_tensor=profile.device == "cpu",
         loss_saved_bytes=profile.loss_saved_bytes_at(candidate.micro_batch_size),
+        loss_input_bytes=profile.loss_input_bytes_at(candidate.micro_batch_size),
+        loss_backward_bytes=profile.loss_backward_bytes_at(candidate.micro_batch_size),
         target_bytes=profile.target_bytes_at(candidate.micro_batch_size),
         link=link,
         memory_limit_bytes=memory_limit_bytes,
@@ -515,6 +517,8 @@ def simulate_costs(
     optimizer_peak_ratio: float = 0.0,
     optimizer_per_tensor: bool = False,
     loss_saved_bytes: int = 0,
+    loss_input_bytes: int | None = None,
+    loss_backward_bytes: int | None = None,
     memory_limit_bytes: int | None = None,
     with_timeline: bool = True,
     actions: Sequence[Sequence[Action]] | None = None,
@@ -530,6 +534,9 @@ def simulate_costs(
     optimizer_per_tensor: the optimizer steps one tensor at a time (torch's default off CUDA: no foreach), so its
     temporaries scale with a rank's largest layer, not with all its parameters. loss_saved_bytes: what loss_fn
     saves (part of the last layer's saved_bytes): outside a checkpointed stage, so kept, not recomputed.
+    loss_input_bytes: the last layer's output as loss_fn gets it, which the last stage keeps (Profile.
+    loss_input_bytes_at; None: the output as profiled); loss_backward_bytes: the peak of loss_fn's backward over
+    what was alive before it (Profile.loss_backward_bytes_at; None: memory_model.loss_backward_bytes).
     workspace_bytes: the libraries' workspaces every rank holds (Profile.device_workspace_bytes), added to each peak.
     target_bytes: one micro-batch's targets (Profile.target_bytes_at), held by the last stage's rank."""
     if len(costs) != sum(candidate.layers_per_stage):
@@ -548,7 +555,8 @@ def simulate_costs(
         )
         n_nodes = dp_nodes(c.pipeline_degree, c.data_parallel_degree, per_node, c.rank_order)
     stages = _stage_costs(costs, candidate, input_bytes=input_bytes, link=link, crossing=crossing,
-                          shared=shared_parameters, loss_saved=loss_saved_bytes)
+                          shared=shared_parameters, loss_saved=loss_saved_bytes, loss_input=loss_input_bytes,
+                          loss_backward=loss_backward_bytes)
     if actions is None:
         c = candidate
         plan = compiled_graph(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages)
@@ -1079,6 +1087,8 @@ def _stage_costs(
     crossing: Sequence[bool] | None = None,
     shared: Sequence[tuple[Sequence[int], int]] = (),
     loss_saved: int = 0,
+    loss_input: int | None = None,
+    loss_backward: int | None = None,
 ) -> _StageCosts:
     """Per stage: compute, transfers in (over link.across_nodes() where crossing[s]: the hand-off s-1 -> s crosses
     nodes), bytes held."""
@@ -1153,7 +1163,9 @@ def _stage_costs(
         result["grad_send"].append(
             stage_in * wire / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s > 0 else 0.0)
         first, last = s == 0, s == n_stages - 1
-        held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+        # the last stage keeps its output as the loss gets it (float32 in bf16: runtime.loss_input)
+        kept_out = loss_input if last and loss_input is not None else stage_out
+        held = held_per_microbatch(saved, stage_in, kept_out, candidate=candidate, last=last)
         # what it keeps of its input and saves of its output are tensors counted already (memory_model)
         held -= input_held_elsewhere_bytes(stage_in, saved_bytes[a], costs[a].saved_input_bytes,
                                            candidate=candidate, first=first)
@@ -1167,12 +1179,12 @@ def _stage_costs(
         result["loss_saved_bytes"].append(min(loss_saved, saved) if last else 0)
         # the I detaches the loss: what it saved goes, and the output it read once the I returns (traced: the
         # last stage's logits of a micro-batch whose I had run were gone before its W)
-        result["input_released_bytes"].append(min(loss_saved, saved) + stage_out - output_saved if last else 0)
+        result["input_released_bytes"].append(min(loss_saved, saved) + kept_out - output_saved if last else 0)
         result["recompute_bytes"].append(recompute)
         receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
         _, sent_grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
-        result["output_held_bytes"].append(int(held_per_microbatch(0, 0, stage_out, candidate=candidate, last=last)))
+        result["output_held_bytes"].append(int(held_per_microbatch(0, 0, kept_out, candidate=candidate, last=last)))
         result["sent_grad_bytes"].append(int(sent_grad))
         layer_in = [stage_in] + [costs[i].output_bytes for i in range(a, b - 1)]
         layer_out = [c.output_bytes for c in costs[a:b]]
@@ -1187,7 +1199,8 @@ def _stage_costs(
             input_peak, kept = None, split_kept_bytes(saved_bytes[a:b], layer_in, first=first)
         result["split_kept_bytes"].append(kept)
         result["input_backward_bytes"].append(input_peak)
-        result["loss_backward_bytes"].append(loss_backward_bytes(stage_out) if last else 0)
+        result["loss_backward_bytes"].append(
+            (loss_backward_bytes(stage_out) if loss_backward is None else loss_backward) if last else 0)
         # what each layer's backward lets go of once done: not the output (kept for the send), nor what the loss
         # saved (let go of before, in _peak_memory)
         freed = [*saved_bytes[a:b - 1], saved_bytes[b - 1] - output_saved - result["loss_saved_bytes"][-1]]

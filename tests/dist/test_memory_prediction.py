@@ -50,3 +50,31 @@ def peaks() -> dict[Schedule, tuple[tuple[int, ...], tuple[int, ...]]]:
 def test_every_rank_within_2_percent(peaks, schedule):
     predicted, measured = peaks[schedule]
     assert all(abs(p - got) <= 0.02 * got for p, got in zip(predicted, measured)), (predicted, measured)
+
+
+@pytest.fixture(scope="module")
+def bf16_peaks(tmp_path_factory) -> dict[Schedule, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """bf16 on recipes/gpt.py with a 16x vocabulary, where the logits outweigh the blocks: per schedule, (predicted,
+    measured) peak bytes per rank."""
+    path = tmp_path_factory.mktemp("logits") / "gpt_logits.py"
+    path.write_text((ROOT / "recipes" / "gpt.py").read_text().replace("VOCAB = 512", "VOCAB = 8192", 1))
+    spec = load_model_file(path)
+    profile = profile_model(spec, batch_size=16, repeats=1, precision="bf16")
+    result = {}
+    for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=16, n_microbatches=2,
+                              layers_per_stage=(4, 4), precision="bf16")
+        measured = run_trial(spec, candidate, TrialOptions(steps=1, warmup=2, device="cpu"))
+        assert measured.status == "ok", measured.error
+        predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
+        result[schedule] = (predicted, measured.peak_memory_bytes)
+    return result
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
+def test_bf16_last_stage_within_2_percent_with_the_loss_in_float32(bf16_peaks, schedule):
+    """The last stage keeps its output as the loss gets it, float32, and the loss's backward makes float32 gradients
+    (predicted as twice the bfloat16 logits before: the last rank 24-34 % under, an H200's 170 M GPT 13.5 %)."""
+    predicted, measured = bf16_peaks[schedule]
+    assert all(abs(p - got) <= 0.02 * got for p, got in zip(predicted, measured)), (predicted, measured)

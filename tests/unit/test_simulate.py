@@ -712,3 +712,27 @@ def test_the_planner_counts_the_device_workspaces_as_simulate_does():
     planned = plan(profile, gpus=2, batch_size=8, memory_limit_bytes=None, link=FREE)
     for p in planned[:5]:
         assert p.estimate.peak_memory_bytes == simulate(profile, p.candidate, link=FREE).peak_memory_bytes
+
+
+def test_the_last_stage_keeps_the_loss_input_and_the_loss_backward_as_profiled():
+    """bf16: the last stage keeps its output as the loss gets it (float32, Profile.loss_input_bytes), and the loss's
+    backward holds what the profile measured (Profile.loss_backward_bytes), not twice the bfloat16 output; profiles
+    without them are predicted as before (the output, twice the output). The planner counts them as simulate does."""
+    from autotune.plan import plan
+
+    profile = profile_of(layer(params=1000, saved=100, out=500), layer(params=1000, saved=100, out=1000))
+    c = candidate(Schedule.GPIPE, 2, 1, [1, 1])
+
+    def peaks(loss_input: int, loss_backward: int) -> list[int]:
+        measured = dataclasses.replace(profile, loss_input_bytes=(loss_input,), loss_backward_bytes=(loss_backward,))
+        return simulate(measured, c, link=FREE).peak_memory_bytes
+
+    assert simulate(profile, c, link=FREE).peak_memory_bytes == peaks(1000, 2000)
+    assert [a - b for a, b in zip(peaks(2000, 40000), peaks(1000, 40000))] == [0, 1000]  # held until the backward
+    assert [a - b for a, b in zip(peaks(2000, 50000), peaks(2000, 40000))] == [0, 10000]
+    measured = dataclasses.replace(profile, loss_input_bytes=(2000,), loss_backward_bytes=(4000,))
+    again = Profile.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert (again.loss_input_bytes, again.loss_backward_bytes) == ((2000,), (4000,))
+    assert Profile.from_dict(profile.to_dict()).loss_input_bytes == ()
+    for p in plan(measured, gpus=2, batch_size=2, memory_limit_bytes=None, link=FREE)[:5]:
+        assert p.estimate.peak_memory_bytes == simulate(measured, p.candidate, link=FREE).peak_memory_bytes
