@@ -1048,7 +1048,9 @@ class _StageCosts:
     """What an I lets go of when it detaches the loss (part of held_bytes, the last stage only): what the loss
     saved and the output it read."""
     largest_layer_bytes: list[int]
-    """Parameter bytes of the stage's largest layer."""
+    """Parameter bytes of the stage's largest layer, or of the largest tied parameter it holds."""
+    shared_copy_bytes: list[int]
+    """Of parameter_bytes, the copies of tied parameters whose bytes the profile counts on another stage."""
     largest_grad_bytes: list[int]
     """A W's fresh weight gradients at the stage's largest layer (memory_model.weight_gradient_factor)."""
     working_copy_bytes: list[int]
@@ -1189,7 +1191,9 @@ def _stage_costs(
         layer_in = [stage_in] + [costs[i].output_bytes for i in range(a, b - 1)]
         layer_out = [c.output_bytes for c in costs[a:b]]
         largest = max(parameter_bytes[a:b])
-        result["largest_layer_bytes"].append(largest)
+        # a tied parameter is one tensor on every stage that holds it (its first layer's bytes count it once)
+        tied = max((nbytes for layers, nbytes in shared if any(a <= i < b for i in layers)), default=0)
+        result["largest_layer_bytes"].append(max(largest, tied))
         result["largest_grad_bytes"].append(int(largest * grad_factor))
         stage_profiled = [p for p in profiled[a:b] if p is not None]
         input_peak: int | None
@@ -1218,8 +1222,10 @@ def _stage_costs(
             result[key].append(int(layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, **layers)))
             result[f"gathering_{key}"].append(0 if gathered is None else int(layer_backward_bytes(
                 parameter_bytes[a:b], layer_in, layer_out, **layers, gathered=gathered)))
-        stage_parameters = int(sum(parameter_bytes[a:b])) + shared_copy_bytes(shared, a, b)
+        copies_of_shared = shared_copy_bytes(shared, a, b)
+        stage_parameters = int(sum(parameter_bytes[a:b])) + copies_of_shared
         result["parameter_bytes"].append(stage_parameters)
+        result["shared_copy_bytes"].append(copies_of_shared)
         sharded = candidate.sharded
         copy = int(working_copy_bytes(stage_parameters, candidate=candidate))
         result["working_copy_bytes"].append(copy)
@@ -1428,6 +1434,7 @@ def _peak_memory(
     gradients (u) from its first backward to its last (_ddp_accumulation): +u after the first, -u after the last."""
     peaks = []
     shards = dp_shards(candidate)
+    model_parameters = [p - c for p, c in zip(stages.parameter_bytes, stages.shared_copy_bytes)]
     resharding = candidate.reshard_after_forward
     stage_of, kind_of, held, recompute = plan.stage, plan.kind, stages.held_bytes, stages.recompute_bytes
     out, grad = stages.output_held_bytes, stages.sent_grad_bytes
@@ -1533,8 +1540,8 @@ def _peak_memory(
                 if s in holding:
                     live -= stages.working_copy_bytes[s]
                     holding.discard(s)
-        step = optimizer_step_bytes(
-            step_ratio, [stages.parameter_bytes[s] for s in rank_stages], stages.parameter_bytes,
+        step = optimizer_step_bytes(  # the model's parameters: the profile's peak is over each tied tensor once
+            step_ratio, [stages.parameter_bytes[s] for s in rank_stages], model_parameters,
             [stages.largest_layer_bytes[s] for s in rank_stages], stages.largest_layer_bytes, per_tensor=per_tensor,
         ) / shards + on_buffers + grad_shards
         if made:  # every stage's gradients, from its backwards
