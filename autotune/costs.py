@@ -89,6 +89,10 @@ class LayerCost:
     saved_output_bytes: int = 0
     """Of saved_bytes, the layer's output (a ReLU's): a stage ending here saves the tensor it sends. 0: none, or not
     profiled."""
+    checkpoint_weight_bytes: int | None = None
+    """The layer alone as a checkpointed stage, torch's split backward: what its W holds at its peak over what was
+    alive before it, less the weight gradients it makes (LayerProfile.checkpoint_weight_bytes). None: not
+    profiled."""
     backward_bytes: BackwardBytes | None = None
     """What the layer's backward holds on top of what was alive before it; None: not profiled."""
     split_input_extra_ms: float = 0.0
@@ -133,6 +137,10 @@ class LayerProfile:
     """Of saved_bytes, the layer's input, per micro-batch size; () in profiles saved before it was recorded."""
     saved_output_bytes: tuple[int, ...] = ()
     """Of saved_bytes, the layer's output, per micro-batch size; () as above."""
+    checkpoint_weight_bytes: tuple[int, ...] = ()
+    """The layer alone as a checkpointed stage under torch's split backward, per micro-batch size: what its W holds
+    at its peak beyond what was alive before it and the weight gradients it makes (each of the W's autograd passes,
+    one per parameter group, recomputes the stage and keeps what it does not use until the W ends); () as above."""
     backward_bytes: tuple[BackwardBytes, ...] = ()
     """LayerCost.backward_bytes per micro-batch size; () as above."""
     split_input_extra_ms: tuple[float, ...] = ()
@@ -180,6 +188,27 @@ def shared_copy_bytes(shared: Sequence[tuple[Sequence[int], int]], start: int, s
         nbytes for layers, nbytes in shared
         if not start <= min(layers) < stop and any(start <= layer < stop for layer in layers)
     )
+
+
+def stage_shared_copy_bytes(
+    shared: Sequence[tuple[Sequence[int], int]], bounds: Sequence[int], owner: Sequence[int]
+) -> list[int]:
+    """Per stage (layers bounds[s]:bounds[s + 1], held by rank owner[s]): bytes of the shared parameters it keeps a
+    copy of. A rank keeps one Parameter for a shared parameter whichever of its stages hold it (models.shared:
+    under V placement the first and last stages, a tied embedding and head, are on one rank): the copy is the first
+    of the rank's stages holding it, and none where the rank holds the parameter's first layer (counted there)."""
+    n = len(bounds) - 1
+    copies = [0] * n
+    for layers, nbytes in shared:
+        holders = [s for s in range(n) if any(bounds[s] <= layer < bounds[s + 1] for layer in layers)]
+        if not holders:
+            continue
+        seen = {owner[holders[0]]}  # the first holder: its layer's bytes count the parameter
+        for s in holders[1:]:
+            if owner[s] not in seen:
+                seen.add(owner[s])
+                copies[s] += nbytes
+    return copies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,6 +377,8 @@ class Profile:
                     autocast_copy_bytes=layer.autocast_copy_bytes,
                     saved_input_bytes=math.ceil(at(layer.saved_input_bytes)) if layer.saved_input_bytes else None,
                     saved_output_bytes=math.ceil(at(layer.saved_output_bytes)) if layer.saved_output_bytes else 0,
+                    checkpoint_weight_bytes=(math.ceil(at(layer.checkpoint_weight_bytes))
+                                             if layer.checkpoint_weight_bytes else None),
                     backward_bytes=(BackwardBytes.interpolated(layer.backward_bytes, at) if layer.backward_bytes
                                     else None),
                     split_input_extra_ms=max(0.0, at(layer.split_input_extra_ms)) if layer.split_input_extra_ms
@@ -565,7 +596,7 @@ def load_profile(path: Path) -> Profile:
 
 
 _SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
-_MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes")
+_MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes", "checkpoint_weight_bytes")
 """Per-size series a profile may lack (saved before they were recorded): () there (and so backward_bytes)."""
 _SPLIT_SERIES = ("split_input_extra_ms", "split_weight_extra_ms")
 """Per-size times a profile may lack (saved before they were recorded: 0)."""

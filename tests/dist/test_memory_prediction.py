@@ -131,3 +131,21 @@ def test_tied_weights_optimizer_step_within_2_percent(tmp_path):
     predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
     got = measured.peak_memory_bytes
     assert all(abs(p - g) <= 0.02 * g for p, g in zip(predicted, got)), (predicted, got)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule, split", [(Schedule.ZBV_ZERO_BUBBLE, (2, 2, 2, 2)),
+                                             (Schedule.DUAL_PIPE_V, (4, 1, 2, 1))])
+def test_a_checkpointed_split_backward_is_not_under_predicted(schedule, split):
+    """torch's W of a checkpointed stage recomputes it once per parameter group and keeps most of each recompute
+    until the W ends: recipes/gpt.py's ranks were 26-56 % under before that was modelled. Now never under; over by
+    up to 43 % here (the stage's recomputes are modelled from each block measured alone)."""
+    spec = load_model_file(ROOT / "recipes" / "gpt.py")
+    profile = profile_model(spec, batch_size=32, repeats=1)
+    candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
+                          layers_per_stage=split, activation_checkpointing=True)
+    measured = run_trial(spec, candidate, TrialOptions(steps=1, warmup=2, device="cpu"))
+    assert measured.status == "ok", measured.error
+    predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
+    got = measured.peak_memory_bytes
+    assert all(0.98 * g <= p <= 1.5 * g for p, g in zip(predicted, got)), (predicted, got)

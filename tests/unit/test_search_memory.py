@@ -12,7 +12,7 @@ from autotune.costs import LayerProfile, Profile
 from autotune.model_file import load_model_file
 from autotune.plan import plan
 from autotune.report.reasons import best_one_f_one_b, lower_memory_changes, memory_choice_reason
-from autotune.schedules import Schedule
+from autotune.schedules import SCHEDULES, SYNCHRONOUS_SCHEDULES, Schedule
 from autotune.search import SearchOptions, run_search
 from autotune.simulate import LinkModel, Predictor, simulate
 from tests.conftest import RECIPES
@@ -67,9 +67,15 @@ def test_plan_ranks_data_parallel_layouts_with_micro_batches_per_replica():
     assert replicated.estimate.allreduce_ms > 0
 
 
+WHOLE_BACKWARD = tuple(s for s in SYNCHRONOUS_SCHEDULES if not SCHEDULES[s].splits_backward)
+"""Schedules whose checkpointed twins save memory: a split backward's W recomputes the stage once per parameter group
+and keeps most of it (simulate._weight_recompute_bytes), more than checkpointing drops."""
+
+
 def test_plan_emits_checkpointed_twins_of_the_fastest_even_when_they_fit():
     profile = gpt_like()
-    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None, prune_within=None)
+    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None, prune_within=None,
+                   schedules=WHOLE_BACKWARD)
     keys = {p.candidate.key for p in planned}
     fastest = [p.candidate for p in planned if not p.candidate.activation_checkpointing][:8]
     for c in fastest:
@@ -85,10 +91,12 @@ def test_plan_emits_checkpointed_twins_of_the_fastest_even_when_they_fit():
 def test_a_tight_limit_ranks_the_checkpointed_twin_of_the_best():
     profile = gpt_like()
     # The best pipelined candidate (a checkpointed twin of dp 2 x m 1, which ranks first, saves nothing: above).
-    best = next(p.candidate for p in plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None)
+    best = next(p.candidate for p in plan(profile, gpus=2, batch_size=32, memory_limit_bytes=None,
+                                          schedules=WHOLE_BACKWARD)
                 if p.candidate.pipeline_degree > 1 and not p.candidate.activation_checkpointing)
     limit = peak(profile, best) - 1
-    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=limit, prune_within=None)
+    planned = plan(profile, gpus=2, batch_size=32, memory_limit_bytes=limit, prune_within=None,
+                   schedules=WHOLE_BACKWARD)
     twin = next(p for p in planned if p.candidate.key == best.key + "+ckpt")
     assert twin.estimate.feasible
     original = next(p for p in planned if p.candidate.key == best.key)

@@ -736,3 +736,15 @@ def test_the_last_stage_keeps_the_loss_input_and_the_loss_backward_as_profiled()
     assert Profile.from_dict(profile.to_dict()).loss_input_bytes == ()
     for p in plan(measured, gpus=2, batch_size=2, memory_limit_bytes=None, link=FREE)[:5]:
         assert p.estimate.peak_memory_bytes == simulate(measured, p.candidate, link=FREE).peak_memory_bytes
+
+
+def test_a_checkpointed_w_keeps_what_its_group_passes_recomputed():
+    """simulate._weight_recompute_bytes by hand: two layers of 50 bytes rebuilt, two groups each. Unmeasured: every
+    group keeps the stage's recompute (4 x 100). Measured (60 each alone: 30 a group, so the weight paths hold
+    (50 - 30) / (1 - 1/4) = 26.7 and the rest 23.3): the first layer's groups keep their own 30 and the second
+    layer's 50, the second's their own 30 and the first's 23.3, and the last recompute is in flight."""
+    from autotune.simulate import _weight_recompute_bytes
+
+    assert _weight_recompute_bytes(100, [50, 50], [2, 2], [None, None]) == 400
+    assert _weight_recompute_bytes(100, [50, 50], [2, 2], [60, 60]) == int(2 * (30 + 50) + 2 * (30 + 70 / 3) + 100)
+    assert _weight_recompute_bytes(0, [50, 50], [2, 2], [60, 60]) == 0
