@@ -82,35 +82,39 @@ def pick(planned: list, n: int, *, data_parallel: bool = False) -> list:
 
 
 def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, device: str,
-              memory_only: bool = False, data_parallel: bool = False) -> dict:
+              memory_only: bool = False, data_parallel: bool = False, precision: str = "fp32",
+              checkpointed: bool = False) -> dict:
     path = Path(recipe) if recipe.endswith(".py") else ROOT / "recipes" / f"{recipe}.py"
     spec = load_model_file(path)
     check_model(spec, batch_size)
-    profile = profile_model(spec, batch_size=batch_size, device=device)
+    profile = profile_model(spec, batch_size=batch_size, device=device, precision=precision)
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
     dp = 2 if data_parallel else 1
     planned = [p for p in planned if p.candidate.data_parallel_degree == dp and p.candidate.n_microbatches <= 64]
-    configs = pick(planned, n_configs, data_parallel=data_parallel)
+    configs = [p.candidate for p in pick(planned, n_configs, data_parallel=data_parallel)]
+    if checkpointed:  # the planner checkpoints only its fastest few: the same spread, each checkpointed
+        configs = list({c.key: c for c in (dataclasses.replace(c, activation_checkpointing=True)
+                                           for c in configs)}.values())
     options = TrialOptions(steps=1 if memory_only else 5, warmup=2, device=device)
-    measured: dict[str, list] = {p.candidate.key: [] for p in configs}
+    measured: dict[str, list] = {c.key: [] for c in configs}
     started = time.time()
     for _ in range(passes):
-        for p in configs:
-            m = run_trial(spec, p.candidate, options)
+        for c in configs:
+            m = run_trial(spec, c, options)
             if m.status == "ok":
-                measured[p.candidate.key].append(m)
+                measured[c.key].append(m)
     rows = []
-    for p in configs:
-        runs = measured[p.candidate.key]
+    for c in configs:
+        runs = measured[c.key]
         if not runs:
             continue
-        rows.append({"candidate": p.candidate.key, "candidate_dict": p.candidate.to_dict(),
+        rows.append({"candidate": c.key, "candidate_dict": c.to_dict(),
                      "measured_ms": statistics.median(m.step_time_ms for m in runs),
                      "runs_ms": [m.step_time_ms for m in runs],
                      "measured_peak": max(max(m.peak_memory_bytes) for m in runs)})
     # How far the measurements agree with themselves: the ranking of one pass against another's, averaged over pairs.
     # The simulator's Spearman is judged against this ceiling.
-    complete = [p.candidate.key for p in configs if len(measured[p.candidate.key]) == passes]
+    complete = [c.key for c in configs if len(measured[c.key]) == passes]
     pairs = list(itertools.combinations(range(passes), 2))
     retest = statistics.fmean(
         spearman([measured[k][i].step_time_ms for k in complete], [measured[k][j].step_time_ms for k in complete])
@@ -150,6 +154,10 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="peak memory only: one pass of one step")
     parser.add_argument("--data-parallel", action="store_true",
                         help="pp 1 x dp 2 candidates (replicate and FSDP2 shard) instead of pipelines")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--checkpointed", action="store_true",
+                        help="run each picked configuration with activation checkpointing (the planner's own "
+                             "checkpointed ones are only its fastest few)")
     parser.add_argument("--peak-tolerance", type=float, default=0.05)
     parser.add_argument("--name", default="calibration", help="results file name under bench/results/")
     parser.add_argument("--from-json", type=Path,
@@ -164,7 +172,8 @@ def main() -> None:
                              r["pass_to_pass_spearman"], r["wall_s"]) for r in saved]
     else:
         results = [calibrate(r, batch_size=args.batch_size, n_configs=args.configs, passes=args.passes,
-                             device=args.device, memory_only=args.memory_only, data_parallel=args.data_parallel)
+                             device=args.device, memory_only=args.memory_only, data_parallel=args.data_parallel,
+                             precision=args.precision, checkpointed=args.checkpointed)
                    for r in [*args.recipes, *args.models]]
     if args.memory_only:
         memory_only_report(results, args)
