@@ -6,7 +6,8 @@ what was running then.
     python bench/memory_breakdown.py recipes/gpt.py --batch-size 64 \
         --candidates Interleaved1F1B/m4/[2-2-2-2] 1F1B/m4/[4-4]
 
-A candidate is written as in the calibration tables: <schedule>/m<n_microbatches>/[<layers per stage>][+ckpt][+bf16].
+A candidate is written as in the calibration tables: <schedule>/m<n_microbatches>/[<layers per stage>][+ckpt][+bf16]
+(+bf16: a bfloat16 wire in fp32); --precision bf16 trains and profiles every candidate in bf16.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from autotune.trial.memory import PeakBreakdown, SavedActivationBytes
 WORLD_SIZE = 2
 
 
-def parse_candidate(text: str, batch_size: int) -> Candidate:
+def parse_candidate(text: str, batch_size: int, precision: str = "fp32") -> Candidate:
     """'Interleaved1F1B/m4/[2-2-2-2]+ckpt' -> Candidate (2 ranks)."""
     match = re.fullmatch(r"(\w+)/m(\d+)/\[([\d-]+)\]((?:\+\w+)*)", text)
     if match is None:
@@ -46,7 +47,7 @@ def parse_candidate(text: str, batch_size: int) -> Candidate:
     return Candidate(schedule=Schedule(schedule), pipeline_degree=WORLD_SIZE, global_batch_size=batch_size,
                      n_microbatches=int(m), layers_per_stage=tuple(int(x) for x in split.split("-")),
                      activation_checkpointing="+ckpt" in flags,
-                     wire_dtype="bfloat16" if "+bf16" in flags else "float32")
+                     wire_dtype="bfloat16" if "+bf16" in flags else "float32", precision=precision)
 
 
 def _ptrs(tensors: Any) -> list[int]:
@@ -149,10 +150,12 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--candidates", nargs="+", required=True)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
-    profile = profile_model(load_model_file(Path(args.model)), batch_size=args.batch_size, repeats=1)
+    profile = profile_model(load_model_file(Path(args.model)), batch_size=args.batch_size, repeats=1,
+                            precision=args.precision)
     for text in args.candidates:
-        candidate = parse_candidate(text, args.batch_size)
+        candidate = parse_candidate(text, args.batch_size, args.precision)
         ranks = measure(args.model, candidate)
         predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
         print(f"== {text}")
