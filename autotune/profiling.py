@@ -910,21 +910,16 @@ def _checkpoint_weight_bytes(
     Each of the W's autograd passes, one per parameter group, recomputes the stage, and what a pass recomputed and
     did not use stays until the W ends: a Hugging Face OPT's stage of three decoder layers (8 groups each) held 148
     MB of recomputes in one W, 16x the 9.2 MB its backward rebuilds once."""
-    from autotune.trial.memory import LiveTensorBytes
-
     args, side = inputs
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     parameters = unit.parameters()
     if not received or not parameters:
         return 0
-    device = parameters[0].device
-    cuda = device.type == "cuda"
     unit.zero_grad(set_to_none=True)
     kept = [a.grad for a in received]
     touched = [*parameters, *unit.module.buffers(), *_flat(args), *_flat(list(side.values()))]
-    tracker = LiveTensorBytes(alive=touched)
     try:
-        with contextlib.nullcontext() if cuda else tracker:
+        with _Meter(parameters[0].device, touched) as meter:
             with unit.precision():
                 output = checkpoint(unit.module, *args, use_reentrant=False, **side)
             loss = loss_fn(output)
@@ -932,25 +927,16 @@ def _checkpoint_weight_bytes(
                 return 0
             _, groups = stage_backward_input([loss], None, received, parameters)
             del output, loss
-            if cuda:
-                torch.cuda.synchronize(device)
-                before = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            else:
-                before = tracker.peak_bytes = tracker.live_bytes
+            meter.mark()
             stage_backward_weight(parameters, groups)
             del groups
             made = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
-            if cuda:
-                torch.cuda.synchronize(device)
-                peak = torch.cuda.max_memory_allocated(device)
-            else:
-                peak = tracker.peak_bytes
+            peak, _ = meter.since()
     finally:
         unit.zero_grad(set_to_none=True)
         for a, grad in zip(received, kept):
             a.grad = grad
-    return max(0, peak - before - made)
+    return max(0, peak - made)
 
 
 def _split_extras(
@@ -1160,34 +1146,20 @@ def _loss_bytes(output: Any, loss_fn: Callable[[Any], torch.Tensor], *, cast: bo
     gradients of its log-probabilities and of that copy are float32 (a 32 k-vocabulary GPT's bf16 peak on an H200
     was 2.1 GB over the prediction at micro-batch 32, bench/results/cuda_loss_bytes.md). `loss_fn` casts (the
     profile's _loss): the backward runs through the cast to a leaf of the output's dtype, as the stage's does."""
-    from autotune.trial.memory import LiveTensorBytes
-
     leaves = [t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in _flat(output)]
     if not any(t.requires_grad for t in leaves):
         return 0, 0
     it = iter(leaves)
     given = _rebuild(output, it)
     held = sum(_nbytes(t) for t in _flat(loss_input(given) if cast else given))
-    device = leaves[0].device
-    cuda = device.type == "cuda"
-    tracker = LiveTensorBytes(alive=leaves)
-    with contextlib.nullcontext() if cuda else tracker:
+    with _Meter(leaves[0].device, leaves) as meter:
         loss = loss_fn(given)
         if not loss.requires_grad:
             return held, 0
-        if cuda:
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            before = tracker.peak_bytes = tracker.live_bytes
+        meter.mark()
         loss.backward()
-        if cuda:
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = tracker.peak_bytes
-    return held, max(0, peak - before)
+        peak, _ = meter.since()
+    return held, max(0, peak)
 
 
 def _rebuild(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
@@ -1225,6 +1197,45 @@ def _backward_bytes(unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[st
     return BackwardBytes(**{name: (made, handed) for name, (made, handed) in figures.items()})
 
 
+class _Meter:
+    """Bytes allocated past a mark, from the allocator on CUDA, the live tensor-storage tracker on CPU (entered with
+    the meter; `alive`: the tensors alive at entry that an op may hand back, LiveTensorBytes)."""
+
+    def __init__(self, device: torch.device, alive: Sequence[torch.Tensor]) -> None:
+        from autotune.trial.memory import LiveTensorBytes
+
+        self.device, self.cuda = device, device.type == "cuda"
+        self.tracker = None if self.cuda else LiveTensorBytes(alive=alive)
+        self.before = 0
+
+    def __enter__(self) -> _Meter:
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def mark(self) -> None:
+        """From here: what is alive now is the base, and the peak starts again."""
+        if self.tracker is None:
+            torch.cuda.synchronize(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.before = self.tracker.peak_bytes = self.tracker.live_bytes
+
+    def since(self) -> tuple[int, int]:
+        """(the peak, what is alive now), each over the mark."""
+        if self.tracker is None:
+            torch.cuda.synchronize(self.device)
+            peak, now = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+        else:
+            peak, now = self.tracker.peak_bytes, self.tracker.live_bytes
+        return peak - self.before, now - self.before
+
+
 def _backward_peak(
     unit: _Unit, args: tuple[torch.Tensor, ...], side: dict[str, Any], *, handed: bool, split: bool
 ) -> tuple[int, int]:
@@ -1234,15 +1245,11 @@ def _backward_peak(
     else a product with a constant of the output's shape makes it inside the backward, counted, and lets go of it
     once used (as a later layer of a stage, or the loss, makes it). split: torch's I (stage_backward_input), which
     keeps the graph and the gradients its W needs; else a whole backward."""
-    from autotune.trial.memory import LiveTensorBytes
-
     parameters = unit.parameters()
     device = next((p.device for p in parameters), torch.device("cpu"))
-    cuda = device.type == "cuda"
     touched = [*parameters, *(p.grad for p in parameters if p.grad is not None), *unit.module.buffers(),
                *_flat(args), *_flat(list(side.values()))]
-    tracker = LiveTensorBytes(alive=touched)
-    with contextlib.nullcontext() if cuda else tracker:
+    with _Meter(device, touched) as meter:
         output = unit(args, side)
         outputs = [t for t in _flat(output) if t.requires_grad]
         if not outputs:
@@ -1252,26 +1259,17 @@ def _backward_peak(
         constants = [torch.ones_like(t) for t in outputs]
         roots = outputs if handed else [sum((t * c).sum() for t, c in zip(outputs, constants))]
         grads = constants if handed else None
-        if cuda:
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            before = tracker.peak_bytes = tracker.live_bytes
+        meter.mark()
         if split:
             received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             _, groups = stage_backward_input(roots, grads, received, parameters)
         else:
             torch.autograd.backward(roots, grads)
         inputs_grads = sum(a.grad.untyped_storage().nbytes() for a in _flat(args) if a.grad is not None)
-        if cuda:
-            torch.cuda.synchronize(device)
-            peak, after = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
-        else:
-            peak, after = tracker.peak_bytes, tracker.live_bytes
+        peak, after = meter.since()
         if split:
             del groups  # and with them the graph the W would have used
-    return max(0, peak - before), max(0, after - before - inputs_grads)
+    return max(0, peak), max(0, after - inputs_grads)
 
 
 _VIEW_NODES = frozenset({
