@@ -1023,7 +1023,7 @@ class _StageCosts:
     """What a checkpointed backward rebuilds for the micro-batch it works on (0 without checkpointing)."""
     weight_recompute_bytes: list[int]
     """A checkpointed stage's split W (not the first stage's): what its recomputes, one per parameter group, hold
-    together at its end (0 otherwise; _weight_recompute_bytes)."""
+    together at its peak (0 otherwise; _weight_recompute_bytes)."""
     receive_buffer_bytes: list[int]
     """Receive buffers of the stage for the whole step: activations in, gradients in."""
     parameter_bytes: list[int]
