@@ -190,6 +190,26 @@ def shared_copy_bytes(shared: Sequence[tuple[Sequence[int], int]], start: int, s
     )
 
 
+def stage_gradient_moves(
+    shared: Sequence[tuple[Sequence[int], int]], bounds: Sequence[int], owner: Sequence[int]
+) -> list[int]:
+    """Per stage: bytes to add to (or, negative, take from) its parameter bytes to get the gradients its first
+    backward makes. A rank's one Parameter for a shared parameter gets its gradient from the first of the rank's
+    stages to run a backward, the highest of them (backwards run in reverse stage order), not from the stage whose
+    layer counts its bytes (V placement: a tied head on the last stage, its embedding on the first)."""
+    moves = [0] * (len(bounds) - 1)
+    for layers, nbytes in shared:
+        holders = [s for s in range(len(moves)) if any(bounds[s] <= layer < bounds[s + 1] for layer in layers)]
+        if not holders:
+            continue
+        counted = holders[0]
+        same_rank = [s for s in holders if owner[s] == owner[counted]]
+        if same_rank[-1] != counted:
+            moves[counted] -= nbytes
+            moves[same_rank[-1]] += nbytes
+    return moves
+
+
 def stage_shared_copy_bytes(
     shared: Sequence[tuple[Sequence[int], int]], bounds: Sequence[int], owner: Sequence[int]
 ) -> list[int]:

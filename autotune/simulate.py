@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.action_graph import ActionGraph, compile_graph, compiled_graph
 from autotune.candidate import Candidate
-from autotune.costs import LayerCost, Profile, stage_shared_copy_bytes
+from autotune.costs import LayerCost, Profile, stage_gradient_moves, stage_shared_copy_bytes
 from autotune.errors import UsageError
 from autotune.memory_model import (
     WeightGradients,
@@ -1054,6 +1054,9 @@ class _StageCosts:
     """Parameter bytes of the stage's largest layer, or of the largest tied parameter it holds."""
     shared_copy_bytes: list[int]
     """Of parameter_bytes, the copies of tied parameters whose bytes the profile counts on another stage."""
+    first_gradient_bytes: list[int]
+    """The gradients the stage's first backward makes: its parameters', a tied parameter's on the rank's stage that
+    runs a backward first (costs.stage_gradient_moves)."""
     largest_grad_bytes: list[int]
     """A W's fresh weight gradients at the stage's largest layer (memory_model.weight_gradient_factor)."""
     working_copy_bytes: list[int]
@@ -1158,8 +1161,9 @@ def _stage_costs(
     param_factor = param_dtype_factor(candidate)
     profiled = [c.backward_bytes for c in costs]
 
-    shared_copies = stage_shared_copy_bytes(
-        shared, bounds, stage_ranks(candidate.schedule, candidate.pipeline_degree, n_stages))
+    owner = stage_ranks(candidate.schedule, candidate.pipeline_degree, n_stages)
+    shared_copies = stage_shared_copy_bytes(shared, bounds, owner)
+    gradient_moves = stage_gradient_moves(shared, bounds, owner)
 
     result: dict[str, list[Any]] = {k: [] for k in _StageCosts.__dataclass_fields__}
     for s, (a, b) in enumerate(pairwise(bounds)):
@@ -1270,6 +1274,7 @@ def _stage_costs(
         stage_parameters = int(sum(parameter_bytes[a:b])) + copies_of_shared
         result["parameter_bytes"].append(stage_parameters)
         result["shared_copy_bytes"].append(copies_of_shared)
+        result["first_gradient_bytes"].append(stage_parameters + gradient_moves[s])
         sharded = candidate.sharded
         copy = int(working_copy_bytes(stage_parameters, candidate=candidate))
         result["working_copy_bytes"].append(copy)
@@ -1549,7 +1554,7 @@ def _peak_memory(
                     elif a == last_backward[s]:
                         live -= accumulating[s]
                 if made and s not in started:
-                    new += stages.parameter_bytes[s]
+                    new += stages.first_gradient_bytes[s]
                 started.add(s)
                 live -= held[s] - stays
                 if kept:
@@ -1572,7 +1577,7 @@ def _peak_memory(
                 rebuilt = recompute[s] if s == 0 else stages.weight_recompute_bytes[s]
                 peak = max(peak, live + during + temp + rebuilt)
                 if made and s not in started:
-                    new += stages.parameter_bytes[s]
+                    new += stages.first_gradient_bytes[s]
                 started.add(s)
                 live -= held[s] + stages.split_kept_bytes[s] - stages.input_released_bytes[s] - stays
             live += new
