@@ -291,16 +291,6 @@ def fit_rows(rows: list[list[Any]]) -> list[list[Any]]:
     out.append(["FSDP2's optimizer step per unit beyond half the plain one's (median)",
                 f"{statistics.median(r[13] for r in rows):.3f}", "-", "-"])
     return out
-    for name, xy in points.items():
-        slope, fixed = statistics.linear_regression(*zip(*xy))
-        out.append([name, round(fixed, 2), round(slope, 3), round(2**20 / (slope * 1e6), 2) if slope > 0 else "-"])
-    hooks = [(group[0][2], statistics.median((r[11] + r[12]) / 2 for r in group)) for group in by_width.values()]
-    slope, fixed = statistics.linear_regression(*zip(*hooks))
-    out.append(["FSDP2 hooks per unit and action, gathered (mean of forward and backward)", round(fixed, 3),
-                round(slope, 4), "-"])
-    out.append(["FSDP2's optimizer step per unit beyond half the plain one's (median)",
-                f"{statistics.median(r[13] for r in rows):.3f}", "-", "-"])
-    return out
 
 
 def main() -> None:
