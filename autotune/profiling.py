@@ -1151,7 +1151,8 @@ def _loss_bytes(output: Any, loss_fn: Callable[[Any], torch.Tensor], *, cast: bo
         return 0, 0
     it = iter(leaves)
     given = _rebuild(output, it)
-    held = sum(_nbytes(t) for t in _flat(loss_input(given) if cast else given))
+    # what loss_input makes of it, without making it: floating tensors as float32
+    held = sum(t.numel() * 4 if cast and t.is_floating_point() else _nbytes(t) for t in leaves)
     with _Meter(leaves[0].device, leaves) as meter:
         loss = loss_fn(given)
         if not loss.requires_grad:

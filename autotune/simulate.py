@@ -1107,17 +1107,13 @@ def _weight_recompute_bytes(
     if any(m is None for m in measured):
         return total_groups * recompute
     rebuilt = [recompute * s / total_saved for s in saved]
+    own = [(m or 0) / g if g else 0.0 for m, g in zip(measured, groups)]  # r: one group's pass, the layer alone
     kept_after = []  # I of each layer: what stays of it once its groups have run
-    for r_all, m, g in zip(rebuilt, measured, groups):
-        own = (m or 0) / g if g else 0.0
+    for r_all, r, g in zip(rebuilt, own, groups):
         walked = (g - 1) / (2 * g) if g else 0.0
-        weight_path = min(r_all, max(0.0, (r_all - own) / (1.0 - walked))) if g else 0.0
+        weight_path = min(r_all, max(0.0, (r_all - r) / (1.0 - walked))) if g else 0.0
         kept_after.append(r_all - weight_path)
-    held = 0.0
-    for j, g in enumerate(groups):
-        if g:
-            own = (measured[j] or 0) / g
-            held += g * (own + sum(kept_after[:j]) + sum(rebuilt[j + 1:]))
+    held = sum(g * (own[j] + sum(kept_after[:j]) + sum(rebuilt[j + 1:])) for j, g in enumerate(groups) if g)
     return int(held + recompute)
 
 
