@@ -69,7 +69,8 @@ class LayerCost:
     saved_bytes: int
     """Activation bytes autograd keeps from the forward until the backward."""
     output_bytes: int
-    """Bytes of the layer's output: what a stage cut after this layer sends (and its gradient, back)."""
+    """Bytes of the layer's output as the layer makes it: what a stage cut after this layer sends (and its
+    gradient, back) on a float32 wire."""
     parameter_bytes: int
     """Bytes of the layer's parameters."""
     checkpointed_forward_ms: float | None = None
@@ -93,6 +94,13 @@ class LayerCost:
     """The layer alone as a checkpointed stage, torch's split backward: what its W holds at its peak over what was
     alive before it, less the weight gradients it makes (LayerProfile.checkpoint_weight_bytes). None: not
     profiled."""
+    saved_handoff_bytes: int = 0
+    """What the layer saves of its input that the layer before saves as its output (one storage inside a stage,
+    counted with that layer, not in saved_bytes): a stage starting here on a wire that casts saves a copy of its own
+    (memory_model.boundary_shared). 0: none, or not profiled."""
+    wire_output_bytes: int | None = None
+    """Bytes of the layer's output on a bfloat16 wire (its floating tensors as bfloat16): what a stage cut after
+    this layer sends in bf16, or in fp32 with a bfloat16 wire (memory_model.wire_bytes). None: not profiled."""
     backward_bytes: BackwardBytes | None = None
     """What the layer's backward holds on top of what was alive before it; None: not profiled."""
     split_input_extra_ms: float = 0.0
@@ -141,6 +149,11 @@ class LayerProfile:
     """The layer alone as a checkpointed stage under torch's split backward, per micro-batch size: what its W holds
     at its peak beyond what was alive before it and the weight gradients it makes (each of the W's autograd passes,
     one per parameter group, recomputes the stage and keeps what it does not use until the W ends); () as above."""
+    saved_handoff_bytes: tuple[int, ...] = ()
+    """LayerCost.saved_handoff_bytes per micro-batch size; () as above (0)."""
+    wire_output_bytes: tuple[int, ...] = ()
+    """LayerCost.wire_output_bytes per micro-batch size: a bf16 profile's residual block returns float32 (autocast
+    adds in the dtype of the residual stream) that travels as bfloat16; () as above."""
     backward_bytes: tuple[BackwardBytes, ...] = ()
     """LayerCost.backward_bytes per micro-batch size; () as above."""
     split_input_extra_ms: tuple[float, ...] = ()
@@ -399,6 +412,9 @@ class Profile:
                     saved_output_bytes=math.ceil(at(layer.saved_output_bytes)) if layer.saved_output_bytes else 0,
                     checkpoint_weight_bytes=(math.ceil(at(layer.checkpoint_weight_bytes))
                                              if layer.checkpoint_weight_bytes else None),
+                    wire_output_bytes=math.ceil(at(layer.wire_output_bytes)) if layer.wire_output_bytes else None,
+                    saved_handoff_bytes=(math.ceil(at(layer.saved_handoff_bytes)) if layer.saved_handoff_bytes
+                                         else 0),
                     backward_bytes=(BackwardBytes.interpolated(layer.backward_bytes, at) if layer.backward_bytes
                                     else None),
                     split_input_extra_ms=max(0.0, at(layer.split_input_extra_ms)) if layer.split_input_extra_ms
@@ -482,6 +498,8 @@ class Profile:
                     autocast_copy_bytes=c.autocast_copy_bytes,
                     saved_input_bytes=() if c.saved_input_bytes is None else (c.saved_input_bytes,),
                     saved_output_bytes=(c.saved_output_bytes,) if c.saved_output_bytes else (),
+                    wire_output_bytes=() if c.wire_output_bytes is None else (c.wire_output_bytes,),
+                    saved_handoff_bytes=(c.saved_handoff_bytes,) if c.saved_handoff_bytes else (),
                     backward_bytes=() if c.backward_bytes is None else (c.backward_bytes,),
                     split_input_extra_ms=(c.split_input_extra_ms,) if c.split_input_extra_ms else (),
                     split_weight_extra_ms=(c.split_weight_extra_ms,) if c.split_weight_extra_ms else (),
@@ -616,7 +634,8 @@ def load_profile(path: Path) -> Profile:
 
 
 _SERIES = ("forward_ms", "backward_input_ms", "backward_weight_ms", "saved_bytes", "output_bytes")
-_MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes", "checkpoint_weight_bytes")
+_MEMORY_SERIES = ("saved_input_bytes", "saved_output_bytes", "checkpoint_weight_bytes", "wire_output_bytes",
+                  "saved_handoff_bytes")
 """Per-size series a profile may lack (saved before they were recorded): () there (and so backward_bytes)."""
 _SPLIT_SERIES = ("split_input_extra_ms", "split_weight_extra_ms")
 """Per-size times a profile may lack (saved before they were recorded: 0)."""

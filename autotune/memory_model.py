@@ -8,7 +8,11 @@ the simpler, larger rules where this says so).
                                                     (sharded: the parameter and optimizer-state      always
                                                     shards, x (1 + ratio) / dp; the gradient shards, reduce ->
                                                     / dp, from the reduce-scatter)                   optimizer
-    receive buffers                                 n_microbatches x (stage input + output grad)     always
+    receive buffers                                 n_microbatches x (stage input + output grad),    always
+                                                    as they travel (wire_bytes: a bfloat16 wire
+                                                    halves what was made in float32)
+    bf16 under autocast, a bfloat16 input           its float32 copy on arrival (arrival_copy_bytes) F, and its
+                                                                                                     grad in B
     the batch (batch_bytes)                         n_microbatches x (the inputs on the first        always
                                                     stage's rank, the targets on the last's)
     per in-flight micro-batch                       saved activations (checkpointed: the stage input)
@@ -80,9 +84,32 @@ from autotune.schedules import SCHEDULES, Schedule
 
 
 def wire_factor(candidate: Candidate) -> float:
-    """Bytes of a tensor sent between stages per byte of the profile's: 0.5 for a bfloat16 wire in fp32. A bf16
-    profile measured the tensors autocast makes (bfloat16 where a matmul made them): sent as they are."""
+    """Bytes of a tensor sent between stages per byte of the profile's, for profiles without the outputs' bytes on
+    a bfloat16 wire (wire_bytes): 0.5 for a bfloat16 wire in fp32; in bf16 the tensors autocast makes, assumed
+    bfloat16 (a residual block's float32 output is not: recipes/gpt.py's receive buffers counted twice)."""
     return 0.5 if candidate.wire_dtype == "bfloat16" and candidate.precision == "fp32" else 1.0
+
+
+def bfloat16_wire(candidate: Candidate) -> bool:
+    """Whether stages hand each other bfloat16 (runtime.stage_boundary): always in bf16, in fp32 by wire_dtype."""
+    return candidate.precision == "bf16" or candidate.wire_dtype == "bfloat16"
+
+
+def wire_bytes(nbytes: int, wire_nbytes: int | None, *, candidate: Candidate) -> float:
+    """A layer's output as it travels to the next stage: as made (nbytes) on a float32 wire; on a bfloat16 wire
+    its floating tensors as bfloat16 (wire_nbytes, profiled: costs.LayerCost.wire_output_bytes), which a float32
+    output (fp32, or a bf16 residual stream) is cast to on leaving. Not profiled (None): nbytes x wire_factor."""
+    if wire_nbytes is None or not bfloat16_wire(candidate):
+        return nbytes * wire_factor(candidate)
+    return float(wire_nbytes)
+
+
+def cast_on_wire(nbytes: int, wire_nbytes: int | None, *, candidate: Candidate) -> bool:
+    """Whether a stage's output is cast to go on the wire (float32 leaving on a bfloat16 wire): its gradient comes
+    back in bfloat16 and the cast's backward makes it in the output's dtype, so the stage's last layer gets it made
+    (as from a later layer) rather than handed in from the receive buffer. recipes/cnn.py in bf16, V-Min: rank 1's
+    peak held a 2 MB float32 gradient made so (-15 % where it was taken as handed in)."""
+    return bfloat16_wire(candidate) and wire_bytes(nbytes, wire_nbytes, candidate=candidate) < nbytes
 
 
 def param_dtype_factor(candidate: Candidate) -> float:
@@ -171,20 +198,32 @@ def autocast_copy_bytes(copies: int, *, candidate: Candidate) -> int:
     return copies if candidate.precision == "bf16" and not candidate.sharded else 0
 
 
-def receive_buffer_bytes(stage_in: int, stage_out: int, *, candidate: Candidate, first: bool, last: bool) -> float:
+def arrival_copy_bytes(stage_in: int, wire_in: float, *, candidate: Candidate, first: bool) -> float:
+    """What a bf16 stage under autocast makes of a received input beyond what the profile fed its first layer: the
+    runtime casts every input arriving on the bfloat16 wire to float32 (runtime.stage_boundary, to restore a
+    residual stream's float32), so an input made in bfloat16 (a convolution's or a Linear's output: the wire did
+    not halve it) gets a float32 copy, alive through the stage's forward, and the backward a float32 gradient of
+    that copy beside the bfloat16 one it sends. recipes/cnn.py in bf16, V-Min, rank 1 at its second stage's
+    backward: a 2 MB float32 gradient (_to_copy) at the peak; GPipe, rank 1 in a forward: the 1 MB copy. 0 where
+    the input was float32 (the cast restores what the profile saw: stage_in = 2 x wire_in), on the first stage (the
+    batch) and sharded (FSDP2 computes on what arrives)."""
+    if first or candidate.precision != "bf16" or candidate.sharded:
+        return 0.0
+    return max(0.0, 4 * wire_in - 2 * stage_in)
+
+
+def receive_buffer_bytes(wire_in: float, wire_out: float, *, candidate: Candidate, first: bool, last: bool) -> float:
     """What a stage's receive buffers hold for a whole step: one input activation per micro-batch (not on the first
-    stage) and one output gradient per micro-batch (not on the last), in the wire dtype."""
+    stage) and one output gradient per micro-batch (not on the last), each as it travels (wire_bytes)."""
     m = candidate.n_microbatches
-    receive = (m * stage_in if not first else 0) + (m * stage_out if not last else 0)
-    return receive * wire_factor(candidate)
+    return (m * wire_in if not first else 0) + (m * wire_out if not last else 0)
 
 
-def held_per_microbatch(saved: int, stage_in: int, stage_out: int, *, candidate: Candidate, last: bool) -> float:
+def held_per_microbatch(saved: int, stage_in: int, kept_out: float, *, candidate: Candidate) -> float:
     """Bytes one in-flight micro-batch keeps on a stage between its F and its B: the saved activations (only the
     stage input, with checkpointing), and the stage's output, which torch's stage keeps (fwd_cache) until that
-    backward, in the wire dtype where it travels on (the last stage's output keeps its dtype for the loss)."""
-    wire = wire_factor(candidate) if not last else 1.0
-    return (stage_in if candidate.activation_checkpointing else saved) + int(stage_out * wire)
+    backward: kept_out, as it travels on (wire_bytes), or on the last stage as the loss gets it."""
+    return (stage_in if candidate.activation_checkpointing else saved) + int(kept_out)
 
 
 def recompute_bytes(saved: int, *, candidate: Candidate, input_saved: int = 0) -> int:
@@ -195,11 +234,13 @@ def recompute_bytes(saved: int, *, candidate: Candidate, input_saved: int = 0) -
 
 
 def boundary_shared(candidate: Candidate) -> bool:
-    """Whether a tensor between two stages is one storage on each side of the wire: the output a stage sends is the
-    tensor its last layer made, and the receive buffer is the tensor the next stage's first layer computes on. True
-    in fp32 with a float32 wire (runtime.stage_boundary: a bfloat16 wire casts the output on leaving and the input
-    back on arrival; bf16 precision casts a received input to float32)."""
-    return candidate.precision == "fp32" and candidate.wire_dtype == "float32"
+    """Whether the receive buffer of a stage is the tensor its first layer computes on (no cast on arrival). True in
+    fp32 with a float32 wire, and sharded in bf16 (FSDP2 computes on the bfloat16 that arrives); False where the
+    runtime casts what arrives on a bfloat16 wire to float32 (runtime.stage_boundary: fp32 with a bfloat16 wire,
+    bf16 under autocast). The sending side is shared unless the output is cast to go (cast_on_wire)."""
+    if not bfloat16_wire(candidate):
+        return True
+    return candidate.precision == "bf16" and candidate.sharded
 
 
 def input_held_elsewhere_bytes(
@@ -222,14 +263,18 @@ def input_held_elsewhere_bytes(
     return min(stage_in, first_layer_saved_input)
 
 
-def output_saved_bytes(stage_out: int, last_layer_saved_output: int, *, candidate: Candidate, last: bool) -> int:
+def output_saved_bytes(
+    stage_out: int, last_layer_saved_output: int, *, candidate: Candidate, last: bool, cast_out: bool = False
+) -> int:
     """What a stage's saved activations hold of its output per in-flight micro-batch (a ReLU saves its output):
     the tensor torch's stage keeps until the backward and sends (held_per_microbatch counts it), so not again.
     Not checkpointed (the checkpoint saves nothing inside), and only where the output kept is the one saved: not
-    cast for a bfloat16 wire (boundary_shared), or on the last stage not made float32 for the loss (bf16)."""
+    cast for the wire (cast_out: cast_on_wire; a bfloat16 output on a bfloat16 wire is sent as it is), or on the
+    last stage not made float32 for the loss (bf16). recipes/cnn.py in bf16 (its blocks end in a bfloat16 ReLU):
+    GPipe's first rank +8.8 % while its kept outputs were counted twice."""
     if candidate.activation_checkpointing:
         return 0
-    if not (candidate.precision == "fp32" if last else boundary_shared(candidate)):
+    if not (candidate.precision == "fp32" if last else not cast_out):
         return 0
     return min(stage_out, last_layer_saved_output)
 
@@ -245,16 +290,23 @@ def stage_memory_bytes(
     first: bool,
     last: bool,
     optimizer_state_ratio: float,
+    wire_in: float | None = None,
+    wire_out: float | None = None,
 ) -> float:
     """One stage alone at its worst: its parameter memory, receive buffers, `in_flight` micro-batches held, what its
     sends keep, and one checkpointed backward's rebuilt activations (the planner's per-stage cap; the simulator's
     per-rank peak walks the actions instead, and adds the batch and each backward's temporaries). Sharded: its
     float32 parameter and optimizer-state shards, the gathered working copy and the unsharded gradients. `saved`
-    includes the autocast weight copies where they count (autocast_copy_bytes)."""
-    held = held_per_microbatch(saved, stage_in, stage_out, candidate=candidate, last=last)
+    includes the autocast weight copies where they count (autocast_copy_bytes). stage_out: on the last stage the
+    loss's input. wire_in, wire_out: the input and output as they travel (wire_bytes; None: not profiled)."""
+    if wire_in is None:
+        wire_in = wire_bytes(stage_in, None, candidate=candidate)
+    if wire_out is None:
+        wire_out = wire_bytes(stage_out, None, candidate=candidate)
+    held = held_per_microbatch(saved, stage_in, stage_out if last else wire_out, candidate=candidate)
     sent = 0.0
     if sends_kept_to_the_end(candidate.schedule):  # outputs of finished micro-batches, gradients sent back
-        out, grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        out, grad = sent_bytes(wire_in, wire_out, first=first, last=last)
         sent = max(0, candidate.n_microbatches - in_flight) * out + candidate.n_microbatches * grad
     return (
         parameter_memory_bytes(parameter_bytes, optimizer_state_ratio, dp_shards(candidate))
@@ -264,7 +316,7 @@ def stage_memory_bytes(
         + in_flight * held
         + sent
         + recompute_bytes(saved, candidate=candidate)
-        + receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        + receive_buffer_bytes(wire_in, wire_out, candidate=candidate, first=first, last=last)
     )
 
 
@@ -274,11 +326,10 @@ def sends_kept_to_the_end(schedule: Schedule) -> bool:
     return schedule != Schedule.ONE_F_ONE_B
 
 
-def sent_bytes(stage_in: int, stage_out: int, *, candidate: Candidate, first: bool, last: bool) -> tuple[float, float]:
-    """Per micro-batch, what a stage sends: (its output, not on the last stage; the gradient of its input, not on
-    the first), in the wire dtype."""
-    wire = wire_factor(candidate)
-    return (0.0 if last else stage_out * wire), (0.0 if first else stage_in * wire)
+def sent_bytes(wire_in: float, wire_out: float, *, first: bool, last: bool) -> tuple[float, float]:
+    """Per micro-batch, what a stage sends, as it travels (wire_bytes): (its output, not on the last stage; the
+    gradient of its input, not on the first)."""
+    return (0.0 if last else float(wire_out)), (0.0 if first else float(wire_in))
 
 
 def loss_backward_bytes(output_bytes: int) -> int:
@@ -300,13 +351,15 @@ def layer_backward_bytes(
     parameter_bytes: Sequence[int], input_bytes: Sequence[int], output_bytes: Sequence[int], *, first: bool,
     last: bool, weights: WeightGradients = "fresh", profiled: Sequence[BackwardBytes | None] | None = None,
     grad_factor: float = 1.0, freed: Sequence[int] | None = None, gathered: Sequence[float] | None = None,
+    cast_out: bool = False, arrival_grad: float = 0.0,
 ) -> int:
     """What one backward of a stage allocates on top of what it holds, at its worst layer (the layers of the stage
     in order, their float32 parameter bytes, input and output bytes for one micro-batch): what the layer's backward
     holds at most, with the gradient of its output where a later layer of the stage (or on the last stage the loss)
-    made it (the stage's last layer reads it from the receive buffer), less what the layers after it let go of once
-    done (freed: per layer, its saved activations but what outlives the backward). weights: what becomes of the
-    weight gradients it makes (WeightGradients).
+    made it (the stage's last layer reads it from the receive buffer, or where cast_out, gets it made by the wire
+    cast's backward: cast_on_wire), less what the layers after it let go of once done (freed: per layer, its saved
+    activations but what outlives the backward). weights: what becomes of the weight gradients it makes
+    (WeightGradients). arrival_grad: the first layer's input gradient made again in float32 (arrival_copy_bytes).
 
     What the layer's backward holds: profiled (costs.BackwardBytes; its fresh weight gradients scaled to
     grad_factor, weight_gradient_factor). Where not profiled (None): its weight gradients and the gradients of its
@@ -332,9 +385,10 @@ def layer_backward_bytes(
     made = 0.0  # "kept", "accumulated": the weight gradients the layers after this one made
     n = len(parameter_bytes)
     for i in reversed(range(n)):
-        handed = int(i == n - 1 and not last)
+        handed = int(i == n - 1 and not last and not cast_out)
         measured = profiled[i] if profiled is not None else None
         in_grad = 0 if first and i == 0 else input_bytes[i]
+        arrival = arrival_grad if i == 0 else 0.0
         let_go = freed[i] if freed is not None else 0
         if measured is None:
             grads = {"fresh": parameter_bytes[i] * grad_factor, "kept": parameter_bytes[i],
@@ -356,27 +410,30 @@ def layer_backward_bytes(
         if gathered is not None:  # its own copy (twice while the all-gather's output is copied out) and the next
             worst = max(worst, made + 2 * gathered[i] - gone)
             copies = gathered[i] + (gathered[i - 1] if i > 0 else 0.0)
-        worst = max(worst, own + made + copies - gone)
+        worst = max(worst, own + arrival + made + copies - gone)
         gone += let_go
         made += parameter_bytes[i] if weights in ("kept", "accumulated") else 0
         made += gathered[i] if gathered is not None else 0
     return int(worst)
 
 
-def input_backward_bytes(profiled: Sequence[BackwardBytes], *, first: bool, last: bool) -> tuple[int, int]:
+def input_backward_bytes(
+    profiled: Sequence[BackwardBytes], *, first: bool, last: bool, cast_out: bool = False, arrival_grad: float = 0.0
+) -> tuple[int, int]:
     """A split backward's I on a stage (its layers' profiled costs.BackwardBytes, in order): (what it holds at most
     on top, its input's gradient included; what it leaves for its W beside that gradient). It goes through the
     layers in reverse, each leaving the gradients of its weight ops' outputs (and of its output, where the layer
     after it made that gradient and a weight op reads it) and letting go of nothing saved. The first stage's I
     does nothing (its input needs no gradient: its W runs the whole backward). bench/models/gpt2block.py, a block
-    at micro-batch 16: 2.5 MiB left for W, measured, where split_kept_bytes counts 3.8 MiB."""
+    at micro-batch 16: 2.5 MiB left for W, measured, where split_kept_bytes counts 3.8 MiB. cast_out, arrival_grad:
+    as in layer_backward_bytes."""
     if first:
         return 0, 0
     peak = kept = 0
     n = len(profiled)
     for i in reversed(range(n)):
-        handed = int(i == n - 1 and not last)
-        peak = max(peak, kept + profiled[i].input_peak[handed])
+        handed = int(i == n - 1 and not last and not cast_out)
+        peak = max(peak, kept + profiled[i].input_peak[handed] + (arrival_grad if i == 0 else 0.0))
         kept += profiled[i].input_kept[handed]
     return peak, kept
 

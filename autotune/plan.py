@@ -14,7 +14,7 @@ from autotune.candidate import DATA_PARALLEL_MODES, Candidate, DataParallelMode,
 from autotune.costs import LayerCost, Profile, shared_copy_bytes
 from autotune.errors import InfeasibleError, InvalidCandidateError, UsageError
 from autotune.layouts import data_parallel_choices, layout_choices, parallel_layout_choices
-from autotune.memory_model import autocast_copy_bytes, stage_memory_bytes
+from autotune.memory_model import autocast_copy_bytes, boundary_shared, stage_memory_bytes, wire_bytes
 from autotune.partition import EVEN_WITHIN, StageMemory, balance_for_schedule, balanced_split, evened, layer_times
 from autotune.placement import RANK_ORDERS, RankOrder, order_matters
 from autotune.schedules import (
@@ -519,6 +519,11 @@ class _Costs:
             optimizer_call_ms=self.optimizer_call_ms, link=self.link,
         )
 
+    def _wire(self, layer: int, candidate: Candidate) -> float:
+        """The layer's output as it travels to the next stage (memory_model.wire_bytes)."""
+        cost = self.layers[layer]
+        return wire_bytes(cost.output_bytes, cost.wire_output_bytes, candidate=candidate)
+
     def stage_memory(self, candidate: Candidate) -> StageMemory:
         """The memory model's bytes of one stage alone (memory_model.stage_memory_bytes), at the stage's worst
         in-flight count."""
@@ -532,10 +537,13 @@ class _Costs:
                 parameter_bytes=self.param_prefix[stop] - self.param_prefix[start]
                 + shared_copy_bytes(self.shared, start, stop),
                 saved=self.saved_prefix[stop] - self.saved_prefix[start] + autocast_copy_bytes(
-                    self.copies_prefix[stop] - self.copies_prefix[start], candidate=candidate),
+                    self.copies_prefix[stop] - self.copies_prefix[start], candidate=candidate)
+                + (self.layers[start].saved_handoff_bytes if start and not boundary_shared(candidate) else 0),
                 stage_in=self.input_bytes if start == 0 else self.layers[start - 1].output_bytes,
                 stage_out=(self.loss_input if stage == last and self.loss_input is not None
                            else self.layers[stop - 1].output_bytes),  # the last keeps the loss's input
+                wire_in=0.0 if start == 0 else self._wire(start - 1, candidate),
+                wire_out=self._wire(stop - 1, candidate),
                 in_flight=in_flight[stage],
                 candidate=candidate,
                 first=stage == 0,

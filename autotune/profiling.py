@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -162,7 +163,7 @@ def profile_model(
                 torch.cuda.set_per_process_memory_fraction(1.0, index)
             torch.cuda.empty_cache()
     at = range(len(sizes))
-    saved, saved_inputs = _saved_without_handoffs(measured, sizes)
+    saved, saved_inputs, handoffs = _saved_without_handoffs(measured, sizes)
     last = measured[-1]
     ratios = [_checkpoint_ratios([dominant.sizes[m].plain], [dominant.sizes[m].checkpointed])
               for dominant in [_dominant(measured, sizes)] for m in sizes]
@@ -177,7 +178,9 @@ def profile_model(
                 backward_weight_ms=tuple(r.sizes[m].backward_weight_ms for m in sizes),
                 saved_bytes=tuple(saved[i][k] for k in at),
                 output_bytes=tuple(r.sizes[m].output_bytes for m in sizes),
+                wire_output_bytes=tuple(_wire_nbytes(r.outputs[m]) for m in sizes),
                 saved_input_bytes=tuple(saved_inputs[i][k] for k in at),
+                saved_handoff_bytes=tuple(handoffs[i][k] for k in at) if any(handoffs[i]) else (),
                 saved_output_bytes=tuple(r.sizes[m].saved_output_bytes for m in sizes),
                 backward_bytes=tuple(b for m in sizes if (b := r.sizes[m].backward_bytes) is not None),
                 checkpoint_weight_bytes=tuple(r.sizes[m].checkpoint_weight_bytes for m in sizes)
@@ -256,22 +259,25 @@ def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockR
 
 def _saved_without_handoffs(
     measured: Sequence[_BlockResult], sizes: Sequence[int]
-) -> tuple[list[list[int]], list[list[int]]]:
+) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """Saved bytes per block and size, a storage counted once: inside a stage, a block's output that it saves is the
     storage the next block saves as its input, so the next block's count drops it (the first block saving a storage
-    keeps it, as in one pass over the whole model); and of those, the bytes of the block's input (what a stage
-    starting at the block saves of the tensor it received: the memory model counts that tensor once)."""
-    saved, inputs = [], []
+    keeps it, as in one pass over the whole model); of those, the bytes of the block's input (what a stage
+    starting at the block saves of the tensor it received: the memory model counts that tensor once); and the
+    bytes dropped (a stage starting at the block on a wire that casts saves a copy of its own)."""
+    saved, inputs, handoffs = [], [], []
     for i, r in enumerate(measured):
-        row, into = [], []
+        row, into, handed = [], [], []
         for m in sizes:
             here = r.sizes[m]
             shared = min(measured[i - 1].sizes[m].saved_output_bytes, here.saved_input_bytes) if i else 0
             row.append(max(0, here.saved_bytes - shared))
             into.append(min(row[-1], here.saved_input_bytes - shared))
+            handed.append(here.saved_bytes - row[-1])
         saved.append(row)
         inputs.append(into)
-    return saved, inputs
+        handoffs.append(handed)
+    return saved, inputs, handoffs
 
 
 @dataclass(kw_only=True)
@@ -1393,6 +1399,11 @@ def _step_transient_bytes(optimizer: torch.optim.Optimizer, device: torch.device
         before = tracker.live_bytes
         optimizer.step()
     return max(0, tracker.peak_bytes - before)
+
+
+def _wire_nbytes(specs: Sequence[TensorSpec]) -> int:
+    """Bytes of a block's outputs on a bfloat16 wire (runtime.StageBoundary casts floating outputs to it)."""
+    return sum(math.prod(shape) * (2 if dtype.is_floating_point else dtype.itemsize) for shape, dtype in specs)
 
 
 def _nbytes(value: Any) -> int:

@@ -15,8 +15,11 @@ from autotune.costs import LayerCost, Profile, stage_gradient_moves, stage_share
 from autotune.errors import UsageError
 from autotune.memory_model import (
     WeightGradients,
+    arrival_copy_bytes,
+    boundary_shared,
     autocast_copy_bytes,
     batch_bytes,
+    cast_on_wire,
     dp_shards,
     gather_buffer_bytes,
     gradient_shard_bytes,
@@ -39,7 +42,7 @@ from autotune.memory_model import (
     unsharded_gradient_bytes,
     weight_gradient_factor,
     weight_version_bytes,
-    wire_factor,
+    wire_bytes,
     working_copy_bytes,
 )
 from autotune.placement import crossing_boundaries, dp_nodes
@@ -1026,6 +1029,9 @@ class _StageCosts:
     together at its peak (0 otherwise; _weight_recompute_bytes)."""
     receive_buffer_bytes: list[int]
     """Receive buffers of the stage for the whole step: activations in, gradients in."""
+    arrival_copy_bytes: list[int]
+    """bf16 under autocast: the float32 copy of a bfloat16 input the stage makes on arrival, through each forward
+    (its gradient is in the backward bytes; memory_model.arrival_copy_bytes)."""
     parameter_bytes: list[int]
     output_held_bytes: list[int]
     """The part of held_bytes that is the stage's output (what a send keeps after the backward)."""
@@ -1135,7 +1141,6 @@ def _stage_costs(
     far = link.across_nodes() if crossing is not None and any(crossing) else link
     overhead = link.per_action_overhead_ms
     slower = 1.0 + link.compute_slowdown
-    wire = wire_factor(candidate)  # activations are assumed float32
     n_stages = candidate.n_stages
 
     # Per-layer columns, summed per stage with sum() over slices (the same sums as summing the layers one by one).
@@ -1169,7 +1174,12 @@ def _stage_costs(
         backward_weight = sum(backward_weight_ms[a:b]) * slower
         stage_in = input_bytes if a == 0 else costs[a - 1].output_bytes
         stage_out = costs[b - 1].output_bytes
+        # as they travel: a bfloat16 wire halves float32 tensors (memory_model.wire_bytes); the batch never does
+        wire_in = 0.0 if a == 0 else wire_bytes(stage_in, costs[a - 1].wire_output_bytes, candidate=candidate)
+        wire_out = wire_bytes(stage_out, costs[b - 1].wire_output_bytes, candidate=candidate)
         saved = int(sum(saved_bytes[a:b])) + autocast_copy_bytes(sum(copies[a:b]), candidate=candidate)
+        if a and not boundary_shared(candidate):  # its first layer saves its own copy of what it received
+            saved += costs[a].saved_handoff_bytes
         result["forward"].append(forward + overhead)
         result["backward"].append(backward_input + backward_weight + recompute + overhead)
         if s == 0:
@@ -1189,30 +1199,36 @@ def _stage_costs(
         crosses_out = crossing is not None and s < n_stages - 1 and crossing[s + 1]
         into = far if crosses_in else link
         back = far if crosses_out else link
-        result["activation_wire"].append(stage_in * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_in else 0.0)
-        result["grad_wire"].append(stage_out * wire / far.bandwidth_bytes_per_s * 1e3 if crosses_out else 0.0)
+        result["activation_wire"].append(wire_in / far.bandwidth_bytes_per_s * 1e3 if crosses_in else 0.0)
+        result["grad_wire"].append(wire_out / far.bandwidth_bytes_per_s * 1e3 if crosses_out else 0.0)
         # sends_on_rank: a send inside the node goes out on the sender's time (output_send, grad_send), and the
         # receiver waits for its latency alone
         on_rank_in = link.sends_on_rank and not crosses_in
         on_rank_out = link.sends_on_rank and not crosses_out
         result["activation_transfer"].append(
-            0.0 if s == 0 else into.latency_s * 1e3 if on_rank_in else into.transfer_ms(stage_in * wire))
+            0.0 if s == 0 else into.latency_s * 1e3 if on_rank_in else into.transfer_ms(wire_in))
         result["grad_transfer"].append(
-            0.0 if s == n_stages - 1 else back.latency_s * 1e3 if on_rank_out else back.transfer_ms(stage_out * wire))
+            0.0 if s == n_stages - 1 else back.latency_s * 1e3 if on_rank_out else back.transfer_ms(wire_out))
         # across nodes the posting thread still copies the bytes into its socket (at the rate inside a node); the
         # receiver waits for the wire on top (activation_transfer, grad_transfer above)
         result["output_send"].append(
-            stage_out * wire / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s < n_stages - 1 else 0.0)
+            wire_out / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s < n_stages - 1 else 0.0)
         result["grad_send"].append(
-            stage_in * wire / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s > 0 else 0.0)
+            wire_in / link.bandwidth_bytes_per_s * 1e3 if link.sends_on_rank and s > 0 else 0.0)
         first, last = s == 0, s == n_stages - 1
-        # the last stage keeps its output as the loss gets it (float32 in bf16: runtime.loss_input)
-        kept_out = loss_input if last and loss_input is not None else stage_out
-        held = held_per_microbatch(saved, stage_in, kept_out, candidate=candidate, last=last)
+        # the last stage keeps its output as the loss gets it (float32 in bf16: runtime.loss_input), the others as
+        # it travels
+        kept_out = (loss_input if loss_input is not None else stage_out) if last else wire_out
+        # a checkpoint keeps the input its stage computes on: cast to float32 on arrival where not shared
+        kept_in = stage_in if first or boundary_shared(candidate) else max(stage_in, int(2 * wire_in))
+        held = held_per_microbatch(saved, kept_in, kept_out, candidate=candidate)
         # what it keeps of its input and saves of its output are tensors counted already (memory_model)
         held -= input_held_elsewhere_bytes(stage_in, saved_bytes[a], costs[a].saved_input_bytes,
                                            candidate=candidate, first=first)
-        output_saved = output_saved_bytes(stage_out, costs[b - 1].saved_output_bytes, candidate=candidate, last=last)
+        # a float32 output cast for a bfloat16 wire gets its gradient made by the cast's backward
+        cast_out = not last and cast_on_wire(stage_out, costs[b - 1].wire_output_bytes, candidate=candidate)
+        output_saved = output_saved_bytes(stage_out, costs[b - 1].saved_output_bytes, candidate=candidate, last=last,
+                                          cast_out=cast_out)
         held -= output_saved
         recompute = recompute_bytes(saved, candidate=candidate, input_saved=costs[a].saved_input_bytes or 0)
         if checkpointing and last:  # the loss runs outside the checkpointed stage: what it saves is kept
@@ -1227,10 +1243,10 @@ def _stage_costs(
         result["weight_recompute_bytes"].append(_weight_recompute_bytes(
             recompute, saved_bytes[a:b], parameter_groups[a:b], [c.checkpoint_weight_bytes for c in costs[a:b]])
             if checkpointing and s else 0)
-        receive = receive_buffer_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
+        receive = receive_buffer_bytes(wire_in, wire_out, candidate=candidate, first=first, last=last)
         result["receive_buffer_bytes"].append(int(receive))
-        _, sent_grad = sent_bytes(stage_in, stage_out, candidate=candidate, first=first, last=last)
-        result["output_held_bytes"].append(int(held_per_microbatch(0, 0, kept_out, candidate=candidate, last=last)))
+        _, sent_grad = sent_bytes(wire_in, wire_out, first=first, last=last)
+        result["output_held_bytes"].append(int(kept_out))
         result["sent_grad_bytes"].append(int(sent_grad))
         layer_in = [stage_in] + [costs[i].output_bytes for i in range(a, b - 1)]
         layer_out = [c.output_bytes for c in costs[a:b]]
@@ -1241,8 +1257,12 @@ def _stage_costs(
         result["largest_grad_bytes"].append(int(largest * grad_factor))
         stage_profiled = [p for p in profiled[a:b] if p is not None]
         input_peak: int | None
+        # a bfloat16 input the runtime casts to float32 on arrival: its float32 gradient in the backward
+        arrival = arrival_copy_bytes(stage_in, wire_in, candidate=candidate, first=first)
+        result["arrival_copy_bytes"].append(int(arrival))
         if len(stage_profiled) == b - a:
-            input_peak, kept = input_backward_bytes(stage_profiled, first=first, last=last)
+            input_peak, kept = input_backward_bytes(stage_profiled, first=first, last=last, cast_out=cast_out,
+                                                    arrival_grad=arrival)
         else:  # a profile saved before backward bytes were recorded
             input_peak, kept = None, split_kept_bytes(saved_bytes[a:b], layer_in, first=first)
         result["split_kept_bytes"].append(kept)
@@ -1262,7 +1282,7 @@ def _stage_costs(
                     if candidate.sharded and candidate.reshard_after_forward else None)
         for key, weights in backwards:
             layers = dict(first=first, last=last, weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
-                          freed=freed)
+                          freed=freed, cast_out=cast_out, arrival_grad=arrival)
             result[key].append(int(layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, **layers)))
             result[f"gathering_{key}"].append(0 if gathered is None else int(layer_backward_bytes(
                 parameter_bytes[a:b], layer_in, layer_out, **layers, gathered=gathered)))
@@ -1533,6 +1553,8 @@ def _peak_memory(
                     new += stages.unsharded_grad_bytes[s]
             if kind == "F":
                 live += held[s]
+                # the float32 copy of a bfloat16 input stays until the forward returns (arrival_copy_bytes)
+                during += stages.arrival_copy_bytes[s]
                 if live + during > peak:  # (not max(): this loop runs once per action of every simulated candidate)
                     peak = live + during
                 continue

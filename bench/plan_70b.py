@@ -38,6 +38,7 @@ from autotune.memory_model import (  # noqa: E402
     parameter_memory_bytes,
     receive_buffer_bytes,
     unsharded_gradient_bytes,
+    wire_bytes,
     working_copy_bytes,
 )
 from autotune.plan import PlannedCandidate, plan  # noqa: E402
@@ -126,9 +127,10 @@ def breakdown(profile: Profile, p: PlannedCandidate) -> list[object]:
     params = sum(costs[i].parameter_bytes for s in mine for i in range(bounds[s], bounds[s + 1]))
     receive = 0.0
     for s in mine:
-        stage_in = profile.input_bytes_at(c.micro_batch_size) if s == 0 else costs[bounds[s] - 1].output_bytes
-        receive += receive_buffer_bytes(stage_in, costs[bounds[s + 1] - 1].output_bytes, candidate=c,
-                                        first=s == 0, last=s == c.n_stages - 1)
+        into, out = (None if s == 0 else costs[bounds[s] - 1]), costs[bounds[s + 1] - 1]
+        wire_in = 0.0 if into is None else wire_bytes(into.output_bytes, into.wire_output_bytes, candidate=c)
+        wire_out = wire_bytes(out.output_bytes, out.wire_output_bytes, candidate=c)
+        receive += receive_buffer_bytes(wire_in, wire_out, candidate=c, first=s == 0, last=s == c.n_stages - 1)
     state = parameter_memory_bytes(params, profile.optimizer_state_ratio, dp_shards(c))
     copy = working_copy_bytes(params, candidate=c)
     grads = unsharded_gradient_bytes(params, candidate=c)

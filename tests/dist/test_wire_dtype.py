@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autotune.candidate import Candidate
-from autotune.memory_model import held_per_microbatch, receive_buffer_bytes
+from autotune.memory_model import held_per_microbatch, receive_buffer_bytes, wire_bytes
 from autotune.model_file import load_model_file
 from autotune.schedules import Schedule
 from autotune.trial import TrialOptions, run_trial
@@ -67,9 +67,10 @@ def test_bf16_trial_memory_is_the_float32_trials_less_the_wire():
     for rank, (bf16_peak, fp32_peak) in enumerate(zip(got.peak_memory_bytes, want.peak_memory_bytes)):
         first, last = rank == 0, rank == bf16.pipeline_degree - 1
         wire = {
-            c.wire_dtype: receive_buffer_bytes(boundary, boundary, candidate=c, first=first, last=last)
-            + bf16.pipeline_degree * held_per_microbatch(0, boundary, boundary, candidate=c, last=last)
+            c.wire_dtype: receive_buffer_bytes(travels, travels, candidate=c, first=first, last=last)
+            + bf16.pipeline_degree * held_per_microbatch(0, boundary, boundary if last else travels, candidate=c)
             for c in (bf16, fp32)
+            for travels in [wire_bytes(boundary, boundary // 2, candidate=c)]
         }
         expected = fp32_peak - (wire["float32"] - wire["bfloat16"])
         assert abs(bf16_peak - expected) <= 0.05 * expected, (rank, bf16_peak, fp32_peak)

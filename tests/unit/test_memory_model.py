@@ -12,6 +12,7 @@ from autotune.memory_model import (
     autocast_copy_bytes,
     batch_bytes,
     boundary_shared,
+    cast_on_wire,
     dp_shards,
     gather_buffer_bytes,
     gradient_shard_bytes,
@@ -32,6 +33,7 @@ from autotune.memory_model import (
     stage_memory_bytes,
     unsharded_gradient_bytes,
     weight_gradient_factor,
+    wire_bytes,
     wire_factor,
     working_copy_bytes,
 )
@@ -81,10 +83,18 @@ def test_the_planner_caps_stages_with_the_memory_model():
 def test_rules():
     c = Candidate(schedule=Schedule.GPIPE, pipeline_degree=2, global_batch_size=16, n_microbatches=4,
                   layers_per_stage=(2, 2), wire_dtype="bfloat16")
-    assert receive_buffer_bytes(50, 100, candidate=c, first=True, last=False) == 4 * 100 * 0.5
-    assert receive_buffer_bytes(50, 100, candidate=c, first=False, last=True) == 4 * 50 * 0.5
-    assert held_per_microbatch(3000, 50, 100, candidate=c, last=False) == 3000 + 50  # the output travels as bf16
-    assert held_per_microbatch(3000, 50, 100, candidate=c, last=True) == 3000 + 100  # the loss reads it as is
+    assert wire_bytes(100, None, candidate=c) == 50  # not profiled: fp32 with a bfloat16 wire halves it
+    assert wire_bytes(100, 60, candidate=c) == 60  # profiled (an integer part travels as it is)
+    assert wire_bytes(100, 60, candidate=dataclasses.replace(c, wire_dtype="float32")) == 100
+    bf16 = dataclasses.replace(c, precision="bf16")
+    assert wire_bytes(100, None, candidate=bf16) == 100  # not profiled: assumed made in bfloat16
+    assert wire_bytes(100, 50, candidate=bf16) == 50  # a residual stream's float32, cast on leaving
+    assert cast_on_wire(100, 50, candidate=bf16) and not cast_on_wire(50, 50, candidate=bf16)
+    assert not cast_on_wire(100, 50, candidate=dataclasses.replace(c, wire_dtype="float32"))
+    assert receive_buffer_bytes(25, 50, candidate=c, first=True, last=False) == 4 * 50
+    assert receive_buffer_bytes(25, 50, candidate=c, first=False, last=True) == 4 * 25
+    assert held_per_microbatch(3000, 50, 50, candidate=c) == 3000 + 50
+    assert held_per_microbatch(3000, 50, 50, candidate=dataclasses.replace(c, activation_checkpointing=True)) == 100
 
 
 def test_rules_of_sends_backwards_split_and_optimizer():
@@ -92,8 +102,8 @@ def test_rules_of_sends_backwards_split_and_optimizer():
                   layers_per_stage=(1, 1, 1, 1), wire_dtype="bfloat16")
     assert sends_kept_to_the_end(Schedule.GPIPE) and sends_kept_to_the_end(Schedule.ZBV_ZERO_BUBBLE)
     assert not sends_kept_to_the_end(Schedule.ONE_F_ONE_B)
-    assert sent_bytes(50, 100, candidate=c, first=False, last=False) == (50.0, 25.0)  # output, input grad; bf16
-    assert sent_bytes(50, 100, candidate=c, first=True, last=True) == (0.0, 0.0)
+    assert sent_bytes(25, 50, first=False, last=False) == (50.0, 25.0)  # output, input grad, as they travel
+    assert sent_bytes(25, 50, first=True, last=True) == (0.0, 0.0)
     # Worst layer: the second, with its 800 weight-gradient bytes and its 100 input gradient (the output gradient
     # of the stage's last layer is the receive buffer's).
     assert layer_backward_bytes([400, 800], [50, 100], [100, 60], first=True, last=False) == 800 + 100
@@ -120,13 +130,20 @@ def test_rules_of_sends_backwards_split_and_optimizer():
 def test_a_tensor_between_two_stages_is_counted_once():
     """fp32 with a float32 wire, the output a stage sends is the tensor its last layer saved (a ReLU's) and the
     receive buffer the tensor the next stage's first layer saved (a LayerNorm's): each counted once, as the stage's
-    kept output and as the receive buffer; a bfloat16 wire casts both ways, so there both are copies."""
+    kept output and as the receive buffer; a bfloat16 wire casts a float32 output on leaving and what arrives back
+    to float32, so there both are copies; a bfloat16 output leaves as it is (the sender's side stays shared), and
+    FSDP2's bf16 computes on what arrives (the receiver's does)."""
     c = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_batch_size=4, n_microbatches=4,
                   layers_per_stage=(1, 1))
     assert boundary_shared(c) and not boundary_shared(dataclasses.replace(c, wire_dtype="bfloat16"))
     assert not boundary_shared(dataclasses.replace(c, precision="bf16"))
+    sharded_bf16 = dataclasses.replace(c, precision="bf16", pipeline_degree=1, data_parallel_degree=2,
+                                       data_parallel_mode="shard", layers_per_stage=(2,))
+    assert boundary_shared(sharded_bf16)
     assert output_saved_bytes(100, 100, candidate=c, last=False) == 100
-    assert output_saved_bytes(100, 100, candidate=dataclasses.replace(c, wire_dtype="bfloat16"), last=False) == 0
+    assert output_saved_bytes(100, 100, candidate=dataclasses.replace(c, wire_dtype="bfloat16"), last=False,
+                              cast_out=True) == 0
+    assert output_saved_bytes(100, 100, candidate=dataclasses.replace(c, precision="bf16"), last=False) == 100
     assert output_saved_bytes(100, 100, candidate=dataclasses.replace(c, activation_checkpointing=True),
                               last=False) == 0  # the checkpoint saves nothing inside
     assert input_held_elsewhere_bytes(100, 300, 100, candidate=c, first=False) == 100

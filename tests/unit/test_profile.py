@@ -84,6 +84,9 @@ def test_saved_and_output_bytes_are_exact(model_file):
     assert profile.target_bytes == (m * 4 * 4,)
     assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 16 + 16) * 4,
                                                                     (16 * 4 + 4) * 4]
+    # on a bfloat16 wire (fp32 with --wire-dtype bfloat16) every output travels at half its bytes
+    assert [layer.wire_output_bytes for layer in profile.layers] == [(m * 16 * 2,), (m * 16 * 2,), (m * 16 * 2,),
+                                                                      (m * 4 * 2,)]
 
 
 def test_backward_bytes_are_what_each_backward_holds(model_file):
@@ -435,8 +438,44 @@ def test_bf16_profiles_under_autocast_and_counts_its_weight_copies_apart(model_f
     assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 16 + 16) * 4,
                                                                     (16 * 4 + 4) * 4]  # float32 master weights
     assert profile.layer_costs(4)[2].autocast_copy_bytes == 16 * 16 * 2
+    assert [layer.wire_output_bytes for layer in profile.layers] == [layer.output_bytes for layer in profile.layers]
     again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert again == profile
+
+
+RESIDUAL = """
+import torch
+from torch import nn
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.linear(x)
+
+def build_model():
+    return nn.Sequential(Residual(), Residual(), nn.Linear(16, 4))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 16), torch.randn(batch_size, 4)
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+
+def test_a_bf16_residual_stream_is_float32_and_travels_as_bfloat16(tmp_path):
+    """Under autocast a residual add keeps the stream's float32 (float32 + bfloat16, as a GPT's from its embedding):
+    those outputs are made in float32, and a bfloat16 wire halves them (what receive buffers and transfers count)."""
+    (tmp_path / "residual.py").write_text(RESIDUAL)
+    profile = profile_model(load_model_file(tmp_path / "residual.py"), batch_size=4, micro_batch_sizes=[4],
+                            repeats=1, precision="bf16")
+    m = 4
+    assert [layer.output_bytes for layer in profile.layers] == [(m * 16 * 4,), (m * 16 * 4,), (m * 4 * 2,)]
+    assert [layer.wire_output_bytes for layer in profile.layers] == [(m * 16 * 2,), (m * 16 * 2,), (m * 4 * 2,)]
+    assert profile.layer_costs(4)[1].wire_output_bytes == m * 16 * 2
 
 
 def test_profiles_saved_before_precision_load_as_fp32():
