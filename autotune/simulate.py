@@ -1120,7 +1120,9 @@ def _weight_recompute_bytes(
         weight_path = min(r_all, max(0.0, (r_all - r) / (1.0 - walked))) if g else 0.0
         kept_after.append(r_all - weight_path)
     held = sum(g * (own[j] + sum(kept_after[:j]) + sum(rebuilt[j + 1:])) for j, g in enumerate(groups) if g)
-    return int(held + recompute)
+    # the last pass's recompute in flight, but its own layer's, which the layer measured alone holds already
+    last = max((j for j, g in enumerate(groups) if g), default=len(groups) - 1)
+    return int(held + recompute - rebuilt[last])
 
 
 def _stage_costs(
