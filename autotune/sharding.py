@@ -69,8 +69,17 @@ def shard_stage(
               if candidate.precision == "bf16" else MixedPrecisionPolicy())
     options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=candidate.reshard_after_forward,
                                    mp_policy=policy, ignored_params=set(ignored))
+    # BatchNorm keeps float32 statistics, and torch's kernels take no bfloat16 weight beside them ("expected scalar
+    # type BFloat16 but found Float": a timm ResNet's every sharded bf16 trial failed): its own unit computes in
+    # float32 on its input cast up and hands bfloat16 on, as FSDP1's mixed precision kept BatchNorm in float32
+    norm_options = dict(options, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16))
     for block in blocks:
-        if any(p not in ignored for p in block.parameters()):
+        if candidate.precision == "bf16":
+            for norm in [m for m in block.modules() if compat.is_batch_norm(m)]:
+                if any(p not in ignored for p in norm.parameters(recurse=False)):
+                    fully_shard(norm, **norm_options)
+        if not compat.is_batch_norm(block) and any(p not in ignored for p in block.parameters()):
             fully_shard(block, **options)
     fully_shard(module, **options)
     return module
