@@ -25,10 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from autotune.candidate import Candidate
 from autotune.devices import keep_freed_cpu_memory
 from autotune.model_file import load_model_file, make_batch
+from autotune.process_groups import RankLayout, init_groups
 from autotune.profiling import profile_model
 from autotune.runtime import build_pipeline
 from autotune.schedules import Schedule
@@ -39,12 +41,17 @@ WORLD_SIZE = 2
 
 
 def parse_candidate(text: str, batch_size: int, precision: str = "fp32") -> Candidate:
-    """'Interleaved1F1B/m4/[2-2-2-2]+ckpt' -> Candidate (2 ranks)."""
-    match = re.fullmatch(r"(\w+)/m(\d+)/\[([\d-]+)\]((?:\+\w+)*)", text)
+    """'Interleaved1F1B/m4/[2-2-2-2]+ckpt' -> Candidate (2 ranks); 'dp2-shard/1F1B/m2/[10]+reshard': one stage over
+    2 replicas (dp2/: replicated)."""
+    match = re.fullmatch(r"(?:dp2(-shard)?/)?(\w+)/m(\d+)/\[([\d-]+)\]((?:\+\w+)*)", text)
     if match is None:
-        raise SystemExit(f"cannot read candidate {text!r}; write it as GPipe/m4/[3-5] (+ckpt, +bf16 optional)")
-    schedule, m, split, flags = match.groups()
-    return Candidate(schedule=Schedule(schedule), pipeline_degree=WORLD_SIZE, global_batch_size=batch_size,
+        raise SystemExit(f"cannot read candidate {text!r}; write it as GPipe/m4/[3-5] (+ckpt, +bf16 optional) or "
+                         f"dp2-shard/1F1B/m2/[10] (+reshard)")
+    shard, schedule, m, split, flags = match.groups()
+    dp = 2 if text.startswith("dp2") else 1
+    return Candidate(schedule=Schedule(schedule), pipeline_degree=WORLD_SIZE // dp, data_parallel_degree=dp,
+                     data_parallel_mode="shard" if shard else "replicate", reshard_after_forward="+reshard" in flags,
+                     global_batch_size=batch_size,
                      n_microbatches=int(m), layers_per_stage=tuple(int(x) for x in split.split("-")),
                      activation_checkpointing="+ckpt" in flags,
                      wire_dtype="bfloat16" if "+bf16" in flags else "float32", precision=precision)
@@ -54,7 +61,8 @@ def _ptrs(tensors: Any) -> list[int]:
     out = []
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            out.append(t.untyped_storage().data_ptr())
+            local = t.to_local() if isinstance(t, DTensor) else t  # a sharded parameter: this rank's shard
+            out.append(local.untyped_storage().data_ptr())
         elif isinstance(t, (tuple, list)):
             out.extend(_ptrs(t))
     return out
@@ -66,7 +74,8 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
     c = Candidate.from_dict(candidate)
     spec = load_model_file(Path(model))
-    pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"))
+    pp_group, dp_group = init_groups(RankLayout.of(c, rank))
+    pipe = build_pipeline(spec, c, rank=rank, device=torch.device("cpu"), pp_group=pp_group, dp_group=dp_group)
     # What this rank holds of the batch, as a trial's rank holds it (the global batch let go of).
     rank_batch = pipe.prepare_batch(*make_batch(spec, c.global_batch_size))
     gc.collect()
