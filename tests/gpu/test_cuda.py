@@ -75,3 +75,25 @@ def test_two_gpu_pipeline_over_nccl(schedule):
     measured = run_trial(spec, candidate, TrialOptions(steps=3, warmup=1, device="cuda"))
     assert measured.status == "ok", measured.error
     assert len(measured.peak_memory_bytes) == 2
+
+
+def test_batch_norm_takes_bfloat16_input_beside_float32_parameters():
+    """What sharding.shard_stage relies on for a bf16 BatchNorm unit (float32 parameters and statistics, its input
+    as it arrives, in bfloat16): torch's CUDA batch norm takes the mixed dtypes and answers in the input's."""
+    norm = torch.nn.BatchNorm2d(8).cuda()
+    x = torch.randn(4, 8, 5, 5, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = norm(x)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
+    assert norm.running_mean.dtype == torch.float32
+
+
+def test_a_bf16_profile_on_cuda_records_what_crosses_a_bfloat16_wire():
+    """recipes/gpt.py's residual stream stays float32 under autocast (its blocks' outputs), which a bfloat16 wire
+    halves; the head's logits are bfloat16 already."""
+    spec = load_model_file(RECIPES / "gpt.py")
+    profile = profile_model(spec, batch_size=16, micro_batch_sizes=[16], device="cuda", repeats=1, precision="bf16")
+    blocks = profile.layers[1:-1]
+    assert all(b.wire_output_bytes[0] * 2 == b.output_bytes[0] for b in blocks)
+    assert profile.layers[-1].wire_output_bytes == profile.layers[-1].output_bytes
