@@ -77,6 +77,8 @@ def shard_stage(
         param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False))
     for block in blocks:
         if candidate.precision == "bf16":
+            for holder in [m for m in block.modules() if any(p in ignored for p in m.parameters(recurse=False))]:
+                _forward_in_bfloat16(holder)
             for norm in [m for m in block.modules() if compat.is_batch_norm(m)]:
                 if any(p not in ignored for p in norm.parameters(recurse=False)):
                     fully_shard(norm, **norm_options)
@@ -84,6 +86,27 @@ def shard_stage(
             fully_shard(block, **options)
     fully_shard(module, **options)
     return module
+
+
+def _forward_in_bfloat16(module: nn.Module) -> None:
+    """Run the module's forward under torch.autocast(bfloat16): it holds a parameter left out of FSDP (a tied
+    embedding and LM head), which stays float32 while FSDP2's mixed precision hands it bfloat16 activations ("expected
+    m1 and m2 to have the same dtype": every sharded bf16 trial of a tied model failed). Autocast casts it per use,
+    as in the unsharded bf16 runs (what the profile measured)."""
+    active: list[Any] = []
+
+    def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
+        context = torch.autocast(device, dtype=torch.bfloat16)
+        context.__enter__()
+        active.append(context)
+
+    def leave(*_: Any) -> None:
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def materialize_shards(
