@@ -752,3 +752,21 @@ def test_a_checkpointed_w_keeps_what_its_group_passes_recomputed():
     assert _weight_recompute_bytes(100, [50, 50], [2, 2], [60, 60]) == int(2 * (30 + 50) + 2 * (30 + 70 / 3) + 50)
     assert _weight_recompute_bytes(50, [50], [2], [60]) == 60
     assert _weight_recompute_bytes(0, [50, 50], [2, 2], [60, 60]) == 0
+
+
+def test_a_sharded_bf16_rank_holding_both_uses_of_a_tie_casts_it_per_forward():
+    """sharding.shard_stage leaves a tie held twice on a rank out of FSDP, float32, and runs its holders under
+    autocast: the layer that casts it (a tied LM head, its profiled autocast copy 100) keeps a bfloat16 copy, capped
+    at half the tied float32 bytes (160 -> 80). Not where the uses are on two ranks (each shards its own), nor
+    unsharded (autocast_copy_bytes counts the copies there)."""
+    from autotune.simulate import _sharded_tied_cast_bytes
+
+    shard = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=1, data_parallel_degree=2,
+                      data_parallel_mode="shard", global_batch_size=8, n_microbatches=2, layers_per_stage=(3,),
+                      precision="bf16")
+    tie = [((0, 2), 160)]
+    assert _sharded_tied_cast_bytes([0, 0, 100], tie, [0, 3], [0], candidate=shard) == [80]
+    assert _sharded_tied_cast_bytes([0, 0, 100], tie, [0, 1, 3], [0, 1], candidate=shard) == [0, 0]
+    assert _sharded_tied_cast_bytes([0, 0, 100], tie, [0, 1, 2, 3], [0, 1, 0], candidate=shard) == [0, 0, 80]
+    unsharded = dataclasses.replace(shard, data_parallel_mode="replicate")
+    assert _sharded_tied_cast_bytes([0, 0, 100], tie, [0, 3], [0], candidate=unsharded) == [0]
