@@ -13,7 +13,7 @@ from autotune.model_file import load_model_file
 from autotune.schedules import Schedule
 from autotune.trial import TrialOptions, run_trial
 
-MODEL = """
+BATCHNORM = """
 import torch
 from torch import nn
 
@@ -31,19 +31,6 @@ def make_batch(batch_size):
 def loss_fn(output, target):
     return nn.functional.cross_entropy(output, target)
 """
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("pp", [1, 2])
-def test_sharded_bf16_trains_a_batchnorm_model(tmp_path, pp):
-    """A BatchNorm inside a block and one that is a block of its own, over dp 2 (and pp 2 x dp 2: 4 ranks)."""
-    (tmp_path / "bn.py").write_text(MODEL)
-    spec = load_model_file(tmp_path / "bn.py")
-    candidate = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=pp, data_parallel_degree=2,
-                          data_parallel_mode="shard", global_batch_size=16, n_microbatches=2,
-                          layers_per_stage=(4,) if pp == 1 else (2, 2), precision="bf16")
-    result = run_trial(spec, candidate, TrialOptions(steps=2, warmup=1, device="cpu"))
-    assert result.status == "ok", result.error
 
 
 TIED = """
@@ -85,11 +72,13 @@ def loss_fn(logits, targets):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("model", ["batchnorm", "tied"])
 @pytest.mark.parametrize("pp", [1, 2])
-def test_sharded_bf16_trains_a_tied_model(tmp_path, pp):
-    """The tie on one rank (pp 1 x dp 2), and across the pipeline (pp 2 x dp 2: 4 ranks)."""
-    (tmp_path / "tied.py").write_text(TIED)
-    spec = load_model_file(tmp_path / "tied.py")
+def test_sharded_bf16_trains(tmp_path, model, pp):
+    """BatchNorm inside a block and as a block of its own; a tie on one rank (pp 1 x dp 2) and across the pipeline
+    (pp 2 x dp 2: 4 ranks)."""
+    (tmp_path / "model.py").write_text({"batchnorm": BATCHNORM, "tied": TIED}[model])
+    spec = load_model_file(tmp_path / "model.py")
     candidate = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=pp, data_parallel_degree=2,
                           data_parallel_mode="shard", global_batch_size=16, n_microbatches=2,
                           layers_per_stage=(4,) if pp == 1 else (2, 2), precision="bf16")
