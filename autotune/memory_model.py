@@ -433,7 +433,7 @@ def input_backward_bytes(
     n = len(profiled)
     for i in reversed(range(n)):
         handed = int(i == n - 1 and not last and not cast_out)
-        peak = max(peak, kept + profiled[i].input_peak[handed] + (arrival_grad if i == 0 else 0.0))
+        peak = max(peak, kept + profiled[i].input_peak[handed] + (int(arrival_grad) if i == 0 else 0))
         kept += profiled[i].input_kept[handed]
     return peak, kept
 

@@ -16,9 +16,9 @@ from autotune.errors import UsageError
 from autotune.memory_model import (
     WeightGradients,
     arrival_copy_bytes,
-    boundary_shared,
     autocast_copy_bytes,
     batch_bytes,
+    boundary_shared,
     cast_on_wire,
     dp_shards,
     gather_buffer_bytes,

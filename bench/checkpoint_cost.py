@@ -19,8 +19,9 @@ import json
 import runpy
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,11 +53,11 @@ def measure(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, 
     for i in range(warmup + repeats):
         box: dict[str, torch.Tensor] = {}
 
-        def forward() -> None:
+        def forward(box: dict[str, torch.Tensor] = box) -> None:
             with precision:
                 box["out"] = checkpoint(module, x, use_reentrant=False) if checkpointed else module(x)
 
-        def backward() -> None:
+        def backward(box: dict[str, torch.Tensor] = box) -> None:
             (box["out"].float() * g).sum().backward()
 
         f = clock(forward)
