@@ -39,13 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(__file__).resolve().parent / "_trace_site"
 
 
-def parse_config(text: str, batch_size: int):
+def parse_config(text: str, batch_size: int, precision: str = "fp32"):
     from autotune.candidate import Candidate
     from autotune.schedules import Schedule
 
     schedule, m, split = text.split("/")
     return Candidate(schedule=Schedule(schedule), pipeline_degree=2, global_batch_size=batch_size,
-                     n_microbatches=int(m), layers_per_stage=tuple(int(x) for x in split.split(",")))
+                     n_microbatches=int(m), layers_per_stage=tuple(int(x) for x in split.split(",")),
+                     precision=precision)
 
 
 def read_traces(folder: Path, warmup: int) -> list[list[list[list]]]:
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--name", default="action_trace")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
     if os.environ.get("AUTOTUNE_TRACE_DIR") is None:
         # the tracer must be in the fork server's environment before it starts: re-run this script with it
@@ -179,12 +181,12 @@ def main() -> None:
     spec = load_model_file(Path(args.model))
     check_model(spec, args.batch_size)
     started = time.time()
-    profile = profile_model(spec, batch_size=args.batch_size, device="cpu")
+    profile = profile_model(spec, batch_size=args.batch_size, device="cpu", precision=args.precision)
     rows = []
     folder = Path(os.environ["AUTOTUNE_TRACE_DIR"])
     try:
         for text in args.configs:
-            candidate = parse_config(text, args.batch_size)
+            candidate = parse_config(text, args.batch_size, args.precision)
             rows.append(trace_config(spec, profile, candidate, steps=args.steps, warmup=args.warmup,
                                      repeats=args.repeats, folder=folder))
             print(json.dumps(rows[-1]), flush=True)
