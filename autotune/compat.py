@@ -106,8 +106,11 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
 )
 """Every private (module, name) autotune needs."""
 
-OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = ((_PIPELINING_SCHEDULES, "_add_reduce_grad"),)
-"""Private names used only to go faster: without them autotune still works."""
+OPTIONAL_SYMBOLS: tuple[tuple[str, str], ...] = (
+    (_PIPELINING_SCHEDULES, "_add_reduce_grad"),
+    ("torch.utils.checkpoint", "_CheckpointFrame"),
+)
+"""Private names used only to go faster or to measure more: without them autotune still works."""
 
 
 def symbol(module: str, name: str) -> Any:
@@ -272,6 +275,44 @@ def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     names, _ = tensor.__tensor_flatten__()  # a DTensor's: its local tensor and (torch 2.14) its device mesh
     inner = [getattr(tensor, name) for name in names]
     return [t for value in inner if isinstance(value, torch.Tensor) for t in stored_tensors(value)]
+
+
+@contextlib.contextmanager
+def checkpoint_frames() -> Iterator[list[Any]]:
+    """The frames torch's non-reentrant checkpoint makes inside the block (torch.utils.checkpoint._CheckpointFrame,
+    one per checkpointed call): each keeps what a backward's recompute made, per autograd pass, in
+    `frame.recomputed` (pass id -> {handle: tensor}). Empty where torch lacks the class (nothing recorded)."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    frames: list[Any] = []
+    original = getattr(checkpoint_module, "_CheckpointFrame", None)
+    if original is None:
+        yield frames
+        return
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        frame = original(*args, **kwargs)
+        frames.append(frame)
+        return frame
+
+    with mock.patch.object(checkpoint_module, "_CheckpointFrame", recorded):
+        yield frames
+
+
+@contextlib.contextmanager
+def around_autograd_passes(before: Callable[[], None], after: Callable[[], None]) -> Iterator[None]:
+    """Call before() and after() around each torch.autograd.grad inside the block (torch's split W runs one per
+    parameter group: stage_backward_weight)."""
+    grad = torch.autograd.grad
+
+    def each(*args: Any, **kwargs: Any) -> Any:
+        before()
+        result = grad(*args, **kwargs)
+        after()
+        return result
+
+    with mock.patch.object(torch.autograd, "grad", each):
+        yield
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

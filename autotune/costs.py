@@ -57,6 +57,52 @@ class BackwardBytes:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointPasses:
+    """The layer alone as a checkpointed stage under torch's split backward, its W pass by pass (profiling.
+    _checkpoint_passes): how the stage's W composes from its layers (simulate._weight_recompute_bytes).
+
+    Each of the W's autograd passes (one per parameter group, in the parameters' order) recomputes the stage, and
+    what it recomputed stays until a pass walks the node that saved it, or until no parameter group left can reach
+    that node (the graph lets go of it); what one pass keeps is what every pass before it keeps too (one tensor per
+    saving node alive). A pair per pass that recomputes: (the pass's peak over what was alive before the W, less the
+    W's weight gradients; what its recompute keeps once the pass is done). `free`: the layer as the last of its stage
+    (nothing after it keeps its graph); `held`: a later layer there (its graph all kept, only walked nodes let go)."""
+
+    free: tuple[tuple[int, int], ...]
+    held: tuple[tuple[int, int], ...]
+    kept: int
+    """`held`: what one pass's recompute keeps of the layer once all of its passes ran (later layers' passes)."""
+
+    def map(self, fn: Callable[[int], int]) -> CheckpointPasses:
+        """Each figure through fn (a tp rank's share)."""
+        return CheckpointPasses(free=tuple((fn(a), fn(b)) for a, b in self.free),
+                                held=tuple((fn(a), fn(b)) for a, b in self.held), kept=fn(self.kept))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"free": [list(x) for x in self.free], "held": [list(x) for x in self.held], "kept": self.kept}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CheckpointPasses:
+        return cls(free=tuple((int(a), int(b)) for a, b in data["free"]),
+                   held=tuple((int(a), int(b)) for a, b in data["held"]), kept=int(data["kept"]))
+
+    @classmethod
+    def interpolated(
+        cls, per_size: Sequence[CheckpointPasses], at: Callable[[Sequence[float]], float]
+    ) -> CheckpointPasses | None:
+        """Each figure interpolated over the profile's sizes; None where the sizes ran different numbers of passes."""
+        if len({(len(c.free), len(c.held)) for c in per_size}) != 1:
+            return None
+
+        def passes(rows: Sequence[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...]:
+            return tuple((math.ceil(at([r[i][0] for r in rows])), math.ceil(at([r[i][1] for r in rows])))
+                         for i in range(len(rows[0])))
+
+        return cls(free=passes([c.free for c in per_size]), held=passes([c.held for c in per_size]),
+                   kept=math.ceil(at([c.kept for c in per_size])))
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """One layer's cost for one micro-batch of a given size (what the partitioner and the simulator consume)."""
 
@@ -94,6 +140,8 @@ class LayerCost:
     """The layer alone as a checkpointed stage, torch's split backward: what its W holds at its peak over what was
     alive before it, less the weight gradients it makes (LayerProfile.checkpoint_weight_bytes). None: not
     profiled."""
+    checkpoint_passes: CheckpointPasses | None = None
+    """The same W pass by pass (CheckpointPasses); None: not profiled."""
     saved_handoff_bytes: int = 0
     """What the layer saves of its input that the layer before saves as its output (one storage inside a stage,
     counted with that layer, not in saved_bytes): a stage starting here on a wire that casts saves a copy of its own
@@ -149,6 +197,8 @@ class LayerProfile:
     """The layer alone as a checkpointed stage under torch's split backward, per micro-batch size: what its W holds
     at its peak beyond what was alive before it and the weight gradients it makes (each of the W's autograd passes,
     one per parameter group, recomputes the stage and keeps what it does not use until the W ends); () as above."""
+    checkpoint_passes: tuple[CheckpointPasses, ...] = ()
+    """LayerCost.checkpoint_passes per micro-batch size; () as above."""
     saved_handoff_bytes: tuple[int, ...] = ()
     """LayerCost.saved_handoff_bytes per micro-batch size; () as above (0)."""
     wire_output_bytes: tuple[int, ...] = ()
@@ -333,6 +383,7 @@ class Profile:
         per_size += [getattr(layer, f) for layer in self.layers for f in (*_MEMORY_SERIES, *_SPLIT_SERIES)
                      if getattr(layer, f)]
         per_size += [layer.backward_bytes for layer in self.layers if layer.backward_bytes]
+        per_size += [layer.checkpoint_passes for layer in self.layers if layer.checkpoint_passes]
         per_size += [
             s
             for s in (self.target_bytes, self.loss_forward_ms, self.loss_backward_ms, self.loss_saved_bytes,
@@ -417,6 +468,8 @@ class Profile:
                                          else 0),
                     backward_bytes=(BackwardBytes.interpolated(layer.backward_bytes, at) if layer.backward_bytes
                                     else None),
+                    checkpoint_passes=(CheckpointPasses.interpolated(layer.checkpoint_passes, at)
+                                       if layer.checkpoint_passes else None),
                     split_input_extra_ms=max(0.0, at(layer.split_input_extra_ms)) if layer.split_input_extra_ms
                     else 0.0,
                     split_weight_extra_ms=max(0.0, at(layer.split_weight_extra_ms)) if layer.split_weight_extra_ms
@@ -501,6 +554,7 @@ class Profile:
                     wire_output_bytes=() if c.wire_output_bytes is None else (c.wire_output_bytes,),
                     saved_handoff_bytes=(c.saved_handoff_bytes,) if c.saved_handoff_bytes else (),
                     backward_bytes=() if c.backward_bytes is None else (c.backward_bytes,),
+                    checkpoint_passes=() if c.checkpoint_passes is None else (c.checkpoint_passes,),
                     split_input_extra_ms=(c.split_input_extra_ms,) if c.split_input_extra_ms else (),
                     split_weight_extra_ms=(c.split_weight_extra_ms,) if c.split_weight_extra_ms else (),
                 )
@@ -550,7 +604,9 @@ class Profile:
                  **{field: list(getattr(layer, field)) for field in _SERIES},
                  **{field: list(getattr(layer, field)) for field in (*_MEMORY_SERIES, *_SPLIT_SERIES)
                     if getattr(layer, field)},
-                 **({"backward_bytes": [b.to_dict() for b in layer.backward_bytes]} if layer.backward_bytes else {})}
+                 **({"backward_bytes": [b.to_dict() for b in layer.backward_bytes]} if layer.backward_bytes else {}),
+                 **({"checkpoint_passes": [c.to_dict() for c in layer.checkpoint_passes]}
+                    if layer.checkpoint_passes else {})}
                 for layer in self.layers
             ],
         }
@@ -580,6 +636,8 @@ class Profile:
                         **{field: tuple(int(x) for x in layer.get(field, ())) for field in _MEMORY_SERIES},
                         **{field: tuple(float(x) for x in layer.get(field, ())) for field in _SPLIT_SERIES},
                         backward_bytes=tuple(BackwardBytes.from_dict(b) for b in layer.get("backward_bytes", ())),
+                        checkpoint_passes=tuple(CheckpointPasses.from_dict(c)
+                                                for c in layer.get("checkpoint_passes", ())),
                     )
                     for layer in data["layers"]
                 ),

@@ -20,8 +20,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.candidate import PRECISIONS, Precision
-from autotune.compat import clear_cublas_workspaces, stage_backward_input, stage_backward_weight, view_base
-from autotune.costs import BackwardBytes, LayerProfile, Profile, TensorParallelLayer
+from autotune.compat import (
+    around_autograd_passes,
+    checkpoint_frames,
+    clear_cublas_workspaces,
+    stage_backward_input,
+    stage_backward_weight,
+    view_base,
+)
+from autotune.costs import BackwardBytes, CheckpointPasses, LayerProfile, Profile, TensorParallelLayer
 from autotune.devices import keep_freed_cpu_memory, return_freed_cpu_memory
 from autotune.errors import InfeasibleError, ModelFileError, UsageError
 from autotune.model_file import SEED, ModelSpec, build_optimizer, build_skeleton, make_batch, map_inputs
@@ -185,6 +192,8 @@ def profile_model(
                 backward_bytes=tuple(b for m in sizes if (b := r.sizes[m].backward_bytes) is not None),
                 checkpoint_weight_bytes=tuple(r.sizes[m].checkpoint_weight_bytes for m in sizes)
                 if any(r.sizes[m].checkpoint_weight_bytes for m in sizes) else (),
+                checkpoint_passes=tuple(c for m in sizes if (c := r.sizes[m].checkpoint_passes) is not None)
+                if all(r.sizes[m].checkpoint_passes is not None for m in sizes) else (),
                 split_input_extra_ms=tuple(r.sizes[m].split_input_extra_ms for m in sizes),
                 split_weight_extra_ms=tuple(r.sizes[m].split_weight_extra_ms for m in sizes),
                 parameter_groups=r.parameter_groups,
@@ -298,6 +307,8 @@ class _SizeResult:
     """The bfloat16 copies of the block's parameters autocast made and autograd saved (not in saved_bytes)."""
     checkpoint_weight_bytes: int = 0
     """The block checkpointed, its split W's peak beyond what was alive and its weight gradients (0: none)."""
+    checkpoint_passes: CheckpointPasses | None = None
+    """The same W pass by pass (None: not measured)."""
     output_bytes: int = 0
     loss_forward_ms: float = 0.0
     loss_backward_ms: float = 0.0
@@ -779,7 +790,8 @@ class _SizeSamples:
             _loss_bytes(output, loss, cast=unit.autocast) if unit.last else (0, 0))
         del output  # and with it the pass's graph
         self.backward_bytes = _backward_bytes(unit, (self.args, self.side))
-        self.checkpoint_weight_bytes = _checkpoint_weight_bytes(unit, (self.args, self.side), loss)
+        self.checkpoint_weight_bytes, self.checkpoint_passes = _checkpoint_weight_bytes(
+            unit, (self.args, self.side), loss)
         self.forward: list[float] = []
         self.full: list[float] = []
         self.partial: list[float] = []
@@ -831,6 +843,7 @@ class _SizeSamples:
             backward_bytes=self.backward_bytes,
             autocast_copy_bytes=self.copies,
             checkpoint_weight_bytes=self.checkpoint_weight_bytes,
+            checkpoint_passes=self.checkpoint_passes,
             output_bytes=self.output_bytes,
             loss_forward_ms=statistics.median(self.loss_forward) if last else 0.0,
             loss_backward_ms=statistics.median(self.loss_backward) if last else 0.0,
@@ -907,42 +920,97 @@ def _split_pass(
 
 def _checkpoint_weight_bytes(
     unit: _Unit, inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]], loss_fn: Callable[[Any], torch.Tensor]
-) -> int:
+) -> tuple[int, CheckpointPasses | None]:
     """The block as a checkpointed stage under torch's split backward (the runtime's checkpoint, then
     stage_backward_input and stage_backward_weight): the peak of its W beyond what was alive before the W and the
     weight gradients the W made, from the allocator on CUDA, the live tensor-storage tracker on CPU; 0 for a block
-    without floating inputs to take a gradient for (a first stage's W is a whole backward).
+    without floating inputs to take a gradient for (a first stage's W is a whole backward). And the same W pass by
+    pass, as the last block of a stage and as an earlier one (costs.CheckpointPasses; None where torch's checkpoint
+    does not show what its passes keep).
 
     Each of the W's autograd passes, one per parameter group, recomputes the stage, and what a pass recomputed and
-    did not use stays until the W ends: a Hugging Face OPT's stage of three decoder layers (8 groups each) held 148
-    MB of recomputes in one W, 16x the 9.2 MB its backward rebuilds once."""
+    did not use stays until a pass walks the node that saved it or no group left reaches that node: a Hugging Face
+    OPT's stage of three decoder layers (8 groups each) held 148 MB of recomputes in one W, 16x the 9.2 MB its
+    backward rebuilds once."""
     args, side = inputs
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not received or not unit.parameters():
+        return 0, None
+    peak, free, _ = _checkpointed_weight(unit, args, side, loss_fn, hold=False)
+    if free is None:
+        return peak, None
+    _, held, kept = _checkpointed_weight(unit, args, side, loss_fn, hold=True)
+    return peak, None if held is None else CheckpointPasses(free=free, held=held, kept=kept)
+
+
+def _checkpointed_weight(
+    unit: _Unit, args: tuple[torch.Tensor, ...], side: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
+    hold: bool
+) -> tuple[int, tuple[tuple[int, int], ...] | None, int]:
+    """One checkpointed forward, I and W of the block (_checkpoint_weight_bytes): (the W's peak; per pass that
+    recomputes, its peak and what its recompute keeps once it is done, both as CheckpointPasses counts them, None
+    where the checkpoint's frame is out of reach; what one recompute keeps at the W's end). hold: the output's graph
+    kept alive throughout, as a later block's parameter groups keep an earlier block's."""
+    received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     parameters = unit.parameters()
-    if not received or not parameters:
-        return 0
     unit.zero_grad(set_to_none=True)
-    kept = [a.grad for a in received]
+    kept_grads = [a.grad for a in received]
     touched = [*parameters, *unit.module.buffers(), *_flat(args), *_flat(list(side.values()))]
+    own = {t.untyped_storage().data_ptr() for t in touched if isinstance(t, torch.Tensor)}
+    passes: list[tuple[int, int]] = []
     try:
-        with _Meter(parameters[0].device, touched) as meter:
+        with checkpoint_frames() as frames, _Meter(parameters[0].device, touched) as meter:
             with unit.precision():
                 output = checkpoint(unit.module, *args, use_reentrant=False, **side)
             loss = loss_fn(output)
             if not loss.requires_grad:
-                return 0
+                return 0, None, 0
+            root = loss.grad_fn if hold else None
             _, groups = stage_backward_input([loss], None, received, parameters)
             del output, loss
             meter.mark()
-            stage_backward_weight(parameters, groups)
-            del groups
+            frame = frames[0] if len(frames) == 1 else None
+            ids: set[Any] = set()
+            highest = [0]
+
+            def before() -> None:
+                ids.clear()
+                ids.update(frame.recomputed.keys() if frame is not None else ())
+                highest[0] = max(highest[0], meter.restart_peak())
+
+            def after() -> None:
+                if frame is None:
+                    return
+                new = [k for k in frame.recomputed if k not in ids]
+                if new:  # a pass that used no saved tensor recomputes nothing
+                    passes.append((meter.since()[0], _kept_bytes(frame.recomputed[new[-1]], own)))
+
+            with around_autograd_passes(before, after):
+                stage_backward_weight(parameters, groups)
+            del groups, root
             made = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
-            peak, _ = meter.since()
+            peak = max(highest[0], meter.since()[0])
     finally:
         unit.zero_grad(set_to_none=True)
-        for a, grad in zip(received, kept):
+        for a, grad in zip(received, kept_grads):
             a.grad = grad
-    return max(0, peak - made)
+    if frame is None or not passes:
+        return max(0, peak - made), None, 0
+    # what the last pass's recompute keeps once done: what each recompute keeps of the block by then
+    return max(0, peak - made), tuple((max(0, p - made), k) for p, k in passes), passes[-1][1]
+
+
+def _kept_bytes(recomputed: Any, own: set[int]) -> int:
+    """What one pass's recompute keeps: its tensors' storages, each once, but those held anyway (parameters,
+    inputs)."""
+    seen = set(own)
+    total = 0
+    for tensor in list(recomputed.values()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def _split_extras(
@@ -1232,6 +1300,15 @@ class _Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.before = self.tracker.peak_bytes = self.tracker.live_bytes
+
+    def restart_peak(self) -> int:
+        """The peak so far over the mark; from here the peak starts again from what is alive now."""
+        peak, _ = self.since()
+        if self.tracker is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.tracker.peak_bytes = self.tracker.live_bytes
+        return peak
 
     def since(self) -> tuple[int, int]:
         """(the peak, what is alive now), each over the mark."""

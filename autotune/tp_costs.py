@@ -101,6 +101,11 @@ def tensor_parallel_costs(
         own_forward = cost.forward_ms - loss_f
         checkpointed = cost.checkpointed_forward_ms if cost.checkpointed_forward_ms is not None else cost.forward_ms
         recompute = cost.recompute_ms if cost.recompute_ms is not None else own_forward
+
+        def split(nbytes: int, c: LayerCost = cost, f: float = fraction) -> int:
+            """Activation bytes of the layer on one tp rank (tp_saved_bytes)."""
+            return tp_saved_bytes(nbytes, c.output_bytes, sharded_fraction=f, tp=tp)
+
         layers.append(replace(
             cost,
             forward_ms=own_forward * scale + loss_f + forward_comm,
@@ -110,8 +115,11 @@ def tensor_parallel_costs(
             recompute_ms=recompute * scale + forward_comm,
             saved_bytes=tp_saved_bytes(cost.saved_bytes, cost.output_bytes, sharded_fraction=fraction, tp=tp),
             # a backward's temporaries (an MLP's hidden gradient, attention's) split over tp as what it saved
-            backward_bytes=None if cost.backward_bytes is None else cost.backward_bytes.map(
-                lambda nbytes, c=cost, f=fraction: tp_saved_bytes(nbytes, c.output_bytes, sharded_fraction=f, tp=tp)),
+            backward_bytes=None if cost.backward_bytes is None else cost.backward_bytes.map(split),
+            # a checkpointed W keeps recomputed activations: split as what they are
+            checkpoint_weight_bytes=None if cost.checkpoint_weight_bytes is None else split(
+                cost.checkpoint_weight_bytes),
+            checkpoint_passes=None if cost.checkpoint_passes is None else cost.checkpoint_passes.map(split),
             parameter_bytes=round(tp_parameter_bytes(cost.parameter_bytes, term.sharded_parameter_bytes, tp)),
             autocast_copy_bytes=round(cost.autocast_copy_bytes * (1.0 - fraction + fraction / tp)),
         ))

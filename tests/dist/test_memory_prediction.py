@@ -141,8 +141,9 @@ def test_tied_weights_within_2_percent(tmp_path, schedule, split):
                                              (Schedule.DUAL_PIPE_V, (4, 1, 2, 1))])
 def test_a_checkpointed_split_backward_is_not_under_predicted(schedule, split):
     """torch's W of a checkpointed stage recomputes it once per parameter group and keeps most of each recompute
-    until the W ends: recipes/gpt.py's ranks were 26-56 % under before that was modelled. Now never under; over by
-    up to 43 % here (the stage's recomputes are modelled from each block measured alone)."""
+    until a pass walks what saved it or no group left reaches it: recipes/gpt.py's ranks were 26-56 % under before
+    that was modelled, then over by up to 43 % (every pass's keeps counted for the whole W); composed pass by pass
+    from each block measured alone (simulate._composed_weight_recompute_bytes): +0.0 .. +2.0 %."""
     spec = load_model_file(ROOT / "recipes" / "gpt.py")
     profile = profile_model(spec, batch_size=32, repeats=1)
     candidate = Candidate(schedule=schedule, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
@@ -151,7 +152,7 @@ def test_a_checkpointed_split_backward_is_not_under_predicted(schedule, split):
     assert measured.status == "ok", measured.error
     predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
     got = measured.peak_memory_bytes
-    assert all(0.98 * g <= p <= 1.5 * g for p, g in zip(predicted, got)), (predicted, got)
+    assert all(0.98 * g <= p <= 1.05 * g for p, g in zip(predicted, got)), (predicted, got)
 
 
 BF16_WIRE_CASES = [

@@ -754,6 +754,47 @@ def test_a_checkpointed_w_keeps_what_its_group_passes_recomputed():
     assert _weight_recompute_bytes(0, [50, 50], [2, 2], [60, 60]) == 0
 
 
+def test_a_checkpointed_w_composes_its_layers_pass_by_pass():
+    """simulate._composed_weight_recompute_bytes by hand: two layers rebuilt 50 and 40, two passes each. Alone the
+    first kept 30 per recompute after its first pass and, held by a later layer, 20 after its last (`kept`); the
+    second, last of the stage, kept 25 then 5 (`free`). At pass p of a layer after n passes of earlier ones:
+    what the pass adds alone (its peak less its p - 1 earlier recomputes' keeps) + the other layer's rebuilt bytes +
+    (n + p - 1) x (what stays of earlier layers + its own keep + later layers' rebuilt bytes). A later layer's
+    saved input (7 here) counts as kept throughout. A layer with parameters and no measurement: None (the old
+    rule then)."""
+    from autotune.costs import CheckpointPasses
+    from autotune.simulate import _composed_weight_recompute_bytes
+
+    first = CheckpointPasses(free=((60, 30), (70, 10)), held=((60, 30), (80, 28)), kept=20)
+    second = CheckpointPasses(free=((45, 25), (55, 5)), held=((45, 25), (60, 24)), kept=15)
+    candidates = [
+        60 + 40 + 0 * (30 + 40),  # first layer, pass 1 (held)
+        (80 - 28) + 40 + 1 * (28 + 40),  # first layer, pass 2
+        (45 + 7) + 50 + 2 * (20 + (25 + 7)),  # second layer (free, its input 7 kept), pass 1
+        (55 + 7 - (5 + 7)) + 50 + 3 * (20 + (5 + 7)),  # pass 2
+    ]
+    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates)
+    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, None], [0, 7]) is None
+    # a layer without parameters runs no pass: all it rebuilt stays while a later layer's graph holds it
+    assert _composed_weight_recompute_bytes(50, [10, 40], [0, 2], [None, second], [0, 0]) == max(
+        45 + 10 + 0 * (10 + 25), 55 - 5 + 10 + 1 * (10 + 5))
+
+
+def test_a_profile_keeps_its_checkpoint_passes():
+    """Profile.to_dict / from_dict carry costs.CheckpointPasses per size, and layer_costs interpolates them (sizes
+    with different numbers of passes: None)."""
+    from autotune.costs import CheckpointPasses
+
+    one = CheckpointPasses(free=((100, 40), (120, 10)), held=((100, 40), (130, 30)), kept=25)
+    two = CheckpointPasses(free=((200, 80), (240, 20)), held=((200, 80), (260, 60)), kept=50)
+    assert CheckpointPasses.interpolated([one, two], lambda values: (values[0] + values[1]) / 2) == \
+        CheckpointPasses(free=((150, 60), (180, 15)), held=((150, 60), (195, 45)), kept=38)
+    short = CheckpointPasses(free=((100, 40),), held=((100, 40),), kept=0)
+    assert CheckpointPasses.interpolated([one, short], lambda values: values[0]) is None
+    assert CheckpointPasses.from_dict(json.loads(json.dumps(one.to_dict()))) == one
+    assert one.map(lambda n: n // 2) == CheckpointPasses(free=((50, 20), (60, 5)), held=((50, 20), (65, 15)), kept=12)
+
+
 def test_a_sharded_bf16_rank_holding_both_uses_of_a_tie_casts_it_per_forward():
     """sharding.shard_stage leaves a tie held twice on a rank out of FSDP, float32, and runs its holders under
     autocast: the layer that casts it (a tied LM head, its profiled autocast copy 100) keeps a bfloat16 copy, capped
