@@ -1136,9 +1136,10 @@ def _composed_weight_recompute_bytes(
     torch's W runs one autograd pass per parameter group, layer after layer, and each recomputes the whole stage.
     A recompute keeps what the graph still holds: of a layer whose passes ran, what no pass walked
     (CheckpointPasses.kept; a later layer's groups keep its graph); of a later layer, all it rebuilt; of the layer
-    whose pass runs, what it kept alone at that pass (`held` where a later layer keeps its graph, else `free`). Every
-    earlier recompute keeps the same, so at pass p of layer L, after n passes of earlier layers:
-        T + (rebuilt of the other layers) + (n + p - 1) (kept before L + kept of L at p + rebuilt after L)
+    whose pass runs, what it kept alone after its pass before (`held` where a later layer keeps its graph, else
+    `free`; before its first, all it rebuilt). Every earlier recompute keeps the same, so at pass p of layer L, after
+    n passes of earlier layers:
+        T + (rebuilt of the other layers) + (n + p - 1) (kept before L + kept of L after p - 1 + rebuilt after L)
     with T what the pass adds alone on top of its p - 1 recomputes (its own recompute and walk); the most over every
     pass. A later layer's input is rebuilt too: where it saves it, counted kept throughout (inputs; 0 for the first).
 
@@ -1161,10 +1162,12 @@ def _composed_weight_recompute_bytes(
                    for i in range(j))
         after = sum(share[j + 1:])
         others = sum(share) - share[j]
-        for p, (peak, keeps) in enumerate(runs, start=1):
-            peak, keeps = peak + inputs[j], keeps + inputs[j]
-            alone = peak - (p - 1) * keeps
+        keeps = share[j]  # before its first pass, every recompute keeps all the layer rebuilt
+        for p, (peak, keeps_after) in enumerate(runs, start=1):
+            # at its peak (its recompute) the pass's predecessors keep what they kept after the pass before
+            alone = peak + inputs[j] - (p - 1) * keeps
             best = max(best, alone + others + (earlier + p - 1) * (kept + keeps + after))
+            keeps = keeps_after + inputs[j]
         earlier += len(runs)
     return int(best)
 

@@ -758,26 +758,26 @@ def test_a_checkpointed_w_composes_its_layers_pass_by_pass():
     """simulate._composed_weight_recompute_bytes by hand: two layers rebuilt 50 and 40, two passes each. Alone the
     first kept 30 per recompute after its first pass and, held by a later layer, 20 after its last (`kept`); the
     second, last of the stage, kept 25 then 5 (`free`). At pass p of a layer after n passes of earlier ones:
-    what the pass adds alone (its peak less its p - 1 earlier recomputes' keeps) + the other layer's rebuilt bytes +
-    (n + p - 1) x (what stays of earlier layers + its own keep + later layers' rebuilt bytes). A later layer's
-    saved input (7 here) counts as kept throughout. A layer with parameters and no measurement: None (the old
-    rule then)."""
+    what the pass adds alone (its peak less its p - 1 earlier recomputes, each keeping what it kept after pass
+    p - 1; before the first, all it rebuilt) + the other layer's rebuilt bytes + (n + p - 1) x (what stays of
+    earlier layers + its own keep after pass p - 1 + later layers' rebuilt bytes). A later layer's saved input (7
+    here) counts as kept throughout. A layer with parameters and no measurement: None (the old rule then)."""
     from autotune.costs import CheckpointPasses
     from autotune.simulate import _composed_weight_recompute_bytes
 
     first = CheckpointPasses(free=((60, 30), (70, 10)), held=((60, 30), (80, 28)), kept=20)
     second = CheckpointPasses(free=((45, 25), (55, 5)), held=((45, 25), (60, 24)), kept=15)
     candidates = [
-        60 + 40 + 0 * (30 + 40),  # first layer, pass 1 (held)
-        (80 - 28) + 40 + 1 * (28 + 40),  # first layer, pass 2
-        (45 + 7) + 50 + 2 * (20 + (25 + 7)),  # second layer (free, its input 7 kept), pass 1
-        (55 + 7 - (5 + 7)) + 50 + 3 * (20 + (5 + 7)),  # pass 2
+        60 + 40 + 0 * (50 + 40),  # first layer, pass 1 (held)
+        (80 - 30) + 40 + 1 * (30 + 40),  # first layer, pass 2
+        (45 + 7) + 50 + 2 * (20 + 40),  # second layer (free, its input 7 kept), pass 1
+        (55 + 7 - (25 + 7)) + 50 + 3 * (20 + (25 + 7)),  # pass 2
     ]
-    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates)
+    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates) == 236
     assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, None], [0, 7]) is None
     # a layer without parameters runs no pass: all it rebuilt stays while a later layer's graph holds it
     assert _composed_weight_recompute_bytes(50, [10, 40], [0, 2], [None, second], [0, 0]) == max(
-        45 + 10 + 0 * (10 + 25), 55 - 5 + 10 + 1 * (10 + 5))
+        45 + 10 + 0 * (10 + 40), 55 - 25 + 10 + 1 * (10 + 25))
 
 
 def test_a_profile_keeps_its_checkpoint_passes():
