@@ -59,32 +59,39 @@ class BackwardBytes:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPasses:
     """The layer alone as a checkpointed stage under torch's split backward, its W pass by pass (profiling.
-    _checkpoint_passes): how the stage's W composes from its layers (simulate._weight_recompute_bytes).
+    _checkpoint_weight_bytes): how the stage's W composes from its layers (simulate._composed_weight_recompute_bytes).
 
     Each of the W's autograd passes (one per parameter group, in the parameters' order) recomputes the stage, and
     what it recomputed stays until a pass walks the node that saved it, or until no parameter group left can reach
     that node (the graph lets go of it); what one pass keeps is what every pass before it keeps too (one tensor per
-    saving node alive). A pair per pass that recomputes: (the pass's peak over what was alive before the W, less the
-    W's weight gradients; what its recompute keeps once the pass is done). `free`: the layer as the last of its stage
-    (nothing after it keeps its graph); `held`: a later layer there (its graph all kept, only walked nodes let go)."""
+    saving node alive). A triple per pass that recomputes, over what was alive before the W and less the W's weight
+    gradients: (its peak while it recomputes, its peak after, while it walks its nodes; what its recompute keeps
+    once the pass is done). `free`: the layer as the last of its stage (nothing after it keeps its graph); `held`: a
+    later layer there (its graph all kept, only walked nodes let go)."""
 
-    free: tuple[tuple[int, int], ...]
-    held: tuple[tuple[int, int], ...]
+    free: tuple[tuple[int, int, int], ...]
+    held: tuple[tuple[int, int, int], ...]
     kept: int
     """`held`: what one pass's recompute keeps of the layer once all of its passes ran (later layers' passes)."""
+    let_go: int = 0
+    """What the W let go of that was alive before it: the gradients its I kept for it, what the I's recompute kept
+    for the W's walks (a later layer's passes run without them)."""
 
     def map(self, fn: Callable[[int], int]) -> CheckpointPasses:
         """Each figure through fn (a tp rank's share)."""
-        return CheckpointPasses(free=tuple((fn(a), fn(b)) for a, b in self.free),
-                                held=tuple((fn(a), fn(b)) for a, b in self.held), kept=fn(self.kept))
+        return CheckpointPasses(free=tuple((fn(a), fn(b), fn(c)) for a, b, c in self.free),
+                                held=tuple((fn(a), fn(b), fn(c)) for a, b, c in self.held), kept=fn(self.kept),
+                                let_go=fn(self.let_go))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"free": [list(x) for x in self.free], "held": [list(x) for x in self.held], "kept": self.kept}
+        return {"free": [list(x) for x in self.free], "held": [list(x) for x in self.held], "kept": self.kept,
+                "let_go": self.let_go}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CheckpointPasses:
-        return cls(free=tuple((int(a), int(b)) for a, b in data["free"]),
-                   held=tuple((int(a), int(b)) for a, b in data["held"]), kept=int(data["kept"]))
+        return cls(free=tuple((int(a), int(b), int(c)) for a, b, c in data["free"]),
+                   held=tuple((int(a), int(b), int(c)) for a, b, c in data["held"]), kept=int(data["kept"]),
+                   let_go=int(data.get("let_go", 0)))
 
     @classmethod
     def interpolated(
@@ -94,12 +101,12 @@ class CheckpointPasses:
         if len({(len(c.free), len(c.held)) for c in per_size}) != 1:
             return None
 
-        def passes(rows: Sequence[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...]:
-            return tuple((math.ceil(at([r[i][0] for r in rows])), math.ceil(at([r[i][1] for r in rows])))
+        def passes(rows: Sequence[tuple[tuple[int, int, int], ...]]) -> tuple[tuple[int, int, int], ...]:
+            return tuple(tuple(math.ceil(at([r[i][k] for r in rows])) for k in range(3))  # type: ignore[misc]
                          for i in range(len(rows[0])))
 
         return cls(free=passes([c.free for c in per_size]), held=passes([c.held for c in per_size]),
-                   kept=math.ceil(at([c.kept for c in per_size])))
+                   kept=math.ceil(at([c.kept for c in per_size])), let_go=math.ceil(at([c.let_go for c in per_size])))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -936,57 +936,76 @@ def _checkpoint_weight_bytes(
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not received or not unit.parameters():
         return 0, None
-    peak, free, _ = _checkpointed_weight(unit, args, side, loss_fn, hold=False)
+    peak, free, _, _ = _checkpointed_weight(unit, args, side, loss_fn, hold=False)
     if free is None:
         return peak, None
-    _, held, kept = _checkpointed_weight(unit, args, side, loss_fn, hold=True)
-    return peak, None if held is None else CheckpointPasses(free=free, held=held, kept=kept)
+    _, held, kept, let_go = _checkpointed_weight(unit, args, side, loss_fn, hold=True)
+    return peak, None if held is None else CheckpointPasses(free=free, held=held, kept=kept, let_go=let_go)
 
 
 def _checkpointed_weight(
     unit: _Unit, args: tuple[torch.Tensor, ...], side: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
     hold: bool
-) -> tuple[int, tuple[tuple[int, int], ...] | None, int]:
+) -> tuple[int, tuple[tuple[int, int, int], ...] | None, int, int]:
     """One checkpointed forward, I and W of the block (_checkpoint_weight_bytes): (the W's peak; per pass that
-    recomputes, its peak and what its recompute keeps once it is done, both as CheckpointPasses counts them, None
-    where the checkpoint's frame is out of reach; what one recompute keeps at the W's end). hold: the output's graph
-    kept alive throughout, as a later block's parameter groups keep an earlier block's."""
+    recomputes, its peaks recomputing and walking and what its recompute keeps once done, as CheckpointPasses counts
+    them, None where the checkpoint's frame is out of reach; what one recompute keeps at the W's end; what the W let
+    go of that was alive before it, counted where hold). hold: the output's graph kept alive throughout, as a later
+    block's parameter groups keep an earlier block's."""
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     parameters = unit.parameters()
     unit.zero_grad(set_to_none=True)
     kept_grads = [a.grad for a in received]
     touched = [*parameters, *unit.module.buffers(), *_flat(args), *_flat(list(side.values()))]
     own = {t.untyped_storage().data_ptr() for t in touched if isinstance(t, torch.Tensor)}
-    passes: list[tuple[int, int]] = []
+    passes: list[tuple[int, int, int]] = []
     try:
         with checkpoint_frames() as frames, _Meter(parameters[0].device, touched) as meter:
             with unit.precision():
                 output = checkpoint(unit.module, *args, use_reentrant=False, **side)
             loss = loss_fn(output)
             if not loss.requires_grad:
-                return 0, None, 0
+                return 0, None, 0, 0
             root = loss.grad_fn if hold else None
             _, groups = stage_backward_input([loss], None, received, parameters)
             del output, loss
             meter.mark()
             frame = frames[0] if len(frames) == 1 else None
             ids: set[Any] = set()
-            highest = [0]
+            highest, recomputing = [0], [0]
 
             def before() -> None:
                 ids.clear()
                 ids.update(frame.recomputed.keys() if frame is not None else ())
                 highest[0] = max(highest[0], meter.restart_peak())
+                recomputing[0] = 0
+
+            def recompute(*inner: Any, **kwargs: Any) -> Any:
+                try:
+                    return forward(*inner, **kwargs)
+                finally:  # the recompute's peak; from its next op (its graph let go of) the pass's walk
+                    recomputing[0] = meter.restart_peak()
+                    highest[0] = max(highest[0], recomputing[0])
+                    meter.restart_peak_at_next_op()
 
             def after() -> None:
                 if frame is None:
                     return
                 new = [k for k in frame.recomputed if k not in ids]
                 if new:  # a pass that used no saved tensor recomputes nothing
-                    passes.append((meter.since()[0], _kept_bytes(frame.recomputed[new[-1]], own)))
+                    passes.append((recomputing[0], meter.since()[0], _kept_bytes(frame.recomputed[new[-1]], own)))
 
-            with around_autograd_passes(before, after):
-                stage_backward_weight(parameters, groups)
+            forward, own_forward = unit.module.forward, unit.module.__dict__.get("forward")
+            unit.module.forward = recompute  # type: ignore[method-assign]
+            try:
+                with around_autograd_passes(before, after):
+                    stage_backward_weight(parameters, groups)
+            finally:
+                if own_forward is None:
+                    del unit.module.forward
+                else:
+                    unit.module.forward = own_forward  # type: ignore[method-assign]
+            left = meter.since()[1]  # held: every recompute's keeps still there
             del groups, root
             made = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
             peak = max(highest[0], meter.since()[0])
@@ -995,9 +1014,12 @@ def _checkpointed_weight(
         for a, grad in zip(received, kept_grads):
             a.grad = grad
     if frame is None or not passes:
-        return max(0, peak - made), None, 0
-    # what the last pass's recompute keeps once done: what each recompute keeps of the block by then
-    return max(0, peak - made), tuple((max(0, p - made), k) for p, k in passes), passes[-1][1]
+        return max(0, peak - made), None, 0, 0
+    # what the last pass's recompute keeps once done: what each recompute keeps of the block by then; and what the W
+    # let go of that was there before it (the I's gradients for it, what the I's recompute kept for the W's walks)
+    kept = passes[-1][2]
+    return (max(0, peak - made), tuple((max(0, r - made), max(0, w - made), k) for r, w, k in passes), kept,
+            max(0, len(passes) * kept + made - left))
 
 
 def _kept_bytes(recomputed: Any, own: set[int]) -> int:
@@ -1309,6 +1331,12 @@ class _Meter:
         else:
             self.tracker.peak_bytes = self.tracker.live_bytes
         return peak
+
+    def restart_peak_at_next_op(self) -> None:
+        """On CPU: the peak starts again at the next op, from what is alive then (what is let go of before it is not
+        counted); on CUDA nothing (the peak runs on from what is alive now)."""
+        if self.tracker is not None:
+            self.tracker.restart_peak_at_next_op = True
 
     def since(self) -> tuple[int, int]:
         """(the peak, what is alive now), each over the mark."""

@@ -1136,16 +1136,19 @@ def _composed_weight_recompute_bytes(
     torch's W runs one autograd pass per parameter group, layer after layer, and each recomputes the whole stage.
     A recompute keeps what the graph still holds: of a layer whose passes ran, what no pass walked
     (CheckpointPasses.kept; a later layer's groups keep its graph); of a later layer, all it rebuilt; of the layer
-    whose pass runs, what it kept alone after its pass before (`held` where a later layer keeps its graph, else
-    `free`; before its first, all it rebuilt). Every earlier recompute keeps the same, so at pass p of layer L, after
-    n passes of earlier layers:
+    whose pass runs, what it kept alone (`held` where a later layer keeps its graph, else `free`). Every earlier
+    recompute keeps the same, so at pass p of layer L, after n passes of earlier layers, while it recomputes:
         T + (rebuilt of the other layers) + (n + p - 1) (kept before L + kept of L after p - 1 + rebuilt after L)
-    with T what the pass adds alone on top of its p - 1 recomputes (its own recompute and walk); the most over every
-    pass. A later layer's input is rebuilt too: where it saves it, counted kept throughout (inputs; 0 for the first).
+    (before its first pass, all it rebuilt), and while it walks:
+        T' + (n + p) (kept before L + rebuilt after L) + (n + p - 1) (kept of L after p)
+    with T and T' what the pass adds alone in each phase on top of its p - 1 recomputes, less what the earlier
+    layers' W let go of (CheckpointPasses.let_go: the gradients their I kept for it); the most over every pass and
+    phase. A later layer's input is rebuilt too: where it saves it, counted kept throughout (inputs; 0 for the
+    first).
 
-    Against stages of two to four layers measured as one (a GPT's and Llama's blocks with and without their heads,
-    GPT-2's, a CNN's): -1 .. +18 % of the W's bytes, where counting each pass's keeps for the whole W, as
-    _weight_recompute_bytes does, gave -1 .. +103 %."""
+    Traced (a GPT's two blocks, a Llama's): the recomputes' stores per pass match the frames' to a few percent;
+    counting each pass's keeps for the whole W, as _weight_recompute_bytes does, overcounts what later passes let
+    go of (recipes/gpt.py ZBV m4, checkpointed: +0.7 % here, +20 % there)."""
     if any(g and p is None for g, p in zip(groups, passes)):
         return None
     total = sum(rebuilt)
@@ -1160,14 +1163,22 @@ def _composed_weight_recompute_bytes(
         runs = measured.held if j != with_groups[-1] else measured.free
         kept = sum(share[i] if not groups[i] else cast(CheckpointPasses, passes[i]).kept + inputs[i]
                    for i in range(j))
+        # what the earlier layers' W let go of that was there before the W (their I's gradients for it, ...)
+        gone = sum(cast(CheckpointPasses, passes[i]).let_go for i in range(j) if groups[i])
         after = sum(share[j + 1:])
         others = sum(share) - share[j]
         keeps = share[j]  # before its first pass, every recompute keeps all the layer rebuilt
-        for p, (peak, keeps_after) in enumerate(runs, start=1):
-            # at its peak (its recompute) the pass's predecessors keep what they kept after the pass before
-            alone = peak + inputs[j] - (p - 1) * keeps
-            best = max(best, alone + others + (earlier + p - 1) * (kept + keeps + after))
-            keeps = keeps_after + inputs[j]
+        for p, (recomputing, walking, keeps_after) in enumerate(runs, start=1):
+            n = earlier + p - 1
+            # recomputing: the stage's whole recompute alive, the earlier recomputes keep what they kept after the
+            # pass before
+            alone = recomputing + inputs[j] - (p - 1) * keeps
+            best = max(best, alone + others + n * (kept + keeps + after) - gone)
+            # walking: the recompute's own keeps of the other layers, the earlier ones' as this pass leaves them
+            keeps_after += inputs[j]
+            alone = walking + inputs[j] - (p - 1) * keeps_after
+            best = max(best, alone + (n + 1) * (kept + after) + n * keeps_after - gone)
+            keeps = keeps_after
         earlier += len(runs)
     return int(best)
 

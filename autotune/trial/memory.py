@@ -57,6 +57,9 @@ class LiveTensorBytes(TorchDispatchMode):
         self._alive = None if alive is None else list(alive)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.restart_peak_at_next_op = False
+        """Set: the next op first takes the high-water mark back to what is alive (what was let go of in between,
+        not counted)."""
         self._live: dict[int, int] = {}
 
     def __enter__(self) -> LiveTensorBytes:
@@ -95,6 +98,9 @@ class LiveTensorBytes(TorchDispatchMode):
                 raise MemoryLimitExceeded(self.live_bytes, self.limit_bytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.restart_peak_at_next_op:
+            self.restart_peak_at_next_op = False
+            self.peak_bytes = self.live_bytes
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):

@@ -47,6 +47,15 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert 0 < profile.optimizer_peak_bytes <= 3 * profile.parameter_bytes  # foreach temporaries
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0
     assert [layer.parameter_groups for layer in profile.layers] == [1] * 10  # one Linear each
+    # each later block's checkpointed W pass by pass: one pass (one group), the same as a stage's last block and an
+    # earlier one, its peaks those of the whole W (the first block's W is a whole backward: nothing measured)
+    assert profile.layers[0].checkpoint_passes == ()
+    for layer in profile.layers[1:]:
+        assert len(layer.checkpoint_passes) == 2  # per size
+        for passes, whole in zip(layer.checkpoint_passes, layer.checkpoint_weight_bytes or (0, 0)):
+            assert len(passes.free) == len(passes.held) == 1
+            recomputing, walking, _ = passes.free[0]
+            assert max(recomputing, walking) == whole
     # Checkpointing measured, not assumed: a forward again (with bookkeeping) in the backward, per size.
     assert len(profile.checkpoint_forward_ratio) == len(profile.checkpoint_recompute_ratio) == 2
     # (ratios of two timings, each block checkpointed on its own: on a loaded machine they wander far from 1, so

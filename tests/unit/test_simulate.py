@@ -755,29 +755,30 @@ def test_a_checkpointed_w_keeps_what_its_group_passes_recomputed():
 
 
 def test_a_checkpointed_w_composes_its_layers_pass_by_pass():
-    """simulate._composed_weight_recompute_bytes by hand: two layers rebuilt 50 and 40, two passes each. Alone the
-    first kept 30 per recompute after its first pass and, held by a later layer, 20 after its last (`kept`); the
-    second, last of the stage, kept 25 then 5 (`free`). At pass p of a layer after n passes of earlier ones:
-    what the pass adds alone (its peak less its p - 1 earlier recomputes, each keeping what it kept after pass
-    p - 1; before the first, all it rebuilt) + the other layer's rebuilt bytes + (n + p - 1) x (what stays of
-    earlier layers + its own keep after pass p - 1 + later layers' rebuilt bytes). A later layer's saved input (7
-    here) counts as kept throughout. A layer with parameters and no measurement: None (the old rule then)."""
+    """simulate._composed_weight_recompute_bytes by hand: two layers rebuilt 50 and 40, two passes each, each pass
+    (peak recomputing, peak walking, keeps after). At pass p of a layer after n earlier passes, recomputing: what it
+    adds alone (its peak less its p - 1 earlier recomputes, each keeping what it kept after pass p - 1; before the
+    first, all it rebuilt) + the other layer's rebuilt bytes + (n + p - 1) x (what stays of earlier layers + its
+    keeps after p - 1 + later layers' rebuilt bytes); walking: alone less p - 1 keeps after p, + (n + p) x (earlier
+    layers' kept + later layers' rebuilt) + (n + p - 1) x its keeps after p. Less what earlier layers' W let go of
+    (6). A later layer's saved input (7 here) counts as kept throughout. The first layer is held (a later one keeps
+    its graph), the last free. A layer with parameters and no measurement: None (the old rule then)."""
     from autotune.costs import CheckpointPasses
     from autotune.simulate import _composed_weight_recompute_bytes
 
-    first = CheckpointPasses(free=((60, 30), (70, 10)), held=((60, 30), (80, 28)), kept=20)
-    second = CheckpointPasses(free=((45, 25), (55, 5)), held=((45, 25), (60, 24)), kept=15)
+    first = CheckpointPasses(free=((60, 55, 30), (70, 60, 10)), held=((60, 55, 30), (80, 70, 28)), kept=20, let_go=6)
+    second = CheckpointPasses(free=((45, 40, 25), (55, 50, 5)), held=((45, 40, 25), (60, 55, 24)), kept=15, let_go=4)
     candidates = [
-        60 + 40 + 0 * (50 + 40),  # first layer, pass 1 (held)
-        (80 - 30) + 40 + 1 * (30 + 40),  # first layer, pass 2
-        (45 + 7) + 50 + 2 * (20 + 40),  # second layer (free, its input 7 kept), pass 1
-        (55 + 7 - (25 + 7)) + 50 + 3 * (20 + (25 + 7)),  # pass 2
+        60 + 40, 55 + 40,  # first layer, pass 1: recomputing, walking
+        (80 - 30) + 40 + 1 * (30 + 40), (70 - 28) + 2 * 40 + 1 * 28,  # pass 2
+        (45 + 7) + 50 + 2 * (20 + 40) - 6, (40 + 7) + 3 * 20 + 2 * (25 + 7) - 6,  # second layer, pass 1
+        (55 + 7 - (25 + 7)) + 50 + 3 * (20 + 25 + 7) - 6, (50 + 7 - (5 + 7)) + 4 * 20 + 3 * (5 + 7) - 6,  # pass 2
     ]
-    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates) == 236
+    assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates) == 230
     assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, None], [0, 7]) is None
     # a layer without parameters runs no pass: all it rebuilt stays while a later layer's graph holds it
     assert _composed_weight_recompute_bytes(50, [10, 40], [0, 2], [None, second], [0, 0]) == max(
-        45 + 10 + 0 * (10 + 40), 55 - 25 + 10 + 1 * (10 + 25))
+        45 + 10, 40 + 10, 55 - 25 + 10 + 1 * (10 + 25), 50 - 5 + 2 * 10 + 1 * 5) == 75
 
 
 def test_a_profile_keeps_its_checkpoint_passes():
@@ -785,14 +786,17 @@ def test_a_profile_keeps_its_checkpoint_passes():
     with different numbers of passes: None)."""
     from autotune.costs import CheckpointPasses
 
-    one = CheckpointPasses(free=((100, 40), (120, 10)), held=((100, 40), (130, 30)), kept=25)
-    two = CheckpointPasses(free=((200, 80), (240, 20)), held=((200, 80), (260, 60)), kept=50)
-    assert CheckpointPasses.interpolated([one, two], lambda values: (values[0] + values[1]) / 2) == \
-        CheckpointPasses(free=((150, 60), (180, 15)), held=((150, 60), (195, 45)), kept=38)
-    short = CheckpointPasses(free=((100, 40),), held=((100, 40),), kept=0)
+    one = CheckpointPasses(free=((100, 90, 40), (120, 100, 10)), held=((100, 90, 40), (130, 120, 30)), kept=25,
+                           let_go=8)
+    two = CheckpointPasses(free=((200, 180, 80), (240, 200, 20)), held=((200, 180, 80), (260, 240, 60)), kept=50,
+                           let_go=16)
+    assert CheckpointPasses.interpolated([one, two], lambda values: (values[0] + values[1]) / 2) == CheckpointPasses(
+        free=((150, 135, 60), (180, 150, 15)), held=((150, 135, 60), (195, 180, 45)), kept=38, let_go=12)
+    short = CheckpointPasses(free=((100, 90, 40),), held=((100, 90, 40),), kept=0)
     assert CheckpointPasses.interpolated([one, short], lambda values: values[0]) is None
     assert CheckpointPasses.from_dict(json.loads(json.dumps(one.to_dict()))) == one
-    assert one.map(lambda n: n // 2) == CheckpointPasses(free=((50, 20), (60, 5)), held=((50, 20), (65, 15)), kept=12)
+    assert one.map(lambda n: n // 2) == CheckpointPasses(
+        free=((50, 45, 20), (60, 50, 5)), held=((50, 45, 20), (65, 60, 15)), kept=12, let_go=4)
 
 
 def test_a_sharded_bf16_rank_holding_both_uses_of_a_tie_casts_it_per_forward():
