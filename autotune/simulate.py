@@ -1378,7 +1378,8 @@ def _stage_costs(
                     if candidate.sharded and candidate.reshard_after_forward else None)
         for key, weights in backwards:
             layers = dict(first=first, last=last, weights=weights, profiled=profiled[a:b], grad_factor=grad_factor,
-                          freed=freed, cast_out=cast_out, arrival_grad=arrival)
+                          freed=freed, cast_out=cast_out, arrival_grad=arrival,
+                          recomputed_output=costs[b - 1].saved_output_bytes if checkpointing else 0)
             result[key].append(int(layer_backward_bytes(parameter_bytes[a:b], layer_in, layer_out, **layers)))
             result[f"gathering_{key}"].append(0 if gathered is None else int(layer_backward_bytes(
                 parameter_bytes[a:b], layer_in, layer_out, **layers, gathered=gathered)))

@@ -193,6 +193,15 @@ def test_profiled_backward_bytes():
     # Sharded bf16: a later backward's fresh weight gradients are half the profiled float32 ones.
     assert layer_backward_bytes(params, ins, outs, first=False, last=False, profiled=profiled,
                                 grad_factor=0.5) == 1000 - 200
+    # Checkpointed, the last layer saved 150 of the stage's output (a ReLU's): the recompute's copy goes at its first
+    # backward op, which holds at least the output's gradient (60): layer 1 300 - 150 = 150 (not the last stage: its
+    # handed figure 200 - 150 = 50, held at least 60); never more than without.
+    assert layer_backward_bytes(params, ins, outs, first=False, last=True, profiled=profiled, freed=[0, 900],
+                                recomputed_output=150) == 300 - 150
+    assert layer_backward_bytes([100], [200], [60], first=False, last=False, profiled=[last_layer],
+                                recomputed_output=150) == 60
+    assert layer_backward_bytes([100], [200], [60], first=False, last=False, profiled=[last_layer],
+                                recomputed_output=10) == 200 - 10
     # The split backward's I keeps what each layer leaves and lets go of nothing saved: layer 1 (handed) 100 at
     # most, leaving 0; layer 0 600 at most on top, leaving 300. The first stage's I does nothing.
     assert input_backward_bytes(profiled, first=False, last=False) == (600, 300)
