@@ -1154,6 +1154,7 @@ def _composed_weight_recompute_bytes(
     total = sum(rebuilt)
     scale = recompute / total if total > 0 else 0.0
     share = [r * scale for r in rebuilt]
+    whole = sum(share)
     with_groups = [j for j, g in enumerate(groups) if g]
     if not with_groups:
         return 0
@@ -1166,7 +1167,7 @@ def _composed_weight_recompute_bytes(
         # what the earlier layers' W let go of that was there before the W (their I's gradients for it, ...)
         gone = sum(cast(CheckpointPasses, passes[i]).let_go for i in range(j) if groups[i])
         after = sum(share[j + 1:])
-        others = sum(share) - share[j]
+        others = whole - share[j]
         keeps = share[j]  # before its first pass, every recompute keeps all the layer rebuilt
         for p, (recomputing, walking, keeps_after) in enumerate(runs, start=1):
             n = earlier + p - 1
@@ -1323,14 +1324,14 @@ def _stage_costs(
         # last stage's logits of a micro-batch whose I had run were gone before its W)
         result["input_released_bytes"].append(min(loss_saved, saved) + kept_out - output_saved if last else 0)
         result["recompute_bytes"].append(recompute)
-        # what the recompute rebuilds of each layer: the checkpoint keeps the stage input (the first layer's) and
-        # the loss saves its own outside the checkpoint (the last layer's profile counts it)
-        rebuilt = list(saved_bytes[a:b])
-        rebuilt[0] -= min(costs[a].saved_input_bytes or 0, rebuilt[0])
-        if last:
-            rebuilt[-1] -= min(result["loss_saved_bytes"][-1], rebuilt[-1])
         weight_recompute = 0
         if checkpointing and s:
+            # what the recompute rebuilds of each layer: the checkpoint keeps the stage input (the first layer's)
+            # and the loss saves its own outside the checkpoint (the last layer's profile counts it)
+            rebuilt = list(saved_bytes[a:b])
+            rebuilt[0] -= min(costs[a].saved_input_bytes or 0, rebuilt[0])
+            if last:
+                rebuilt[-1] -= min(result["loss_saved_bytes"][-1], rebuilt[-1])
             # what a later layer saves of its input, rebuilt inside the stage (the first layer's is the checkpoint's)
             inputs = [0] + [c.saved_input_bytes or 0 for c in costs[a + 1:b]]
             composed = (_composed_weight_recompute_bytes(recompute, rebuilt, parameter_groups[a:b],
