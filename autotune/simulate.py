@@ -190,6 +190,12 @@ class LinkModel:
     reduce_scatter_passes: int = 1
     """Ring passes a reduce-scatter costs inside a node: 1 (NCCL); 3 on the CPU stand-in, where gloo's
     reduce-scatter is slower than its all-reduce of the same tensor (COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S)."""
+    all_gather_passes_across_nodes: float = 1.0
+    """Ring passes an all-gather costs on the link between nodes: 1 (NCCL); 1.5 for gloo over TCP, whose
+    all_gather_into_tensor of one FSDP2 unit across a tbf-shaped link settles, after its first few calls, at 1.5 to
+    1.6 times the wire time of the half each rank sends, where an all-reduce of the same bytes moves both ways at
+    once in one: bench/internode.py's collective table (mlp13's 263 kB unit, 2 ranks: 83 ms against 55 at 20
+    Mbit/s, 9.0 against 5.7 at 200; spaced 300 ms apart the same)."""
     reduce_scatter_passes_across_nodes: int = 1
     """Ring passes a reduce-scatter costs on the link between nodes: 1 (NCCL); 2 for gloo, whose reduce-scatter
     moves an all-reduce's bytes: bench/internode.py, mlp13 dp 2 sharded across a tbf-shaped link (13 units, 3.3 MiB),
@@ -247,6 +253,7 @@ class LinkModel:
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
                     "all_gather_passes": 2, "reduce_scatter_passes": 3, "reduce_scatter_passes_across_nodes": 2,
+                    "all_gather_passes_across_nodes": 1.5,
                     "shard_unit_overhead_ms": SHARD_UNIT_OVERHEAD_CPU_MS,
                     "shard_unit_overhead_ms_per_mib": SHARD_UNIT_OVERHEAD_CPU_MS_PER_MIB,
                     "sharded_optimizer_group_ms": SHARDED_OPTIMIZER_GROUP_CPU_MS}
@@ -271,8 +278,9 @@ class LinkModel:
 
     def all_gather_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """All-gather of a tensor of nbytes (whole, gathered) from world_size equal shards: half an all-reduce
-        (ring_ms, all_gather_passes passes inside a node, one across nodes): FSDP2's unshard."""
-        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.all_gather_passes, far_passes=1)
+        (ring_ms, all_gather_passes passes inside a node, all_gather_passes_across_nodes across): FSDP2's unshard."""
+        return self.ring_ms(nbytes, world_size, n_nodes, passes=self.all_gather_passes,
+                            far_passes=self.all_gather_passes_across_nodes)
 
     def reduce_scatter_ms(self, nbytes: float, world_size: int, n_nodes: int = 1) -> float:
         """Reduce-scatter of nbytes (whole, before scattering) into world_size shards: the other half of an
@@ -281,8 +289,8 @@ class LinkModel:
         return self.ring_ms(nbytes, world_size, n_nodes, passes=self.reduce_scatter_passes,
                             far_passes=self.reduce_scatter_passes_across_nodes)
 
-    def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: int,
-                far_passes: int | None = None) -> float:
+    def ring_ms(self, nbytes: float, world_size: int, n_nodes: int = 1, *, passes: float,
+                far_passes: float | None = None) -> float:
         """`passes` ring passes over nbytes (1: reduce-scatter or all-gather, 2: all-reduce), each d-1 steps of
         nbytes/d on one node; over nodes, the passes inside each node's ring of k plus `far_passes` (default
         `passes`) of the 1/k shard across the nodes on the inter-node link."""
@@ -783,6 +791,14 @@ def _replay(
         posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
         posted = None if posted_late else _receives_posted(plan)
+        sent_first: dict[int, int] = {}  # a receive -> a transfer its rank's previous action sends the other way
+        if posted_late:
+            sends = {(dep[x], rank[x]): x for x in range(n) if wire[x]}
+            for a in range(n):
+                if wire[a] and prev[a] >= 0:
+                    x = sends.get((prev[a], rank[dep[a]]), -1)
+                    if x >= 0:
+                        sent_first[a] = x
         posts: tuple[int, ...] = posted or ()  # the runtime's receive posts (only read where posted is not None)
         lanes: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (from, to rank): placed starts, ends
         waiting: dict[tuple[int, int], list[int]] = {}  # (from rank, to rank): receivers not placed, in send order
@@ -851,8 +867,18 @@ def _replay(
                     u = place(a, s, r, at)
                     if woken is not None and t > finish[dep[a]]:  # the rank gets to a after the send
                         u = max(u, woke(t, s) + xfer[a])
+            elif w and a in arrived:  # moved ahead of the receive the rank posted behind it (below)
+                u = arrived.pop(a)
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
+                x = sent_first.get(a, -1)
+                if x >= 0 and not replayed[x] and replayed[prev[x]] and finish[prev[x]] <= t:
+                    # 1F1B fuses a stage's sends with its next receives, sends first (bwd_send + fwd_recv): the
+                    # tensor whose receive was already posted goes on the wire, and this receive's readiness reaches
+                    # the sender behind it. Traced at 200 and 20 Mbit/s (bench/internode.py, 1F1B m2): the gradient,
+                    # then the next micro-batch's activation, two wire times between a stage's backward and its
+                    # next forward.
+                    free[pair] = arrived[x] = max(finish[dep[x]], free.get(pair, 0.0)) + wire[x]
                 start = max(finish[dep[a]], free.get(pair, 0.0))
                 if t > finish[dep[a]]:  # t: the rank gets to a and posts the receive, after the send
                     start = max(start, woke(t, rank[dep[a]]))

@@ -168,6 +168,25 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
         dist.all_reduce(flat)
         reduce_times.append(time.perf_counter() - t0)
     result["allreduce"] = {"bytes": ALLREDUCE_BYTES, "seconds": min(reduce_times[1:])}
+    # One FSDP2 unit's collectives as FSDP2 calls them over gloo: each rank's half of the unit gathered whole
+    # (all_gather_into_tensor), the whole unit's gradients reduced and scattered into halves (reduce_scatter_tensor);
+    # one unit, and the step's UNITS one after another as the sharded dp 2 of the fixed set runs them.
+    whole, half = torch.zeros(UNIT_BYTES // 4), torch.zeros(UNIT_BYTES // 8)
+    calls = {"all_gather": lambda: dist.all_gather_into_tensor(whole, half),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(half, whole)}
+    for name, call in calls.items():
+        one, every = [], []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            one.append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(UNITS):
+                call()
+            every.append(time.perf_counter() - t0)
+        result[name] = {"bytes": UNIT_BYTES, "units": UNITS, "seconds": min(one[1:]), "all_units_s": min(every[1:])}
     dist.barrier()
     dist.destroy_process_group()
     out.with_suffix(f".{rank}.json").write_text(json.dumps(result))
@@ -175,6 +194,9 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
 
 P2P_BYTES = (16 * 2**10, 128 * 2**10, 512 * 2**10)
 ALLREDUCE_BYTES = 2 * 2**20
+UNIT_BYTES = (256 * 256 + 256) * 4
+"""One FSDP2 unit of bench/models/mlp13.py: a Linear(256, 256)'s float32 parameters."""
+UNITS = 13
 LATE_S = 0.3
 
 
@@ -188,9 +210,9 @@ def p2p(pair: Any, folder: Path) -> dict[str, Any]:
         if p.wait(timeout=300) != 0:
             raise RuntimeError(f"the p2p measurement failed (exit {p.returncode})")
     sent, received = (json.loads(out.with_suffix(f".{n}.json").read_text()) for n in (0, 1))
-    reduced = sent.pop("allreduce")
+    collectives = {name: sent.pop(name) for name in ("allreduce", "all_gather", "reduce_scatter") if name in sent}
     return {**{size: {"one_way_s": sent[size]["one_way_s"], "late_receive_s": received[size]["late_receive_s"],
-                      "exchange_s": sent[size]["exchange_s"]} for size in sent}, "allreduce": reduced}
+                      "exchange_s": sent[size]["exchange_s"]} for size in sent}, **collectives}
 
 
 # --- the driver (root namespace) ------------------------------------------------------------------------------------
@@ -378,6 +400,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
     from autotune.candidate import Candidate
 
     probe_rows, trial_rows, added_rows, p2p_rows, reduce_rows, one_node_rows = [], [], [], [], [], []
+    shard_rows: list[list[Any]] = []
     unshaped: dict[str, dict[str, Any]] = {}
     for e in results:
         rate = "unshaped" if e["rate_mbit"] is None else f"{e['rate_mbit']:g}"
@@ -392,6 +415,12 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
             if size == "allreduce":
                 model = predictor(None, tuple(probe) if probe else None).link
                 reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2, 2)])
+                continue
+            if size in ("all_gather", "reduce_scatter"):
+                model = predictor(None, tuple(probe) if probe else None).link
+                modelled = (model.all_gather_ms if size == "all_gather" else model.reduce_scatter_ms)(t["bytes"], 2, 2)
+                shard_rows.append([rate, size, t["bytes"], t["seconds"] * 1e3, t["all_units_s"] * 1e3 / t["units"],
+                                   modelled, model.allreduce_ms(t["bytes"], 2, 2)])
                 continue
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
@@ -432,6 +461,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         "the dp all-reduce's collective across the link (gloo all_reduce of one flat tensor, 2 ranks)":
             _results.markdown_table(["tbf rate Mbit/s", "bytes", "measured ms", "LinkModel.allreduce_ms"],
                                     reduce_rows),
+        "FSDP2's collectives of one unit across the link (gloo, 2 ranks; best of 2 after one)": _results.markdown_table(
+            ["tbf rate Mbit/s", "collective", "unit bytes", "one ms", "each of 13 back to back ms",
+             "LinkModel (probed)", "LinkModel.allreduce_ms of the unit"], shard_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "rounds ms", "predicted ms", "error",
              "the search's own prediction ms"], trial_rows),

@@ -192,14 +192,19 @@ def test_across_nodes_a_transfer_starts_when_its_receiver_posts_the_receive():
 
 def test_across_nodes_two_ranks_move_one_tensor_at_a_time_between_them():
     # 1F1B, 2 ranks on 2 nodes, 2 micro-batches, F 1 ms, B 2 ms, each hand-off 10 ms on the wire.
-    # rank 1: F0 (wire 1-11) 11-12, B0 12-14; at 14 both F1's activation and B0's gradient are ready to go. The
-    # replay reaches F1 first: its activation goes 14-24 (F1 24-25, B1 25-27), B0's gradient after it, 24-34
-    # (rank 0: B0 34-36), B1's gradient 36-46 (rank 0 posts its receive at 36), B1 on rank 0 46-48.
+    # rank 1: F0 (wire 1-11) 11-12, B0 12-14; at 14 it posts B0's gradient's send and F1's activation's receive in
+    # one batch, the send first (torch's bwd_send + fwd_recv). Rank 0 posted that gradient's receive at 2, so the
+    # gradient goes 14-24 (rank 0: B0 24-26); F1's receive reaches rank 0 behind it, so the activation goes 24-34
+    # (F1 34-35, B1 35-37), B1's gradient 37-47 (rank 0's receive posted at 26), B1 on rank 0 47-49. Traced at 200
+    # and 20 Mbit/s (bench/internode.py, 1F1B m2): two wire times between rank 1's B0 and its F1.
     # Inside one node the two 14-24 transfers overlap: 29 ms.
     link, prof = SLOW_WIRE, TWO_SENDERS
     c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
     assert simulate(prof, c, link=link, gpus_per_node=2).step_time_ms == pytest.approx(29.0)
-    assert simulate(prof, c, link=link, gpus_per_node=1).step_time_ms == pytest.approx(48.0)
+    across = simulate(prof, c, link=link, gpus_per_node=1, with_timeline=True)
+    assert across.step_time_ms == pytest.approx(49.0)
+    starts = {(e.rank, e.kind, e.microbatch): e.start_ms for e in across.timeline}
+    assert starts[(0, "B", 0)] == pytest.approx(24.0) and starts[(1, "F", 1)] == pytest.approx(34.0)
 
 
 def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_posts_it():

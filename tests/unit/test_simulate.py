@@ -628,6 +628,11 @@ def test_collectives_inside_a_node_go_at_their_own_rate_and_passes_and_across_at
     assert cuda.shard_unit_overhead_ms_per_mib == cuda.sharded_optimizer_group_ms == 0.0
     assert (cuda.all_gather_passes, cuda.reduce_scatter_passes, cuda.reduce_scatter_passes_across_nodes) == (1, 1, 1)
     assert cpu.reduce_scatter_passes_across_nodes == 2
+    # gloo's all-gather across nodes: 1.5 passes (bench/internode.py's collective table); NCCL's one
+    assert cpu.all_gather_passes_across_nodes == 1.5 and cuda.all_gather_passes_across_nodes == 1.0
+    gloo = dataclasses.replace(link, all_gather_passes_across_nodes=1.5)
+    assert gloo.all_gather_ms(8e6, 2, n_nodes=2) == pytest.approx(24.0)
+    assert gloo.all_gather_ms(8e6, 2) == pytest.approx(16.0)  # inside a node: all_gather_passes
 
 
 WIRE_1GBS = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.0, per_action_overhead_ms=0.0,
