@@ -76,22 +76,26 @@ class CheckpointPasses:
     let_go: int = 0
     """What the W let go of that was alive before it: the gradients its I kept for it, what the I's recompute kept
     for the W's walks (a later layer's passes run without them)."""
+    input_kept: bool = True
+    """`held`: whether what the layer saves of its input outlives its passes: no pass walks the node that saved it
+    (RMSNorm's pow before its weight), against one that does (LayerNorm's, which its weight's pass walks). True
+    where not measured (profiles before it): kept."""
 
     def map(self, fn: Callable[[int], int]) -> CheckpointPasses:
         """Each figure through fn (a tp rank's share)."""
         return CheckpointPasses(free=tuple((fn(a), fn(b), fn(c)) for a, b, c in self.free),
                                 held=tuple((fn(a), fn(b), fn(c)) for a, b, c in self.held), kept=fn(self.kept),
-                                let_go=fn(self.let_go))
+                                let_go=fn(self.let_go), input_kept=self.input_kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"free": [list(x) for x in self.free], "held": [list(x) for x in self.held], "kept": self.kept,
-                "let_go": self.let_go}
+                "let_go": self.let_go, "input_kept": self.input_kept}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CheckpointPasses:
         return cls(free=tuple((int(a), int(b), int(c)) for a, b, c in data["free"]),
                    held=tuple((int(a), int(b), int(c)) for a, b, c in data["held"]), kept=int(data["kept"]),
-                   let_go=int(data.get("let_go", 0)))
+                   let_go=int(data.get("let_go", 0)), input_kept=bool(data.get("input_kept", True)))
 
     @classmethod
     def interpolated(
@@ -106,7 +110,8 @@ class CheckpointPasses:
                          for i in range(len(rows[0])))
 
         return cls(free=passes([c.free for c in per_size]), held=passes([c.held for c in per_size]),
-                   kept=math.ceil(at([c.kept for c in per_size])), let_go=math.ceil(at([c.let_go for c in per_size])))
+                   kept=math.ceil(at([c.kept for c in per_size])), let_go=math.ceil(at([c.let_go for c in per_size])),
+                   input_kept=any(c.input_kept for c in per_size))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -936,36 +936,40 @@ def _checkpoint_weight_bytes(
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not received or not unit.parameters():
         return 0, None
-    peak, free, _, _ = _checkpointed_weight(unit, args, side, loss_fn, hold=False)
+    peak, free, _, _, _ = _checkpointed_weight(unit, args, side, loss_fn, hold=False)
     if free is None:
         return peak, None
-    _, held, kept, let_go = _checkpointed_weight(unit, args, side, loss_fn, hold=True)
-    return peak, None if held is None else CheckpointPasses(free=free, held=held, kept=kept, let_go=let_go)
+    _, held, kept, let_go, input_kept = _checkpointed_weight(unit, args, side, loss_fn, hold=True)
+    return peak, None if held is None else CheckpointPasses(free=free, held=held, kept=kept, let_go=let_go,
+                                                            input_kept=input_kept)
 
 
 def _checkpointed_weight(
     unit: _Unit, args: tuple[torch.Tensor, ...], side: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
     hold: bool
-) -> tuple[int, tuple[tuple[int, int, int], ...] | None, int, int]:
+) -> tuple[int, tuple[tuple[int, int, int], ...] | None, int, int, bool]:
     """One checkpointed forward, I and W of the block (_checkpoint_weight_bytes): (the W's peak; per pass that
     recomputes, its peaks recomputing and walking and what its recompute keeps once done, as CheckpointPasses counts
     them, None where the checkpoint's frame is out of reach; what one recompute keeps at the W's end; what the W let
-    go of that was alive before it, counted where hold). hold: the output's graph kept alive throughout, as a later
-    block's parameter groups keep an earlier block's."""
+    go of that was alive before it, counted where hold; whether the last pass's recompute still holds what the block
+    saved of its input). hold: the output's graph kept alive throughout, as a later block's parameter groups keep
+    an earlier block's."""
     received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     parameters = unit.parameters()
     unit.zero_grad(set_to_none=True)
     kept_grads = [a.grad for a in received]
     touched = [*parameters, *unit.module.buffers(), *_flat(args), *_flat(list(side.values()))]
     own = {t.untyped_storage().data_ptr() for t in touched if isinstance(t, torch.Tensor)}
+    own_input = {a.untyped_storage().data_ptr() for a in received}
     passes: list[tuple[int, int, int]] = []
+    input_kept = [True]
     try:
         with checkpoint_frames() as frames, _Meter(parameters[0].device, touched) as meter:
             with unit.precision():
                 output = checkpoint(unit.module, *args, use_reentrant=False, **side)
             loss = loss_fn(output)
             if not loss.requires_grad:
-                return 0, None, 0, 0
+                return 0, None, 0, 0, True
             root = loss.grad_fn if hold else None
             _, groups = stage_backward_input([loss], None, received, parameters)
             del output, loss
@@ -994,6 +998,8 @@ def _checkpointed_weight(
                 new = [k for k in frame.recomputed if k not in ids]
                 if new:  # a pass that used no saved tensor recomputes nothing
                     passes.append((recomputing[0], meter.since()[0], _kept_bytes(frame.recomputed[new[-1]], own)))
+                    input_kept[0] = any(t.untyped_storage().data_ptr() in own_input
+                                        for t in list(frame.recomputed[new[-1]].values()))
 
             forward, own_forward = unit.module.forward, unit.module.__dict__.get("forward")
             unit.module.forward = recompute  # type: ignore[method-assign]
@@ -1014,12 +1020,12 @@ def _checkpointed_weight(
         for a, grad in zip(received, kept_grads):
             a.grad = grad
     if frame is None or not passes:
-        return max(0, peak - made), None, 0, 0
+        return max(0, peak - made), None, 0, 0, True
     # what the last pass's recompute keeps once done: what each recompute keeps of the block by then; and what the W
     # let go of that was there before it (the I's gradients for it, what the I's recompute kept for the W's walks)
     kept = passes[-1][2]
     return (max(0, peak - made), tuple((max(0, r - made), max(0, w - made), k) for r, w, k in passes), kept,
-            max(0, len(passes) * kept + made - left))
+            max(0, len(passes) * kept + made - left), input_kept[0])
 
 
 def _kept_bytes(recomputed: Any, own: set[int]) -> int:

@@ -1169,8 +1169,9 @@ def _composed_weight_recompute_bytes(
         T' + (n + p) (kept before L + rebuilt after L) + (n + p - 1) (kept of L after p)
     with T and T' what the pass adds alone in each phase on top of its p - 1 recomputes, less what the earlier
     layers' W let go of (CheckpointPasses.let_go: the gradients their I kept for it); the most over every pass and
-    phase. A later layer's input is rebuilt too: where it saves it, counted kept throughout (inputs; 0 for the
-    first).
+    phase. A later layer's input is rebuilt too: where it saves it (inputs; 0 for the first), counted kept while
+    the layer's passes run, and after them only where none of them walks the node that saved it
+    (CheckpointPasses.input_kept: RMSNorm's pow, not LayerNorm's).
 
     Counting each pass's keeps for the whole W, as _weight_recompute_bytes does, overcounts what later passes let
     go of: recipes/gpt.py ZBV and DualPipeV m4 checkpointed, +0.0 .. +2.2 % here, up to +43 % there; the
@@ -1188,8 +1189,8 @@ def _composed_weight_recompute_bytes(
     for j in with_groups:
         measured = cast(CheckpointPasses, passes[j])
         runs = measured.held if j != with_groups[-1] else measured.free
-        kept = sum(share[i] if not groups[i] else cast(CheckpointPasses, passes[i]).kept + inputs[i]
-                   for i in range(j))
+        kept = sum(share[i] if not groups[i] else cast(CheckpointPasses, passes[i]).kept
+                   + (inputs[i] if cast(CheckpointPasses, passes[i]).input_kept else 0) for i in range(j))
         # what the earlier layers' W let go of that was there before the W (their I's gradients for it, ...)
         gone = sum(cast(CheckpointPasses, passes[i]).let_go for i in range(j) if groups[i])
         after = sum(share[j + 1:])

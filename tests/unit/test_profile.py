@@ -535,3 +535,29 @@ def test_the_optimizer_step_is_timed_on_the_gradients_a_backward_leaves(tmp_path
     assert profile.optimizer_step_ms > 0
     assert 0 < seen[(1000, 4)] <= 8 / 1000 + 1e-6  # the rows of at most 4 x 2 tokens: the others stay zero
     assert seen[(2, 8)] == seen[(2,)] == 1.0  # the linear layer's gradients: none zero
+
+
+class _RMSNormFirst(torch.nn.Module):
+    """x * rsqrt(mean(x^2)) * w, then a Linear: the pow saves the input before any parameter (Llama's RMSNorm)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight)
+
+
+@pytest.mark.parametrize("first, kept", [("layernorm", False), ("rmsnorm", True)])
+def test_a_checkpointed_w_says_whether_the_saved_input_outlives_its_passes(first, kept):
+    # LayerNorm saves its input, and its weight's pass walks its node (the saved input goes); RMSNorm's pow saves it
+    # before the weight, where no pass walks (it stays as long as a later layer's graph holds the recompute).
+    from autotune.profiling import _checkpoint_weight_bytes, _Surrogate, _Unit
+
+    width = 32
+    block = (torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width)) if first == "layernorm"
+             else _RMSNormFirst(width))
+    x = torch.randn(8, width, requires_grad=True)
+    _, passes = _checkpoint_weight_bytes(_Unit(block, block, last=False), ((x,), {}), _Surrogate())
+    assert passes is not None and passes.input_kept is kept

@@ -781,6 +781,14 @@ def test_a_checkpointed_w_composes_its_layers_pass_by_pass():
     ]
     assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, second], [0, 7]) == max(candidates) == 230
     assert _composed_weight_recompute_bytes(90, [50, 40], [2, 2], [first, None], [0, 7]) is None
+    # what a layer saves of its input stays after its passes only where none of them walks the node that saved it
+    # (input_kept; RMSNorm's pow, not LayerNorm's): a third layer's one pass (peak 1000) after four counts it 4 times
+    import dataclasses as dc
+    third = CheckpointPasses(free=((1000, 0, 0),), held=((1000, 0, 0),), kept=0)
+    kept_input = _composed_weight_recompute_bytes(100, [50, 40, 10], [2, 2, 1], [first, second, third], [0, 7, 0])
+    walked = _composed_weight_recompute_bytes(100, [50, 40, 10], [2, 2, 1],
+                                              [first, dc.replace(second, input_kept=False), third], [0, 7, 0])
+    assert kept_input - walked == 4 * 7 and walked == 1000 + 90 + 4 * (20 + 15 + 10) - (6 + 4)
     # a layer without parameters runs no pass: all it rebuilt stays while a later layer's graph holds it
     assert _composed_weight_recompute_bytes(50, [10, 40], [0, 2], [None, second], [0, 0]) == max(
         45 + 10, 40 + 10, 55 - 25 + 10 + 1 * (10 + 25), 50 - 5 + 2 * 10 + 1 * 5) == 75
@@ -797,6 +805,10 @@ def test_a_profile_keeps_its_checkpoint_passes():
                            let_go=16)
     assert CheckpointPasses.interpolated([one, two], lambda values: (values[0] + values[1]) / 2) == CheckpointPasses(
         free=((150, 135, 60), (180, 150, 15)), held=((150, 135, 60), (195, 180, 45)), kept=38, let_go=12)
+    walked = CheckpointPasses(free=one.free, held=one.held, kept=25, input_kept=False)
+    assert CheckpointPasses.from_dict(walked.to_dict()) == walked and walked.map(lambda n: n).input_kept is False
+    old = {k: v for k, v in one.to_dict().items() if k != "input_kept"}  # profiles before it: kept
+    assert CheckpointPasses.from_dict(old).input_kept is True
     short = CheckpointPasses(free=((100, 90, 40),), held=((100, 90, 40),), kept=0)
     assert CheckpointPasses.interpolated([one, short], lambda values: values[0]) is None
     assert CheckpointPasses.from_dict(json.loads(json.dumps(one.to_dict()))) == one
