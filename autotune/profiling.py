@@ -960,9 +960,9 @@ def _checkpointed_weight(
     kept_grads = [a.grad for a in received]
     touched = [*parameters, *unit.module.buffers(), *_flat(args), *_flat(list(side.values()))]
     own = {t.untyped_storage().data_ptr() for t in touched if isinstance(t, torch.Tensor)}
-    own_input = {a.untyped_storage().data_ptr() for a in received}
     passes: list[tuple[int, int, int]] = []
-    input_kept = [True]
+    recomputes: list[Any] = []  # each pass's recompute's key in frame.recomputed
+    input_kept = True
     try:
         with checkpoint_frames() as frames, _Meter(parameters[0].device, touched) as meter:
             with unit.precision():
@@ -998,8 +998,7 @@ def _checkpointed_weight(
                 new = [k for k in frame.recomputed if k not in ids]
                 if new:  # a pass that used no saved tensor recomputes nothing
                     passes.append((recomputing[0], meter.since()[0], _kept_bytes(frame.recomputed[new[-1]], own)))
-                    input_kept[0] = any(t.untyped_storage().data_ptr() in own_input
-                                        for t in list(frame.recomputed[new[-1]].values()))
+                    recomputes.append(new[-1])
 
             forward, own_forward = unit.module.forward, unit.module.__dict__.get("forward")
             unit.module.forward = recompute  # type: ignore[method-assign]
@@ -1012,6 +1011,10 @@ def _checkpointed_weight(
                 else:
                     unit.module.forward = own_forward  # type: ignore[method-assign]
             left = meter.since()[1]  # held: every recompute's keeps still there
+            if frame is not None and recomputes:  # the last recompute still holds the block's saved input?
+                inputs = {a.untyped_storage().data_ptr() for a in received}
+                input_kept = any(t.untyped_storage().data_ptr() in inputs
+                                 for t in list(frame.recomputed[recomputes[-1]].values()))
             del groups, root
             made = sum(p.grad.untyped_storage().nbytes() for p in parameters if p.grad is not None)
             peak = max(highest[0], meter.since()[0])
@@ -1025,7 +1028,7 @@ def _checkpointed_weight(
     # let go of that was there before it (the I's gradients for it, what the I's recompute kept for the W's walks)
     kept = passes[-1][2]
     return (max(0, peak - made), tuple((max(0, r - made), max(0, w - made), k) for r, w, k in passes), kept,
-            max(0, len(passes) * kept + made - left), input_kept[0])
+            max(0, len(passes) * kept + made - left), input_kept)
 
 
 def _kept_bytes(recomputed: Any, own: set[int]) -> int:

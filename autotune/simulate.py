@@ -791,14 +791,7 @@ def _replay(
         posted_late = SCHEDULES[candidate.schedule].placement == "single"
         free: dict[tuple[int, int], float] = {}  # (lower rank, higher rank): when their last transfer ends
         posted = None if posted_late else _receives_posted(plan)
-        sent_first: dict[int, int] = {}  # a receive -> a transfer its rank's previous action sends the other way
-        if posted_late:
-            sends = {(dep[x], rank[x]): x for x in range(n) if wire[x]}
-            for a in range(n):
-                if wire[a] and prev[a] >= 0:
-                    x = sends.get((prev[a], rank[dep[a]]), -1)
-                    if x >= 0:
-                        sent_first[a] = x
+        sent_first = _sent_first(plan) if posted_late else {}
         posts: tuple[int, ...] = posted or ()  # the runtime's receive posts (only read where posted is not None)
         lanes: dict[tuple[int, int], tuple[list[float], list[float]]] = {}  # (from, to rank): placed starts, ends
         waiting: dict[tuple[int, int], list[int]] = {}  # (from rank, to rank): receivers not placed, in send order
@@ -872,7 +865,7 @@ def _replay(
             elif w:
                 pair = (min(rank[a], rank[dep[a]]), max(rank[a], rank[dep[a]]))
                 x = sent_first.get(a, -1)
-                if x >= 0 and not replayed[x] and replayed[prev[x]] and finish[prev[x]] <= t:
+                if x >= 0 and wire[x] and not replayed[x] and replayed[prev[x]] and finish[prev[x]] <= t:
                     # 1F1B fuses a stage's sends with its next receives, sends first (bwd_send + fwd_recv): the
                     # tensor whose receive was already posted goes on the wire, and this receive's readiness reaches
                     # the sender behind it. Traced at 200 and 20 Mbit/s (bench/internode.py, 1F1B m2): the gradient,
@@ -900,6 +893,16 @@ def _replay(
             finish[a] = t + dur[a]
             replayed[a] = 1
     return finish
+
+
+@functools.lru_cache(maxsize=64)
+def _sent_first(plan: ActionGraph) -> dict[int, int]:
+    """Per receive across ranks, the transfer that its rank's previous action sends back to the sender (1F1B's
+    fused bwd_send + fwd_recv, the send first), where there is one."""
+    dep, prev, rank, cross = plan.dep, plan.prev, plan.rank, plan.cross
+    sends = {(dep[x], rank[x]): x for x in range(len(plan.kind)) if cross[x]}
+    found = {a: sends.get((prev[a], rank[dep[a]]), -1) for a in range(len(plan.kind)) if cross[a] and prev[a] >= 0}
+    return {a: x for a, x in found.items() if x >= 0}
 
 
 @functools.lru_cache(maxsize=64)

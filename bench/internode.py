@@ -411,13 +411,12 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                            f"{probe[0] * 1e6:.0f}" if probe else "-",
                            f"{(probe[1] - shaped) / shaped:+.0%}" if probe and shaped else "-",
                            e.get("search", {}).get("probe_line", "").split("probed): ")[-1]])
+        model = predictor(None, tuple(probe) if probe else None).link
         for size, t in e.get("p2p", {}).items():
             if size == "allreduce":
-                model = predictor(None, tuple(probe) if probe else None).link
                 reduce_rows.append([rate, t["bytes"], t["seconds"] * 1e3, model.allreduce_ms(t["bytes"], 2, 2)])
                 continue
             if size in ("all_gather", "reduce_scatter"):
-                model = predictor(None, tuple(probe) if probe else None).link
                 modelled = (model.all_gather_ms if size == "all_gather" else model.reduce_scatter_ms)(t["bytes"], 2, 2)
                 shard_rows.append([rate, size, t["bytes"], t["seconds"] * 1e3, t["all_units_s"] * 1e3 / t["units"],
                                    modelled, model.allreduce_ms(t["bytes"], 2, 2)])
