@@ -61,14 +61,17 @@ def _mbit(rate: str) -> float | None:
     return None if rate == "none" else float(rate)
 
 
-def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int, repeats: int) -> None:
+def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, subnet: int, repeats: int,
+              extra: Path | None = None) -> None:
     """One node of the fixed set: node 0 probes the link at every rate, then runs every trial across both nodes at
     every rate in turn (the rates of one trial back to back, so that a machine whose load drifts compares them at one
     load), and the same trial with both ranks on node 0 (over its loopback: what the unshaped link is measured
-    against), `repeats` rounds of them, keeps each trial's median round and writes out; node 1 serves its ranks
-    until node 0 is done."""
+    against), `repeats` rounds of them, keeps each trial's median round and writes out; then, `repeats` rounds
+    again, the candidates `extra` (JSON: rate -> candidate dicts, the searches' launched trials) at their own rate;
+    node 1 serves its ranks until node 0 is done."""
     from _netns import NamespacePair
 
+    from autotune.candidate import Candidate
     from autotune.cli.app import start_fork_server
     from autotune.cluster.env import detect, die_with_launcher
     from autotune.cluster.node import Cluster, serve, stop_on_sigterm
@@ -109,10 +112,21 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
                 print(f"one node {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
                 rounds["one node"].append(m)
             for rate, kept_runs in [*((r, runs[r]) for r in rates), ("one node", one_node)]:
-                ok = sorted((m for m in rounds[rate] if m.step_time_ms), key=lambda m: m.step_time_ms)
-                kept = ok[(len(ok) - 1) // 2] if ok else rounds[rate][0]
-                kept_runs.append({**kept.to_dict(), "rounds_ms": [m.step_time_ms for m in rounds[rate]]})
+                kept_runs.append(_median_round(rounds[rate]))
         result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
+        again = json.loads(extra.read_text()) if extra else {}
+        for rate in rates:  # the searches' trials, measured again in rounds as the fixed set is
+            todo = [Candidate.from_dict(d) for d in again.get(rate, [])]
+            if not todo:
+                continue
+            pair.shape(_mbit(rate))
+            by_key: dict[str, list[Any]] = {c.key: [] for c in todo}
+            for _ in range(repeats):
+                for c in todo:
+                    m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
+                    print(f"{rate} search's {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
+                    by_key[c.key].append(m)
+            result[rate]["search_runs"] = [_median_round(ms) for ms in by_key.values()]
         result["one node"] = {"runs": one_node}
         code = 0
     finally:
@@ -120,6 +134,13 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
     out.write_text(json.dumps(result))
     sys.stderr.flush()
     os._exit(0)
+
+
+def _median_round(rounds: list[Any]) -> dict[str, Any]:
+    """The median round of one trial's measurements (the lower middle of an even count), with every round's time."""
+    ok = sorted((m for m in rounds if m.step_time_ms), key=lambda m: m.step_time_ms)
+    kept = ok[(len(ok) - 1) // 2] if ok else rounds[0]
+    return {**kept.to_dict(), "rounds_ms": [m.step_time_ms for m in rounds]}
 
 
 def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
@@ -255,13 +276,16 @@ def predictor(profile: Any, probed: tuple[float, ...] | None) -> Any:
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 
-def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str], repeats: int) -> dict[str, Any]:
-    """The fixed trials across the link, per rate: the probe's (latency s, bandwidth B/s) and every measurement."""
-    out = folder / "fixed.json"
+def fixed_set(pair: Any, folder: Path, steps: int, warmup: int, rates: list[str], repeats: int,
+              again: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The fixed trials across the link, per rate: the probe's (latency s, bandwidth B/s) and every measurement, and
+    the candidates of `again` (rate -> candidate dicts) measured again at their rate ("search_runs")."""
+    out, extra = folder / "fixed.json", folder / "again.json"
+    extra.write_text(json.dumps(again))
     run_nodes(pair, [str(Path(__file__).resolve()), "node", "--out", str(out), "--steps", str(steps),
                      "--warmup", str(warmup), "--tag", pair.tag, "--subnet", str(pair.subnet), "--repeats",
-                     str(repeats), "--rates", *rates],
-              folder, timeout_s=1800)
+                     str(repeats), "--extra", str(extra), "--rates", *rates],
+              folder, timeout_s=2400)
     return json.loads(out.read_text())
 
 
@@ -308,6 +332,8 @@ def analyse(results: list[dict[str, Any]], profile: Any) -> None:
             raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
         for row in e.get("search", {}).get("rows", []):
             row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
+        for raw in e["fixed"].get("search_runs", []):
+            raw["predicted_ms"] = predict(Measurement.from_dict(raw).candidate).step_time_ms
         inside = Predictor(profile=profile, link=LinkModel.for_device("cpu"))  # both ranks on one node
         for raw in e.get("one_node", []):
             raw["predicted_ms"] = inside(Measurement.from_dict(raw).candidate).step_time_ms
@@ -362,18 +388,22 @@ def main() -> None:
             tcp = pair.transfer_rate(8 * 2**20 if (mbit or 1e9) >= 100 else 2 * 2**20)
             results.append({"rate_mbit": mbit, "tcp_bytes_per_s": tcp, "p2p": p2p(pair, Path(tmp))})
             print(f"rate {rate}: tcp {tcp * 8 / 1e6:.0f} Mbit/s", file=sys.stderr)
-        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates, args.repeats)
-        for rate, entry in zip(args.rates, results):
-            entry["fixed"] = fixed[rate]
-            if rate == "none":
-                entry["one_node"] = fixed["one node"]["runs"]
-            print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
+        again: dict[str, list[dict[str, Any]]] = {}
+        for rate, entry in zip(args.rates, results):  # the searches first: their trials are measured again below
             if args.search_trials:
                 pair.shape(_mbit(rate))
                 folder = Path(tmp) / f"search-{rate}"
                 folder.mkdir()
                 entry["search"] = search(pair, folder, args.search_trials, args.steps, args.warmup)
-                print(f"  search: {entry['search']['probe_line']} best {entry['search']['best']}", file=sys.stderr)
+                again[rate] = [r["candidate"] for r in entry["search"]["rows"] if r["status"] == "ok"]
+                print(f"rate {rate}: search: {entry['search']['probe_line']} best {entry['search']['best']}",
+                      file=sys.stderr)
+        fixed = fixed_set(pair, Path(tmp), args.steps, args.warmup, args.rates, args.repeats, again)
+        for rate, entry in zip(args.rates, results):
+            entry["fixed"] = fixed[rate]
+            if rate == "none":
+                entry["one_node"] = fixed["one node"]["runs"]
+            print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     analyse(results, profile)
@@ -384,7 +414,9 @@ HOW_TO_READ = """Two network namespaces joined by a veth pair, tbf on both ends 
 in each (GLOO_SOCKET_IFNAME = its veth), one CPU rank per node. The probe is the cluster's own (autotune.cluster
 Cluster.probe); the TCP stream is a plain socket transfer, for what the shaped link carries (tbf counts headers, so
 payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_device("cpu").with_probe(probe) and
-gpus_per_node 1, as the search predicts; the search's own prediction (its own profile) is shown beside. The fixed
+gpus_per_node 1, as the search predicts; the search's own prediction (its own profile) is shown beside. The
+searches run first; each trial they launched is then measured again in rounds at its rate, as the fixed set is, and
+that median is compared (the search's own one-shot measurement is shown beside it). The fixed
 trials run every rate of one configuration back to back (the machine's load drifts), so "what the link added"
 (rate minus unshaped, same configuration) is the comparison of the inter-node terms least disturbed by the load;
 the unshaped rows' errors are the compute side (profile vs trial on a loaded 2-core machine)."""
@@ -423,8 +455,9 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                 continue
             p2p_rows.append([rate, size, t["one_way_s"] * 1e3, int(size) / probe[1] * 1e3 if probe else "-",
                              t["exchange_s"] * 1e3, t["late_receive_s"] * 1e3])
-        rows = [("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None,
-                 r.get("rounds_ms")) for r in e["fixed"]["runs"]]
+        rows: list[tuple[Any, ...]] = [
+            ("fixed", Candidate.from_dict(r).key, r["status"], r["step_time_ms"], r["predicted_ms"], None,
+             r.get("rounds_ms")) for r in e["fixed"]["runs"]]
         for across, inside in zip(e["fixed"]["runs"], e.get("one_node", [])):  # the same trial on one node
 
             def cells(r: dict[str, Any]) -> list[Any]:
@@ -442,13 +475,21 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
             elif base and r["step_time_ms"] and base["step_time_ms"]:
                 added_rows.append([rate, key, r["step_time_ms"] - base["step_time_ms"],
                                    r["predicted_ms"] - base["predicted_ms"]])
-        rows += [("search", Candidate.from_dict(r["candidate"]).key, r["status"], r["measured_ms"],
-                  r["predicted_ms"], r["search_predicted_ms"], None) for r in e.get("search", {}).get("rows", [])]
-        for where, key, status, measured, predicted, searched, rounds in rows:
+        again = {Candidate.from_dict(r).key: r for r in e["fixed"].get("search_runs", [])}
+        for r in e.get("search", {}).get("rows", []):
+            key = Candidate.from_dict(r["candidate"]).key
+            if key in again:  # measured again in rounds after the search, as the fixed set is: that median compared
+                a = again[key]
+                rows.append(("search", key, a["status"], a["step_time_ms"], a["predicted_ms"], r["search_predicted_ms"],
+                             a.get("rounds_ms"), r["measured_ms"]))
+            else:
+                rows.append(("search", key, r["status"], r["measured_ms"], r["predicted_ms"], r["search_predicted_ms"],
+                             None, r["measured_ms"]))
+        for where, key, status, measured, predicted, searched, rounds, *in_search in rows:
             error = f"{(predicted - measured) / measured:+.0%}" if measured and predicted else "-"
             spread = " / ".join(f"{t:.3g}" if t else "-" for t in rounds) if rounds and len(rounds) > 1 else "-"
             trial_rows.append([rate, where, key, status, measured or "-", spread, predicted or "-", error,
-                               searched if searched else "-"])
+                               searched if searched else "-", in_search[0] if in_search and in_search[0] else "-"])
     tables = {
         "probe vs shaping": _results.markdown_table(
             ["tbf rate Mbit/s", "TCP stream Mbit/s", "probe Mbit/s", "probe's all-reduce Mbit/s", "probe latency us",
@@ -465,7 +506,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
              "LinkModel (probed)", "LinkModel.allreduce_ms of the unit"], shard_rows),
         "trials: predicted (probed link) vs measured step time": _results.markdown_table(
             ["tbf rate Mbit/s", "set", "candidate", "outcome", "measured ms", "rounds ms", "predicted ms", "error",
-             "the search's own prediction ms"], trial_rows),
+             "the search's own prediction ms", "the search's own measurement ms"], trial_rows),
         "unshaped: across the link and the same trial with both ranks on node 0": _results.markdown_table(
             ["candidate", "across: measured ms", "rounds ms", "predicted ms", "error", "one node: measured ms",
              "rounds ms", "predicted ms (one node)", "error"], one_node_rows),
@@ -505,8 +546,9 @@ if __name__ == "__main__":
         node_args.add_argument("--tag", required=True)
         node_args.add_argument("--subnet", type=int, required=True)
         node_args.add_argument("--repeats", type=int, default=1)
+        node_args.add_argument("--extra", type=Path)
         a = node_args.parse_args()
-        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet, a.repeats)
+        node_main(a.out, a.steps, a.warmup, a.rates, a.tag, a.subnet, a.repeats, a.extra)
     else:
         try:
             main()
