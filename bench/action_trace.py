@@ -11,7 +11,9 @@ rank's step into terms the simulator has one of each:
 - hand-off: from the sender's post of an activation or gradient to the end of the receiver's wait for it, where the
   receiver was already waiting (the message's own latency on the link);
 - optimizer: the rank's step, against the simulator's;
-- the rest: the step less all of the above and the waits (the schedule's own Python, the loss, zero_grad).
+- the rest: the step less all of the above and the waits (the schedule's own Python, the loss, zero_grad);
+- slow posts: posts that took over SLOW_POST_MS (a post is ~0.05 ms; on the CPU stand-in some take ~3 ms, gloo's
+  threads waking, and the simulator has no term for them): how many a step, and the ms they took.
 
     python bench/action_trace.py --model bench/models/tail_heavy7.py --batch-size 64 \\
         --configs VMin/1/2,2,1,2 1F1B/8/4,3
@@ -36,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+SLOW_POST_MS = 1.0
+"""A post (one _batch_p2p call) longer than this is counted slow."""
 SITE = Path(__file__).resolve().parent / "_trace_site"
 
 
@@ -94,13 +98,16 @@ def split_step(events: list[list]) -> dict[str, float]:
     for kind, start, end, *_ in events:
         total[kind] += (end - start) * 1e3
         counts[kind] += 1
+        if kind == "post" and (end - start) * 1e3 > SLOW_POST_MS:
+            total["slow_post"] += (end - start) * 1e3
+            counts["slow_post"] += 1
     compute = total["module_F"] + total["module_B"]  # B, I and W each run the module's backward once
     actions = total["F"] + total["B"] + total["I"] + total["W"]
     n_actions = counts["F"] + counts["B"] + counts["I"] + counts["W"]
     return {
         "step": total["step"], "compute": compute, "action_overhead": actions - compute,
         "actions": n_actions, "post": total["post"], "posts": counts["post"], "wait": total["wait"],
-        "optimizer": total["opt"],
+        "optimizer": total["opt"], "slow_posts": counts["slow_post"], "slow_post_ms": total["slow_post"],
         "rest": total["step"] - actions - total["post"] - total["wait"] - total["opt"],
     }
 
@@ -149,6 +156,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
             "action_overhead_ms_per_action": median(rank, "action_overhead") / max(actions, 1),
             "post_ms_per_post": median(rank, "post") / max(posts, 1), "posts": posts,
             "wait_ms": median(rank, "wait"), "optimizer_ms": median(rank, "optimizer"), "rest_ms": median(rank, "rest"),
+            "slow_posts": median(rank, "slow_posts"), "slow_post_ms": median(rank, "slow_post_ms"),
             "actions": actions,
         })
     return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(),
@@ -202,7 +210,8 @@ def main() -> None:
                           f"{r['action_overhead_ms_per_action']:.3f}", f"{r['post_ms_per_post']:.3f}",
                           f"{row['handoff_ms_median']:.3f}" if r["rank"] == 0 and row["handoff_ms_median"] else "",
                           f"{r['wait_ms']:.2f}", f"{r['optimizer_ms']:.2f}",
-                          f"{row['predicted_optimizer_ms']:.2f}" if r["rank"] == 0 else "", f"{r['rest_ms']:.2f}"])
+                          f"{row['predicted_optimizer_ms']:.2f}" if r["rank"] == 0 else "", f"{r['rest_ms']:.2f}",
+                          f"{r['slow_posts']:g} of {r['posts']:g}", f"{r['slow_post_ms']:.2f}"])
     command = "python bench/action_trace.py " + " ".join(sys.argv[1:])
     _results.write(
         args.name, title="Where a trial's step goes, action by action (the simulator's terms, measured)",
@@ -210,7 +219,7 @@ def main() -> None:
         tables={f"{args.model}, B {args.batch_size}, 2 ranks (medians over steps; ms)": _results.markdown_table(
             ["candidate", "measured step", "predicted step", "rank", "compute", "profile's compute",
              "compute / profile", "overhead per action", "per post", "hand-off", "waiting", "optimizer",
-             "predicted optimizer (slowest rank)", "rest"], table)},
+             "predicted optimizer (slowest rank)", "rest", f"posts over {SLOW_POST_MS:g} ms", "their ms"], table)},
         data={"command": command, "model": args.model, "batch_size": args.batch_size, "rows": rows,
               "profile": profile.to_dict(),
               "wall_s": time.time() - started},
