@@ -13,7 +13,8 @@ rank's step into terms the simulator has one of each:
 - optimizer: the rank's step, against the simulator's;
 - the rest: the step less all of the above and the waits (the schedule's own Python, the loss, zero_grad);
 - slow posts: posts that took over SLOW_POST_MS (a post is ~0.05 ms; on the CPU stand-in some take ~3 ms, gloo's
-  threads waking, and the simulator has no term for them): how many a step, and the ms they took.
+  device thread spinning while the two ranks post to each other at once: bench/gloo_cross.py says why, and the
+  simulator has no term for them): how many a step, and the ms they took.
 
     python bench/action_trace.py --model bench/models/tail_heavy7.py --batch-size 64 \\
         --configs VMin/1/2,2,1,2 1F1B/8/4,3

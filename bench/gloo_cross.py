@@ -17,6 +17,17 @@ post, how many took over 1 ms, and their median.
 
     python bench/gloo_cross.py --iterations 100 [--pin --name gloo_cross_pinned]
 
+Why (gloo's source, gloo/transport/tcp/pair.cc, and pytorch/gloo issue #246, "Don't busy-spin in tcp transport's
+event loop", open): a post holds the pair's mutex while it writes its notification or data; the device thread's
+Pair::handleEvents only try_locks that mutex and returns when it fails, and the level-triggered epoll hands it the
+same readable socket at once, so while the peer's message is arriving during our post, our device thread spins.
+Measured here: during a slow post the posting thread used ~0.2 ms of CPU and the process ~4.5 ms, i.e. another
+thread of the process spun the whole time. Two ranks posting to each other at once spin both device threads on a
+2-core machine, and the posting threads, descheduled, get a core back at the scheduler's next tick (CONFIG_HZ=250
+here: 4 ms): hence 2.3-4.8 ms, and both ranks released at the same tick, in step, to cross again (LoopedBFS's chains
+of stalls ~4.5 ms apart). One way (the peer waiting, its device thread asleep in epoll) it does not happen. The
+stand-in's artifact, not a GPU's (NCCL has no such loop), but the simulator is calibrated on the stand-in.
+
 Not a test: on a shared machine the slow posts come and go; run it with nothing else busy.
 """
 
