@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 from autotune.errors import LaunchError
@@ -120,6 +121,43 @@ def keep_freed_cpu_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD_BYTES)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+GLOO_DEVICE_THREAD = "gloo_tcp_loop"
+"""The name of gloo's tcp device thread (one per process group's device), as /proc/<pid>/task/<tid>/comm reads."""
+
+
+def idle_gloo_device_threads() -> int:
+    """Put this process's gloo device threads under SCHED_IDLE, so that a rank thread that needs the core wins it at
+    once; how many were moved (0 off Linux, or where AUTOTUNE_GLOO_LOOP_IDLE=0, for side-by-side benchmarks).
+
+    gloo's tcp device thread only try_locks a pair's mutex and returns when a post holds it, and its level-triggered
+    epoll hands it the same readable socket at once: while a message arrives during a post, it spins
+    (gloo/transport/tcp/pair.cc Pair::handleEvents; pytorch/gloo#246). Two CPU ranks posting to each other at once
+    on a 2-core machine spin both cores, and the posting threads get one back at the scheduler's next tick (4 ms at
+    CONFIG_HZ=250): 6-28 % of such posts took 2.3-4.8 ms where a post takes 0.1 (bench/gloo_cross.py), and a
+    LoopedBFS m8 trial of the embedding MLP spent 13-15 ms of its 48-61 ms step in them (bench/action_trace.py).
+    No GPU pays this (NCCL has no such thread), and the simulator does not model it. Under SCHED_IDLE the spinning
+    thread yields: none of those posts over 1 ms, LoopedBFS m8 32-34 ms, and the simulator's step-time error on the
+    calibration models fell (bench/results/calibration.md). The thread still runs whenever a core is free: every
+    wait of a rank frees one."""
+    if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE", "1") == "0" or not hasattr(os, "SCHED_IDLE"):
+        return 0
+    moved = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            if Path(f"/proc/self/task/{tid}/comm").read_text().strip() != GLOO_DEVICE_THREAD:
+                continue
+            if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            moved += 1
+        except OSError:  # the thread ended, or the scheduler refused: it keeps its policy
+            continue
+    return moved
 
 
 def return_freed_cpu_memory() -> bool:

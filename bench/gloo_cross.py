@@ -15,7 +15,7 @@ for them. This times the post alone, with nothing of torch's pipelining around i
 Each way `--iterations` times per size after a barrier and --compute-ms of matrix products; per rank: the median
 post, how many took over 1 ms, and their median.
 
-    python bench/gloo_cross.py --iterations 100 [--pin --name gloo_cross_pinned]
+    python bench/gloo_cross.py --iterations 100 [--pin --name gloo_cross_pinned] [--idle --name gloo_cross_idle]
 
 Why (gloo's source, gloo/transport/tcp/pair.cc, and pytorch/gloo issue #246, "Don't busy-spin in tcp transport's
 event loop", open): a post holds the pair's mutex while it writes its notification or data; the device thread's
@@ -58,6 +58,10 @@ def rank_main(rank: int, port: int, sizes: list[int], iterations: int, compute_m
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     peer = 1 - rank
+    if os.environ.get("GLOO_CROSS_IDLE") == "1":  # --idle: as autotune's CPU trials run
+        from autotune.devices import idle_gloo_device_threads
+
+        idle_gloo_device_threads()
     work = torch.randn(256, 256)
     posts: dict[str, list[float]] = {}
 
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 65536], help="float32 elements a message")
     parser.add_argument("--compute-ms", type=float, default=3.0)
     parser.add_argument("--pin", action="store_true", help="each rank on its own core (taskset): rank r on core r")
+    parser.add_argument("--idle", action="store_true",
+                        help="gloo's device threads under SCHED_IDLE (autotune.devices.idle_gloo_device_threads)")
     parser.add_argument("--name", default="gloo_cross")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -116,7 +122,8 @@ def main() -> None:
         pin = (lambda r: ["taskset", "-c", str(r)]) if args.pin else (lambda r: [])
         procs = [subprocess.Popen([*pin(r), sys.executable, __file__, "rank", str(r), str(port), str(args.iterations),
                                    str(args.compute_ms), str(outs[r]), *map(str, args.sizes)],
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_CROSS_IDLE": str(int(args.idle)),
+                                       "PYTHONPATH": str(Path(__file__).resolve().parents[1])}) for r in range(2)]
         if any(p.wait(timeout=600) for p in procs):
             raise SystemExit("bench/gloo_cross.py: a rank failed")
         per_rank = [json.loads(o.read_text()) for o in outs]
@@ -133,6 +140,7 @@ def main() -> None:
     tables = {"one post of a send, per rank (ms)": _results.markdown_table(
         ["how", "bytes", "rank", "median post ms", f"posts over {SLOW_MS:g} ms", "their median ms"], rows)}
     notes = (__doc__.split("\n\n")[1] + f"\n\n{'Each rank pinned to its own core (taskset). ' if args.pin else ''}"
+             f"{'Gloo device threads under SCHED_IDLE (idle_gloo_device_threads). ' if args.idle else ''}"
              f"Compute before each post {args.compute_ms:g} ms, "
              f"{args.iterations} iterations a way and size, {time.time() - started:.0f} s.")
     if args.no_write:

@@ -27,7 +27,7 @@ import torch.distributed.pipelining
 
 from autotune.candidate import Candidate
 from autotune.compat import COMMS_ERROR_TEXTS, STAGE_COMPUTE_METHODS, TORCH_PATH
-from autotune.devices import keep_freed_cpu_memory, rank_threads, usable_cores
+from autotune.devices import idle_gloo_device_threads, keep_freed_cpu_memory, rank_threads, usable_cores
 from autotune.files import atomic_write_json
 from autotune.model_file import load_model_file, make_batch
 from autotune.runtime import (
@@ -129,6 +129,8 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     pp_group, dp_group = init_groups(RankLayout.of(candidate, job.rank))
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
+    if job.device == "cpu":
+        idle_gloo_device_threads()  # every group's device is up: gloo's spinning threads yield to the rank's
     # As a data loader per replica would: this replica's rows only, and of them only what this rank consumes, on
     # its device before any step (a step copies nothing).
     batch = pipe.prepare_batch(*make_batch(spec, candidate.replica_batch_size), replica_rows=True)

@@ -1,3 +1,4 @@
+import os
 import platform
 import subprocess
 import sys
@@ -115,6 +116,35 @@ def test_cpu_stand_in_keeps_freed_memory_for_reuse():
 
     assert kept("keep") > 16 * 2**20
     assert kept("default") < 8 * 2**20
+
+
+_GLOO_THREADS = """
+import os, sys, torch.distributed as dist
+from autotune.devices import GLOO_DEVICE_THREAD, idle_gloo_device_threads
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+tids = [int(t) for t in os.listdir("/proc/self/task")
+        if open(f"/proc/self/task/{t}/comm").read().strip() == GLOO_DEVICE_THREAD]
+moved = idle_gloo_device_threads()
+print(len(tids), moved, sorted({os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids}),
+      os.sched_getscheduler(0) == os.SCHED_IDLE)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE and /proc are Linux's")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_cpu_stand_in_puts_gloo_device_threads_under_sched_idle(switch):
+    # gloo's tcp device thread spins while a post holds its pair's lock; under SCHED_IDLE it yields the core to the
+    # rank's own thread (bench/gloo_cross.py). Only that thread: the rank's main thread keeps its policy. In a fresh
+    # process (a policy set here would stay with the test process's threads); AUTOTUNE_GLOO_LOOP_IDLE=0 turns it off.
+    env = {**os.environ, "AUTOTUNE_GLOO_LOOP_IDLE": switch}
+    out = subprocess.run([sys.executable, "-c", _GLOO_THREADS], capture_output=True, text=True, timeout=120,
+                         check=True, env=env).stdout.split("\n")[-2].split(" ", 2)
+    threads, moved, rest = int(out[0]), int(out[1]), out[2]
+    assert threads >= 1
+    if switch == "1":
+        assert (moved, rest) == (threads, "[True] False")
+    else:
+        assert (moved, rest) == (0, "[False] False")
 
 
 def test_default_cuda_limit_leaves_headroom_for_context_nccl_and_fragmentation(monkeypatch):
