@@ -213,7 +213,8 @@ def main() -> None:
                           f"{r['wait_ms']:.2f}", f"{r['optimizer_ms']:.2f}",
                           f"{row['predicted_optimizer_ms']:.2f}" if r["rank"] == 0 else "", f"{r['rest_ms']:.2f}",
                           f"{r['slow_posts']:g} of {r['posts']:g}", f"{r['slow_post_ms']:.2f}"])
-    command = "python bench/action_trace.py " + " ".join(sys.argv[1:])
+    idle = "AUTOTUNE_GLOO_LOOP_IDLE=1 " if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE") == "1" else ""
+    command = idle + "python bench/action_trace.py " + " ".join(sys.argv[1:])
     _results.write(
         args.name, title="Where a trial's step goes, action by action (the simulator's terms, measured)",
         device="cpu",

@@ -58,7 +58,7 @@ def rank_main(rank: int, port: int, sizes: list[int], iterations: int, compute_m
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     peer = 1 - rank
-    if os.environ.get("GLOO_CROSS_IDLE") == "1":  # --idle: as autotune's CPU trials run
+    if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE") == "1":  # --idle: as autotune's CPU trials run with it
         from autotune.devices import idle_gloo_device_threads
 
         idle_gloo_device_threads()
@@ -122,7 +122,8 @@ def main() -> None:
         pin = (lambda r: ["taskset", "-c", str(r)]) if args.pin else (lambda r: [])
         procs = [subprocess.Popen([*pin(r), sys.executable, __file__, "rank", str(r), str(port), str(args.iterations),
                                    str(args.compute_ms), str(outs[r]), *map(str, args.sizes)],
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_CROSS_IDLE": str(int(args.idle)),
+                                  env={**os.environ, "OMP_NUM_THREADS": "1",
+                                       "AUTOTUNE_GLOO_LOOP_IDLE": str(int(args.idle)),
                                        "PYTHONPATH": str(Path(__file__).resolve().parents[1])}) for r in range(2)]
         if any(p.wait(timeout=600) for p in procs):
             raise SystemExit("bench/gloo_cross.py: a rank failed")

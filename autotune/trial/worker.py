@@ -130,7 +130,7 @@ def _train(job: RankJob, phases: dict[str, float]) -> dict[str, Any]:
     pipe = build_pipeline(spec, candidate, rank=job.rank, device=device, pp_group=pp_group, dp_group=dp_group)
     track(pipe.schedule, pipe.stages, RankProgress(progress_path(Path(job.run_dir), job.rank)), STAGE_COMPUTE_METHODS)
     if job.device == "cpu":
-        idle_gloo_device_threads()  # every group's device is up: gloo's spinning threads yield to the rank's
+        idle_gloo_device_threads()  # opt-in (AUTOTUNE_GLOO_LOOP_IDLE=1): gloo's spinning threads yield to the rank's
     # As a data loader per replica would: this replica's rows only, and of them only what this rank consumes, on
     # its device before any step (a step copies nothing).
     batch = pipe.prepare_batch(*make_batch(spec, candidate.replica_batch_size), replica_rows=True)

@@ -132,10 +132,10 @@ print(len(tids), moved, sorted({os.sched_getscheduler(t) == os.SCHED_IDLE for t 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE and /proc are Linux's")
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_cpu_stand_in_puts_gloo_device_threads_under_sched_idle(switch):
+def test_opt_in_puts_gloo_device_threads_under_sched_idle(switch):
     # gloo's tcp device thread spins while a post holds its pair's lock; under SCHED_IDLE it yields the core to the
     # rank's own thread (bench/gloo_cross.py). Only that thread: the rank's main thread keeps its policy. In a fresh
-    # process (a policy set here would stay with the test process's threads); AUTOTUNE_GLOO_LOOP_IDLE=0 turns it off.
+    # process (a policy set here would stay with the test process's threads); opt-in with AUTOTUNE_GLOO_LOOP_IDLE=1.
     env = {**os.environ, "AUTOTUNE_GLOO_LOOP_IDLE": switch}
     out = subprocess.run([sys.executable, "-c", _GLOO_THREADS], capture_output=True, text=True, timeout=120,
                          check=True, env=env).stdout.split("\n")[-2].split(" ", 2)
