@@ -142,7 +142,7 @@ def idle_gloo_device_threads() -> int:
     are gone (0 over 1 ms; LoopedBFS m8 32-34 ms), but the thread then reads incoming tensors only when a core is
     free, and whole calibrations side by side did not settle which is nearer a GPU: mlp's 24 configurations took
     ~10 % longer in two A/B rounds, the 2-block GPT's no different beyond the machine's drift (closing note of
-    2026-11-28). Hence opt-in, for benchmarks."""
+    2026-11-28). Hence opt-in, for benchmarks. Only where gloo names the thread (torch 2.14.1's does, 2.11's not)."""
     if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE", "0") != "1" or not hasattr(os, "SCHED_IDLE"):
         return 0
     moved = 0

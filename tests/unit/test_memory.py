@@ -140,7 +140,8 @@ def test_opt_in_puts_gloo_device_threads_under_sched_idle(switch):
     out = subprocess.run([sys.executable, "-c", _GLOO_THREADS], capture_output=True, text=True, timeout=120,
                          check=True, env=env).stdout.split("\n")[-2].split(" ", 2)
     threads, moved, rest = int(out[0]), int(out[1]), out[2]
-    assert threads >= 1
+    if threads == 0:
+        pytest.skip("this torch's gloo does not name its device thread (2.11's does not, 2.14.1's does)")
     if switch == "1":
         assert (moved, rest) == (threads, "[True] False")
     else:
