@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--name", default="action_trace")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--no-write", action="store_true", help="print each row's JSON, write no bench/results")
     args = parser.parse_args()
     if os.environ.get("AUTOTUNE_TRACE_DIR") is None:
         # the tracer must be in the fork server's environment before it starts: re-run this script with it
@@ -201,6 +202,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    if args.no_write:
+        return
     table = []
     for row in rows:
         for r in row["ranks"]:
