@@ -100,7 +100,9 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
         spec = load_model_file(MODEL)
         runs: dict[str, list[Any]] = {rate: [] for rate in rates}
         one_node: list[Any] = []
+        profiles: list[dict[str, Any]] = []
         for c in candidates():
+            profiles.append(fresh_profile())
             rounds: dict[str, list[Any]] = {rate: [] for rate in [*rates, "one node"]}
             for _ in range(repeats):
                 for rate in rates:
@@ -112,7 +114,7 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
                 print(f"one node {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
                 rounds["one node"].append(m)
             for rate, kept_runs in [*((r, runs[r]) for r in rates), ("one node", one_node)]:
-                kept_runs.append(_median_round(rounds[rate]))
+                kept_runs.append({**_median_round(rounds[rate]), "profile_index": len(profiles) - 1})
         result = {rate: {"probe": probes[rate], "runs": runs[rate]} for rate in rates}
         again = json.loads(extra.read_text()) if extra else {}
         for rate in rates:  # the searches' trials, measured again in rounds as the fixed set is
@@ -120,20 +122,32 @@ def node_main(out: Path, steps: int, warmup: int, rates: list[str], tag: str, su
             if not todo:
                 continue
             pair.shape(_mbit(rate))
+            profiles.append(fresh_profile())
             by_key: dict[str, list[Any]] = {c.key: [] for c in todo}
             for _ in range(repeats):
                 for c in todo:
                     m = cluster(spec, c, TrialOptions(steps=steps, warmup=warmup, timeout_s=180))
                     print(f"{rate} search's {c.key}: {m.status} {m.step_time_ms}", file=sys.stderr)
                     by_key[c.key].append(m)
-            result[rate]["search_runs"] = [_median_round(ms) for ms in by_key.values()]
+            result[rate]["search_runs"] = [{**_median_round(ms), "profile_index": len(profiles) - 1}
+                                           for ms in by_key.values()]
         result["one node"] = {"runs": one_node}
+        result["profiles"] = profiles
         code = 0
     finally:
         cluster.shutdown(code, "done" if code == 0 else "node 0 failed")
     out.write_text(json.dumps(result))
     sys.stderr.flush()
     os._exit(0)
+
+
+def fresh_profile() -> dict[str, Any]:
+    """The model profiled again, here and now (node 0, one thread): what a configuration's rounds are predicted
+    from. This 2-core machine's speed drifts by 10-30 % over a run of the bench (one configuration's one-node rounds
+    went 23.6 -> 17.4 ms in one run), so a profile taken at the start would measure that drift, not the model."""
+    from autotune.tune import load_and_profile
+
+    return load_and_profile(MODEL, BATCH, "cpu", gpus=2)[1].to_dict()
 
 
 def _median_round(rounds: list[Any]) -> dict[str, Any]:
@@ -317,25 +331,33 @@ def search(pair: Any, folder: Path, trials: int, steps: int, warmup: int) -> dic
             "pruned": sum(1 for r in records if r.outcome == "pruned")}
 
 
-def analyse(results: list[dict[str, Any]], profile: Any) -> None:
+def analyse(results: list[dict[str, Any]], profile: Any, profiles: list[dict[str, Any]] | None = None) -> None:
     """Predict every trial of results (in place) with the current simulator over the probe of its rate, and the
-    one-node runs over the link inside a node."""
+    one-node runs over the link inside a node: each from the profile taken right before its rounds (profiles, by
+    the run's "profile_index"), else from `profile` (the one taken at the start; runs from before 2026-11-28 10:00
+    have no other)."""
     from autotune.candidate import Candidate, Measurement
+    from autotune.costs import Profile
     from autotune.simulate import LinkModel, Predictor
 
+    fresh = [Profile.from_dict(p) for p in profiles or []]
+
+    def profile_of(raw: dict[str, Any]) -> Any:
+        index = raw.get("profile_index")
+        return fresh[index] if index is not None and index < len(fresh) else profile
+
     for e in results:
-        probe = e["fixed"]["probe"]
-        predict = predictor(profile, tuple(probe) if probe else None)
+        probe = tuple(e["fixed"]["probe"]) if e["fixed"]["probe"] else None
         for raw in e["fixed"]["runs"]:
             m = Measurement.from_dict(raw)
-            est = predict(m.candidate)
+            est = predictor(profile_of(raw), probe)(m.candidate)
             raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
-        for row in e.get("search", {}).get("rows", []):
-            row["predicted_ms"] = predict(Candidate.from_dict(row["candidate"])).step_time_ms
+        for row in e.get("search", {}).get("rows", []):  # the search's own one-shot runs: the start's profile
+            row["predicted_ms"] = predictor(profile, probe)(Candidate.from_dict(row["candidate"])).step_time_ms
         for raw in e["fixed"].get("search_runs", []):
-            raw["predicted_ms"] = predict(Measurement.from_dict(raw).candidate).step_time_ms
-        inside = Predictor(profile=profile, link=LinkModel.for_device("cpu"))  # both ranks on one node
-        for raw in e.get("one_node", []):
+            raw["predicted_ms"] = predictor(profile_of(raw), probe)(Measurement.from_dict(raw).candidate).step_time_ms
+        for raw in e.get("one_node", []):  # both ranks on one node
+            inside = Predictor(profile=profile_of(raw), link=LinkModel.for_device("cpu"))
             raw["predicted_ms"] = inside(Measurement.from_dict(raw).candidate).step_time_ms
 
 
@@ -356,8 +378,8 @@ def main() -> None:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         results = saved["results"]
-        analyse(results, Profile.from_dict(saved["profile"]))
-        report(results, saved["profile"], saved["run"], no_write=args.no_write)
+        analyse(results, Profile.from_dict(saved["profile"]), saved.get("profiles"))
+        report(results, saved["profile"], saved["run"], no_write=args.no_write, profiles=saved.get("profiles"))
         return
 
     from _netns import NamespacePair, unavailable
@@ -406,15 +428,17 @@ def main() -> None:
             print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    analyse(results, profile)
-    report(results, profile.to_dict(), run, no_write=args.no_write)
+    analyse(results, profile, fixed.get("profiles"))
+    report(results, profile.to_dict(), run, no_write=args.no_write, profiles=fixed.get("profiles"))
 
 
 HOW_TO_READ = """Two network namespaces joined by a veth pair, tbf on both ends (bench/_netns.py), one torchrun node
 in each (GLOO_SOCKET_IFNAME = its veth), one CPU rank per node. The probe is the cluster's own (autotune.cluster
 Cluster.probe); the TCP stream is a plain socket transfer, for what the shaped link carries (tbf counts headers, so
 payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_device("cpu").with_probe(probe) and
-gpus_per_node 1, as the search predicts; the search's own prediction (its own profile) is shown beside. The
+gpus_per_node 1, as the search predicts, from a profile node 0 takes right before each configuration's rounds
+(and before each rate's re-measured search trials): this machine's speed drifts over a run, and a profile taken
+at the start would measure the drift; the search's own prediction (its own profile) is shown beside. The
 searches run first; each trial they launched is then measured again in rounds at its rate, as the fixed set is, and
 that median is compared (the search's own one-shot measurement is shown beside it). The fixed
 trials run every rate of one configuration back to back (the machine's load drifts), so "what the link added"
@@ -426,7 +450,8 @@ def _as_mbit(bytes_per_s: float | None) -> str:
     return f"{bytes_per_s * 8 / 1e6:.0f}" if bytes_per_s else "-"
 
 
-def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str, Any], *, no_write: bool) -> None:
+def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str, Any], *, no_write: bool,
+           profiles: list[dict[str, Any]] | None = None) -> None:
     import _results
 
     from autotune.candidate import Candidate
@@ -526,11 +551,13 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         _results.show(tables)
         print(notes)
         out = Path(tempfile.gettempdir()) / "internode-last.json"
-        out.write_text(json.dumps({"results": results, "profile": profile, "run": run}, default=str))
+        out.write_text(json.dumps({"results": results, "profile": profile, "profiles": profiles, "run": run},
+                                  default=str))
         print(f"(raw data: {out})")
         return
     _results.write("internode", title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
-                   tables=tables, data={"results": results, "profile": profile, "run": run}, notes=notes)
+                   tables=tables, data={"results": results, "profile": profile, "profiles": profiles, "run": run},
+                   notes=notes)
 
 
 if __name__ == "__main__":
