@@ -144,7 +144,8 @@ def idle_gloo_device_threads() -> int:
     ~10 % longer in two A/B rounds, the 2-block GPT's no different beyond the machine's drift (closing note of
     2026-11-28). Traced both ways in alternating rounds (bench/gloo_idle_ab.py), the threads' time is paid either
     way: in the rank's compute by default, in its waits under SCHED_IDLE (DualPipeV m8, mlp recipe: compute 1.46 ->
-    1.08 x the profile's, waits +10 ms, step 63.4 -> 60.2 ms). Hence opt-in, for benchmarks. Only where gloo names the thread (torch 2.14.1's does, 2.11's not)."""
+    1.08 x the profile's, waits +10 ms, step 63.4 -> 60.2 ms). Hence opt-in, for benchmarks. Only where gloo names
+    the thread (torch 2.14.1's does, 2.11's not)."""
     if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE", "0") != "1" or not hasattr(os, "SCHED_IDLE"):
         return 0
     moved = 0
