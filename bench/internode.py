@@ -334,7 +334,7 @@ def search(pair: Any, folder: Path, trials: int, steps: int, warmup: int) -> dic
 def analyse(results: list[dict[str, Any]], profile: Any, profiles: list[dict[str, Any]] | None = None) -> None:
     """Predict every trial of results (in place) with the current simulator over the probe of its rate, and the
     one-node runs over the link inside a node: each from the profile taken right before its rounds (profiles, by
-    the run's "profile_index"), else from `profile` (the one taken at the start; runs from before 2026-11-28 10:00
+    the run's "profile_index"), else from `profile` (the one taken at the start; runs saved before 2026-11-28 09:23
     have no other)."""
     from autotune.candidate import Candidate, Measurement
     from autotune.costs import Profile
