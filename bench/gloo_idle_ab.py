@@ -65,9 +65,7 @@ def main() -> None:
                   + ", ".join(f"{row['candidate']} {row['measured_ms']:.1f} ms" for row in runs[idle][-1]),
                   file=sys.stderr, flush=True)
 
-    def median(values: list[float]) -> float:
-        return statistics.median(values)
-
+    median = statistics.median
     table, data = [], []
     for i, text in enumerate(args.configs):
         for idle in SETTINGS:

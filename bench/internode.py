@@ -341,24 +341,32 @@ def analyse(results: list[dict[str, Any]], profile: Any, profiles: list[dict[str
     from autotune.simulate import LinkModel, Predictor
 
     fresh = [Profile.from_dict(p) for p in profiles or []]
+    inside_link = LinkModel.for_device("cpu")  # both ranks on one node
+    made: dict[tuple[Any, ...], Any] = {}
 
-    def profile_of(raw: dict[str, Any]) -> Any:
-        index = raw.get("profile_index")
-        return fresh[index] if index is not None and index < len(fresh) else profile
+    def predict(raw: dict[str, Any] | None, probe: tuple[float, ...] | None, *, one_node: bool = False) -> Any:
+        """The predictor for a run (None: the start's profile), one per profile and link."""
+        index = raw.get("profile_index") if raw is not None else None
+        if index is None or index >= len(fresh):
+            index = -1
+        key = (index, None if one_node else probe, one_node)
+        if key not in made:
+            chosen = fresh[index] if index >= 0 else profile
+            made[key] = (Predictor(profile=chosen, link=inside_link) if one_node else predictor(chosen, probe))
+        return made[key]
 
     for e in results:
         probe = tuple(e["fixed"]["probe"]) if e["fixed"]["probe"] else None
         for raw in e["fixed"]["runs"]:
             m = Measurement.from_dict(raw)
-            est = predictor(profile_of(raw), probe)(m.candidate)
+            est = predict(raw, probe)(m.candidate)
             raw["predicted_ms"], raw["predicted_allreduce_ms"] = est.step_time_ms, est.allreduce_ms
         for row in e.get("search", {}).get("rows", []):  # the search's own one-shot runs: the start's profile
-            row["predicted_ms"] = predictor(profile, probe)(Candidate.from_dict(row["candidate"])).step_time_ms
+            row["predicted_ms"] = predict(None, probe)(Candidate.from_dict(row["candidate"])).step_time_ms
         for raw in e["fixed"].get("search_runs", []):
-            raw["predicted_ms"] = predictor(profile_of(raw), probe)(Measurement.from_dict(raw).candidate).step_time_ms
-        for raw in e.get("one_node", []):  # both ranks on one node
-            inside = Predictor(profile=profile_of(raw), link=LinkModel.for_device("cpu"))
-            raw["predicted_ms"] = inside(Measurement.from_dict(raw).candidate).step_time_ms
+            raw["predicted_ms"] = predict(raw, probe)(Measurement.from_dict(raw).candidate).step_time_ms
+        for raw in e.get("one_node", []):
+            raw["predicted_ms"] = predict(raw, None, one_node=True)(Measurement.from_dict(raw).candidate).step_time_ms
 
 
 def main() -> None:
