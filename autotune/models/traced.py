@@ -28,13 +28,40 @@ from autotune.models.handoff import handoff
 _Plan = tuple[tuple[str, ...], tuple[str, ...]]
 
 
+_MODE_DEPENDENT = (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
+"""torch's modules whose forward branches on self.training (batch or running statistics; dropping or not)."""
+
+
 class _Tracer(fx.Tracer):
-    def __init__(self, leaves: set[int]) -> None:
+    """Traces through the code between the blocks. Besides the blocks and torch.nn's own modules, a module whose
+    forward reads self.training stays an opaque call, so that its graph follows .train() / .eval() as the module
+    does: tracing through it would fix the branch of the mode the model was in (timm's BatchNormAct2d, a subclass
+    of nn.BatchNorm2d outside torch.nn, traced in training mode, kept using batch statistics in eval mode, and
+    MobileNetV3 and EfficientNet failed the check against their own forward). Not a module that holds a block."""
+
+    def __init__(self, leaves: set[int], holding_blocks: set[int]) -> None:
         super().__init__()
         self.leaves = leaves
+        self.holding_blocks = holding_blocks
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
+        if id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name):
+            return True
+        return id(m) not in self.holding_blocks and _reads_training(type(m))
+
+
+def _reads_training(cls: type[nn.Module]) -> bool:
+    """Whether a module class's forward branches on the training mode (torch's norms and dropouts and their
+    subclasses, or a forward whose source reads self.training)."""
+    if issubclass(cls, _MODE_DEPENDENT):
+        return True
+    forward = cls.__dict__.get("forward") or getattr(cls, "forward", None)
+    if forward is None or forward is nn.Module.forward:
+        return False
+    try:
+        return "self.training" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
 
 
 def cut_traced(
@@ -66,7 +93,9 @@ def cut_traced(
             )
         concrete[p.name] = p.default
     leaf_modules = [model.get_submodule(name) for name in leaves]
-    tracer = _Tracer({id(m) for m in leaf_modules})
+    holding = {id(model)} | {id(model.get_submodule(".".join(name.split(".")[:i])))
+                             for name in leaves for i in range(1, name.count(".") + 1)}
+    tracer = _Tracer({id(m) for m in leaf_modules}, holding)
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # whatever tracing raises, the user gets one line with the fix

@@ -335,3 +335,54 @@ def test_discovery_joins_sibling_containers_of_one_class() -> None:
             self.fc = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
 
     assert discover_blocks(ResNetLike()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]
+
+
+class NormAct(nn.BatchNorm1d):
+    """A BatchNorm subclass outside torch.nn with an activation, as timm's BatchNormAct2d: its forward branches on
+    self.training inside code a plain fx trace would go through."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        x = nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                     self.training, factor, self.eps)
+        return torch.relu(x)
+
+
+class Scale(nn.Module):
+    """Not a torch.nn module: halves its input in training only (a drop-path of sorts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 if self.training else x
+
+
+class NormedGlue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.norm = NormAct(16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.scale = Scale()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.stem(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(self.scale(h))
+
+
+def test_modules_that_read_the_training_mode_follow_train_and_eval_between_the_blocks() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 8) * 3 + 1
+    model = cut_model(NormedGlue(), inputs=x)  # traced in training mode, as build_model returns it
+    assert model.names == ("stem+norm", "layers.0", "layers.1", "layers.2", "head")
+    check_blocks(model, x)  # in training mode: moves the running statistics away from the batch's
+    check_cut(model, x)  # in eval mode: running statistics and no scaling, as the model's own forward
+    stage = model.stage(0, model.n_blocks)
+    for mode in (True, False):
+        model.model.train(mode)
+        stage.train(mode)
+        with torch.no_grad():
+            torch.testing.assert_close(stage(x), model.reference(x))
