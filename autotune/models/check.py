@@ -92,29 +92,33 @@ def _fix(model: BlockModel, out: Any) -> str:
     return "make the layer return the tensor the next layer takes (wrap it in a module that picks it)"
 
 
+CHECK_SEED = 0
+"""The random seed both forwards of check_cut start from."""
+
+
 def check_cut(model: BlockModel, inputs: Any, *, rows: int = 2, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """The blocks chained in one stage compute what the model's own forward computes (eval mode, `rows` samples).
-    Raises ModelFileError when they differ: the model is not of the shape its family's adapter expects."""
+    """The blocks chained in one stage compute what the model's own forward computes (`rows` samples), in the mode
+    the model is in, the one its trials train in (a traced cut fixes the branches the model's own code takes on
+    self.training, such as timm's dropout before the classifier, to that mode), each run from the same random
+    seed so that dropout draws the same masks. Raises ModelFileError when they differ: the model is not of the
+    shape its family's adapter expects."""
     small = head_rows(inputs, rows)
-    was_training = model.model.training
-    model.model.eval()
-    try:
-        with torch.no_grad():
-            want = model.reference(small)
-            args, side = model.split_inputs(small)
-            stage = model.stage(0, model.n_blocks).eval()
-            try:
-                got = stage(*args, **side)
-            except ModelFileError:
-                raise
-            except Exception as exc:  # the adapter met a model of another shape than it expects
-                text = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-                raise ModelFileError(
-                    f"cut into blocks, {type(model.model).__name__} ({model.family}) fails where its own forward runs "
-                    f"({text}); name the modules to cut between with --split-at, or report this model"
-                ) from exc
-    finally:
-        model.model.train(was_training)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(CHECK_SEED)
+        want = model.reference(small)
+        args, side = model.split_inputs(small)
+        stage = model.stage(0, model.n_blocks)
+        torch.manual_seed(CHECK_SEED)
+        try:
+            got = stage(*args, **side)
+        except ModelFileError:
+            raise
+        except Exception as exc:  # the adapter met a model of another shape than it expects
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise ModelFileError(
+                f"cut into blocks, {type(model.model).__name__} ({model.family}) fails where its own forward runs "
+                f"({text}); name the modules to cut between with --split-at, or report this model"
+            ) from exc
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     except (AssertionError, TypeError, ValueError) as exc:

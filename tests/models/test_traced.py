@@ -379,10 +379,38 @@ def test_modules_that_read_the_training_mode_follow_train_and_eval_between_the_b
     model = cut_model(NormedGlue(), inputs=x)  # traced in training mode, as build_model returns it
     assert model.names == ("stem+norm", "layers.0", "layers.1", "layers.2", "head")
     check_blocks(model, x)  # in training mode: moves the running statistics away from the batch's
-    check_cut(model, x)  # in eval mode: running statistics and no scaling, as the model's own forward
+    check_cut(model, x)
     stage = model.stage(0, model.n_blocks)
     for mode in (True, False):
         model.model.train(mode)
         stage.train(mode)
         with torch.no_grad():
             torch.testing.assert_close(stage(x), model.reference(x))
+
+
+class DropoutBeforeHead(nn.Module):
+    """The model's own forward drops out between its blocks and its head, as timm's EfficientNet.forward_head does
+    with drop_rate: the trace fixes the branch of the mode it was traced in, the one trials train in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(nn.functional.dropout(x, p=0.5, training=self.training))
+
+
+def test_the_check_compares_in_the_mode_the_model_trains_in_with_the_same_dropout() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = cut_model(DropoutBeforeHead(), inputs=x)
+    check_cut(model, x)  # in eval mode the traced graph would still drop out: the check failed
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(1)
+        one = model.stage(0, model.n_blocks)(x)
+        torch.manual_seed(2)
+        other = model.stage(0, model.n_blocks)(x)
+    assert not torch.allclose(one, other)  # dropout is on: the check is not comparing constants

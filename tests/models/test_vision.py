@@ -40,7 +40,7 @@ def test_timm_vit_default_depth_cuts_into_fourteen_blocks() -> None:
 def test_timm_mobilenetv3_with_batchnorm_between_its_blocks_checks_in_eval_mode() -> None:
     """Its stem's and last conv's BatchNormAct2d (a BatchNorm2d subclass in timm) sit in the code between the
     blocks: they stay calls, so the cut follows eval mode as the model does (traced through, they kept training's
-    batch statistics and the check failed)."""
+    batch statistics, and the model check, then run in eval mode, failed)."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     net = timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=10).train()
@@ -48,8 +48,12 @@ def test_timm_mobilenetv3_with_batchnorm_between_its_blocks_checks_in_eval_mode(
     model = cut_model(net, inputs=x)
     assert model.family == "traced" and model.n_blocks == 12
     check_blocks(model, x)  # training mode: moves the running statistics
-    check_cut(model, x)  # eval mode
+    check_cut(model, x)
     assert_cuts_match(model, x, nn.functional.cross_entropy, y)
+    stage = model.stage(0, model.n_blocks)
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(stage.eval()(x), net(x))  # running statistics, as the model's own forward
 
 
 def test_torchvision_resnet18() -> None:
