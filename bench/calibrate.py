@@ -109,7 +109,8 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
             m = run_trial(spec, c, options)
             if m.status == "ok":
                 measured[c.key].append(m)
-                at_profile[c.key].append(len(profiles) - 1)
+                if profiles:
+                    at_profile[c.key].append(len(profiles) - 1)
     rows = []
     for c in configs:
         runs = measured[c.key]

@@ -13,6 +13,7 @@ inside a block may do anything.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import traceback
 from collections.abc import Sequence
@@ -50,12 +51,13 @@ class _Tracer(fx.Tracer):
         return id(m) not in self.holding_blocks and _reads_training(type(m))
 
 
+@functools.cache
 def _reads_training(cls: type[nn.Module]) -> bool:
     """Whether a module class's forward branches on the training mode (torch's norms and dropouts and their
-    subclasses, or a forward whose source reads self.training)."""
+    subclasses, or a forward whose source reads self.training); once per class, as the source is read from disk."""
     if issubclass(cls, _MODE_DEPENDENT):
         return True
-    forward = cls.__dict__.get("forward") or getattr(cls, "forward", None)
+    forward = getattr(cls, "forward", None)
     if forward is None or forward is nn.Module.forward:
         return False
     try:
