@@ -588,13 +588,18 @@ def simulate_costs(
     across = crossing is not None and any(crossing)
 
     def replay(graph: ActionGraph, durations: list[float], transfers: list[float]) -> list[float]:
-        done = _replay(graph, durations, transfers, stages, candidate, crossing)
+        # torch's single-stage schedules wait for their sends before going on, and gloo moves no byte of a send
+        # before its receive is posted: inside a node the replay holds such a sender until its receiver posted
+        # (across nodes _replay's wire model already moves no byte before that)
+        gloo = link.late_receives_wake and not across and actions is None
+        gated = _send_gates(graph, candidate.schedule) if gloo else None
+        done = _replay(graph, durations, transfers, stages, candidate, crossing, gated=gated)
         if not late:
             return done
         if across:
             return _replay(graph, durations, transfers, stages, candidate, crossing,
                            woken=_WakeClock(graph, durations, done, link.collective_wake_ms))
-        return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms)
+        return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms, gated=gated)
 
     finish = replay(plan, dur, xfer)
 
@@ -711,36 +716,139 @@ class _WakeClock:
 
 
 def _replay_late_receives(
-    plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float], wake_ms: float
+    plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float], wake_ms: float,
+    *, gated: _SendGates | None = None,
 ) -> list[float]:
     """The replay again, with each receive posted after its send (the receiving rank gets to the action after the
     sending one ended) delivered when the sending rank's collective thread wakes (wake_ms) or the sending rank next
     calls into gloo, whichever is first: the end of its action running then, as the first replay placed it, or at
-    once if it was waiting (LinkModel.late_receives_wake)."""
+    once if it was waiting (LinkModel.late_receives_wake). gated: as _replay's."""
     n = len(plan.kind)
     prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
     if not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
         return first  # no receive posted late: the same replay again
     clock = _WakeClock(plan, dur, first, wake_ms)
+    gates = gated.gates if gated is not None else None
+    blocked = gated.blocked if gated is not None else ()
     finish = [0.0] * (n + 1)
-    for a in plan.order:
+    for a in gated.order if gated is not None else plan.order:
         t = finish[prev[a]]
         d = dep[a]
         u = finish[d] + xfer[a]
         if cross[a] and t > finish[d]:
-            u = clock.moved(t, rank[d]) + xfer[a]
+            g = blocked[a] if blocked else -1
+            if g < 0 or first[prev[g]] > t:  # the sender computes, or (GPipe) runs forwards before its wait
+                u = clock.moved(t, rank[d]) + xfer[a]
+            # else the sender waits for this very send in gloo (1F1B's fused batch): it moves at once
         if u > t:
             t = u
         u = finish[own[a]]
         if u > t:
             t = u
+        if gates is not None:
+            for x in gates[a]:
+                u = max(finish[prev[x]], finish[dep[x]]) + xfer[x]
+                if u > t:
+                    t = u
         finish[a] = t + dur[a]
     return finish
 
 
+@dataclass(frozen=True)
+class _SendGates:
+    """Where torch's single-stage schedules wait for their own sends (GPipe, 1F1B): gates[a], the receives (actions
+    on other ranks) whose posting action a waits for before it starts; order: a topological order that counts them."""
+
+    gates: tuple[tuple[int, ...], ...]
+    order: tuple[int, ...]
+    blocked: tuple[int, ...]
+    """Per receive, the sender's action whose start waits for it (-1: none): from the end of the action before that
+    one the sender sits in gloo's wait for the send, so a receive posted then is served at once."""
+
+
+def _send_gates(plan: ActionGraph, schedule: Schedule) -> _SendGates | None:
+    """The sends torch's ScheduleGPipe and Schedule1F1B wait for, and where (None for every other schedule: torch's
+    runtime for the others posts its receives ahead and waits for its sends at the end of the step).
+
+    gloo moves no byte of a send before its receive is posted, so a wait for a send lasts until the receiver got to
+    it. Schedule1F1B fuses each send with the receive of the rank's next action when the next action is of the other
+    kind (F then B, B then F) and waits for both before it; a send followed by an action of the same kind (the
+    warm-up's forwards, the cool-down's backwards) is waited for after that action, before the one after it.
+    ScheduleGPipe waits for every forward's send after the last forward, and for the backwards' at the end of the
+    step. Without this the replay let a sender start its next action at once, and a receive posted meanwhile then
+    waited for the sender's thread to wake (late_receives_wake): 1F1B m4 on bench/models/mlp13.py (2 ranks) was
+    predicted 17.1 ms where traced steps took 14.2, the receiving rank's forwards held back until the sender's
+    backwards ended, which in the trace started only after the receive was posted."""
+    info = SCHEDULES[schedule]
+    if info.torch_class not in ("ScheduleGPipe", "Schedule1F1B"):
+        return None
+    cached = _GATES.get(id(plan))
+    if cached is not None and cached[0] is plan:
+        return cached[1]
+    n = len(plan.kind)
+    receivers: list[list[int]] = [[] for _ in range(n)]
+    for x in range(n):
+        if plan.cross[x]:
+            receivers[plan.dep[x]].append(x)
+    gates: list[list[int]] = [[] for _ in range(n)]
+    for ids in plan.rank_actions:
+        kinds = [plan.kind[a] for a in ids]
+        first_backward = next((k for k, kind in enumerate(kinds) if kind != "F"), len(ids))
+        for k, y in enumerate(ids):
+            if not receivers[y]:
+                continue
+            if info.torch_class == "ScheduleGPipe":
+                at = first_backward if kinds[k] == "F" else len(ids)  # the backwards': at the step's end
+            else:
+                at = k + 1 if k + 1 < len(ids) and kinds[k + 1] != kinds[k] else k + 2
+            if at < len(ids):
+                gates[ids[at]].extend(receivers[y])
+    order = _gated_order(plan, gates)
+    blocked = [-1] * n
+    for a, xs in enumerate(gates):
+        for x in xs:
+            blocked[x] = a
+    result = _SendGates(gates=tuple(map(tuple, gates)), order=order, blocked=tuple(blocked))
+    if len(_GATES) > 256:
+        _GATES.clear()
+    _GATES[id(plan)] = (plan, result)
+    return result
+
+
+_GATES: dict[int, tuple[ActionGraph, _SendGates]] = {}
+"""_send_gates' results by graph, kept with it (compiled_graph caches its graphs, so they come back)."""
+
+
+def _gated_order(plan: ActionGraph, gates: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """A topological order of plan that also places each gate's receiving rank's previous action before the action
+    it gates (compile_graph's sweep with that edge added; torch's schedules never deadlock on them)."""
+    n = len(plan.kind)
+    prev, dep, own = plan.prev, plan.dep, plan.own
+    done = bytearray(n + 1)
+    done[n] = 1  # index -1: no action
+    order: list[int] = []
+    next_action = [ids[0] if ids else 0 for ids in plan.rank_actions]
+    ends = [ids[-1] + 1 if ids else 0 for ids in plan.rank_actions]
+    moved = True
+    while moved:
+        moved = False
+        for r, a in enumerate(next_action):
+            start = a
+            while a < ends[r] and done[dep[a]] and done[own[a]] and all(done[prev[x]] for x in gates[a]):
+                done[a] = 1
+                order.append(a)
+                a += 1
+            if a != start:
+                next_action[r] = a
+                moved = True
+    if len(order) < n:
+        raise AssertionError("send gates deadlock the schedule")  # torch's own schedules run; a bug here
+    return tuple(order)
+
+
 def _replay(
     plan: ActionGraph, dur: list[float], xfer: list[float], stages: _StageCosts, candidate: Candidate,
-    crossing: Sequence[bool] | None, *, woken: _WakeClock | None = None,
+    crossing: Sequence[bool] | None, *, woken: _WakeClock | None = None, gated: _SendGates | None = None,
 ) -> list[float]:
     """Each action's finish time when every rank runs its actions in order, as soon as their inputs arrived (one past
     the last: 0.0). woken (across nodes): the senders' timelines of a first replay, to replay again with each
@@ -751,7 +859,22 @@ def _replay(
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
-    if crossing is None or not any(crossing):
+    if gated is not None:  # inside a node, GPipe / 1F1B: each action also waits for the sends it is gated on
+        gates = gated.gates
+        for a in gated.order:
+            t = finish[prev[a]]
+            u = finish[dep[a]] + xfer[a]
+            if u > t:
+                t = u
+            u = finish[own[a]]
+            if u > t:
+                t = u
+            for x in gates[a]:
+                u = max(finish[prev[x]], finish[dep[x]]) + xfer[x]
+                if u > t:
+                    t = u
+            finish[a] = t + dur[a]
+    elif crossing is None or not any(crossing):
         for a in plan.order:
             t = finish[prev[a]]
             u = finish[dep[a]] + xfer[a]

@@ -230,23 +230,24 @@ def test_on_torchs_runtime_a_transfer_waits_for_its_receive_where_the_runtime_po
     assert step(dataclasses.replace(runtime, schedule=Schedule.GPIPE), 1) == pytest.approx(49.0)
 
 
-def test_across_nodes_a_receive_posted_after_its_send_waits_for_the_sender_as_inside_a_node():
-    # test_simulate's late receive, over two nodes and a wire of no time: 1F1B m2, F 1 ms, B 2 ms. Rank 1 posts
-    # F1's receive at 4, after rank 0 sent F1's activations (at 2), while rank 0 runs B0 (4-6): the tensor moves
-    # when rank 0's collective thread wakes (0.5 ms: F1 at 4.5) or B0 ends (6, with a 5 ms wake), as inside a node.
-    # Traced on the unshaped link (bench/internode.py, 1F1B m8): each such receive arrived 1.4-1.8 ms after its
-    # post, when the sender's backward ended.
+def test_across_nodes_a_receive_posted_after_its_send_waits_for_the_sender():
+    # A late receive over two nodes and a wire of no time: 1F1B m2, F 1 ms, B 2 ms. Rank 1 posts F1's receive at
+    # 4, after rank 0 sent F1's activations (at 2), while rank 0 runs B0 (4-6): the tensor moves when rank 0's
+    # collective thread wakes (0.5 ms: F1 at 4.5) or B0 ends (6, with a 5 ms wake). Traced on the unshaped link
+    # (bench/internode.py, 1F1B m8): each such receive arrived 1.4-1.8 ms after its post, when the sender's
+    # backward ended. Inside a node the replay holds rank 0's B0 until the receive is posted (torch's 1F1B waits
+    # for F1's send with B0's receive; test_simulate), so the tensor moves at once there: F1 at 4.
     prof = TWO_SENDERS
     link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
                      late_receives_wake=True, collective_wake_ms=0.5)
     c = pipeline(2, schedule=Schedule.ONE_F_ONE_B, m=2, layers=2)
-    for per_node in (2, 1):
+    for per_node, f1_start, steps in ((1, 4.5, (9.5, 11.0)), (2, 4.0, (9.0, 9.0))):
         late = simulate(prof, c, link=link, gpus_per_node=per_node, with_timeline=True)
         f1 = next(e for e in late.timeline if e.rank == 1 and e.kind == "F" and e.microbatch == 1)
-        assert f1.start_ms == pytest.approx(4.5, abs=1e-3)
-        assert late.step_time_ms == pytest.approx(9.5, abs=1e-3)
+        assert f1.start_ms == pytest.approx(f1_start, abs=1e-3)
+        assert late.step_time_ms == pytest.approx(steps[0], abs=1e-3)
         woken_late = simulate(prof, c, link=dataclasses.replace(link, collective_wake_ms=5.0), gpus_per_node=per_node)
-        assert woken_late.step_time_ms == pytest.approx(11.0, abs=1e-3)
+        assert woken_late.step_time_ms == pytest.approx(steps[1], abs=1e-3)
     # without the term (cuda), the tensor moves at once: 9 ms
     eager = dataclasses.replace(link, late_receives_wake=False)
     assert simulate(prof, c, link=eager, gpus_per_node=1).step_time_ms == pytest.approx(9.0, abs=1e-3)

@@ -180,20 +180,38 @@ def test_split_backward_extras_are_paid_by_i_and_w_but_not_by_a_whole_backward()
 
 def test_a_receive_posted_after_its_send_waits_for_the_sender_s_thread_or_its_next_call():
     """gloo moves a send whose receive was posted late in the sender's own thread, which sleeps while its rank
-    computes: the receiver gets it collective_wake_ms after posting, or when the sender's running action ends."""
+    computes: the receiver gets it collective_wake_ms after posting, or when the sender's running action ends.
+    GPipe's sender runs its other forwards before it waits for its sends, so a receive posted meanwhile waits."""
+    link = dataclasses.replace(FREE, collective_wake_ms=0.25, late_receives_wake=True)
+    prof = profile_of(layer(f=1, b=2), layer(f=1.5, b=2))
+    gpipe = candidate(Schedule.GPIPE, 2, 3, [1, 1])
+    # rank 0: F0 [0,1] F1 [1,2] F2 [2,3], then B0-B2 2 ms each after rank 1's; rank 1: F0 [1,2.5], then F1, whose
+    # tensor rank 0 sent at 2: posted late (at 2.5), while rank 0 runs F2 until 3, it arrives 0.25 later; F2's,
+    # posted at 4.25, finds rank 0 waiting for its forwards' sends: at once
+    assert simulate(prof, gpipe, link=FREE).step_time_ms == pytest.approx(13.5)
+    late = simulate(prof, gpipe, link=link)
+    starts = {e.microbatch: e.start_ms for e in late.timeline if e.rank == 1 and e.kind == "F"}
+    assert starts == pytest.approx({0: 1.0, 1: 2.75, 2: 4.25})
+    assert late.step_time_ms == pytest.approx(13.75)
+    # woken sooner by the sender's next call: its running action ends first
+    assert simulate(prof, gpipe, link=dataclasses.replace(link, collective_wake_ms=5.0)).step_time_ms == \
+        pytest.approx(14.0)
+
+
+def test_1f1b_waits_for_its_sends_with_the_next_receive_so_a_late_receive_moves_at_once():
+    """torch's Schedule1F1B posts a forward's send with the next backward's receive and waits for both, and a gloo
+    send waits for its receive to be posted: the sender does not start that backward before the receiver got to the
+    forward, and the receive, late as it is, finds the sender waiting in gloo (no wake)."""
     link = dataclasses.replace(FREE, collective_wake_ms=0.5, late_receives_wake=True)
     prof = profile_of(layer(f=1, b=2), layer(f=1, b=2))
     one_f_one_b = candidate(Schedule.ONE_F_ONE_B, 2, 2, [1, 1])
-    # rank 0: F0 [0,1] F1 [1,2] B0 [4,6] B1; rank 1: F0 [1,2] B0 [2,4], then F1, whose tensor rank 0 sent at 2:
-    # posted late (at 4), while rank 0 runs B0 until 6: it arrives 0.5 later
-    assert simulate(prof, one_f_one_b, link=FREE).step_time_ms == pytest.approx(9.0)
-    late = simulate(prof, one_f_one_b, link=link)
-    f1 = next(e for e in late.timeline if e.rank == 1 and e.kind == "F" and e.microbatch == 1)
-    assert f1.start_ms == pytest.approx(4.5)
-    assert late.step_time_ms == pytest.approx(9.5)
-    # woken sooner by the sender's next call: its running action ends first
-    assert simulate(prof, one_f_one_b, link=dataclasses.replace(link, collective_wake_ms=5.0)).step_time_ms == \
-        pytest.approx(9.0 + 2.0)
+    # rank 0: F0 [0,1] F1 [1,2], then waits for F1's send and B0's gradient: B0 [4,6] B1 [7,9]; rank 1: F0 [1,2]
+    # B0 [2,4], then posts B0's gradient and F1's receive at 4: F1 [4,5] B1 [5,7]
+    for wake in (0.5, 5.0):
+        est = simulate(prof, one_f_one_b, link=dataclasses.replace(link, collective_wake_ms=wake))
+        f1 = next(e for e in est.timeline if e.rank == 1 and e.kind == "F" and e.microbatch == 1)
+        assert f1.start_ms == pytest.approx(4.0)
+        assert est.step_time_ms == pytest.approx(9.0)
 
 
 def test_held_activations_slow_each_backward_by_what_the_rank_holds():
