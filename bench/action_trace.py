@@ -116,11 +116,18 @@ def split_step(events: list[list]) -> dict[str, float]:
 def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: int, folder: Path) -> dict:
     from dataclasses import replace
 
+    import autotune.simulate as simulator
     from autotune.simulate import LinkModel, simulate
     from autotune.trial import TrialOptions, run_trial
 
     link = LinkModel.for_device("cpu")
     estimate = simulate(profile, candidate, link=link)
+    gates = simulator._send_gates  # beside: the replay before GPipe and 1F1B waited for their sends (2026-11-28)
+    simulator._send_gates = lambda *args: None
+    try:
+        ungated = simulate(profile, candidate, link=link)
+    finally:
+        simulator._send_gates = gates
     # the profile's compute alone: no overheads, no slowdown, sends not on the rank
     bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
                                                      held_activation_ms_per_mib=0.0, compute_slowdown=0.0,
@@ -162,7 +169,8 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
         })
     return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(),
             "measured_ms": statistics.median(measured), "measured_runs_ms": measured,
-            "predicted_ms": estimate.step_time_ms, "predicted_optimizer_ms": estimate.optimizer_ms,
+            "predicted_ms": estimate.step_time_ms, "predicted_ungated_ms": ungated.step_time_ms,
+            "predicted_optimizer_ms": estimate.optimizer_ms,
             "handoff_ms_median": statistics.median(hands) if hands else None, "handoffs": len(hands),
             "ranks": ranks_out}
 
@@ -208,7 +216,9 @@ def main() -> None:
     for row in rows:
         for r in row["ranks"]:
             table.append([row["candidate"] if r["rank"] == 0 else "", f"{row['measured_ms']:.1f}" if r["rank"] == 0
-                          else "", f"{row['predicted_ms']:.1f}" if r["rank"] == 0 else "", r["rank"],
+                          else "", f"{row['predicted_ms']:.1f}" if r["rank"] == 0 else "",
+                          f"{row['predicted_ungated_ms']:.1f}" if r["rank"] == 0 and "predicted_ungated_ms" in row
+                          else "", r["rank"],
                           f"{r['compute_ms']:.2f}", f"{r['profile_compute_ms']:.2f}",
                           f"{r['compute_ms'] / r['profile_compute_ms']:.2f}" if r["profile_compute_ms"] else "",
                           f"{r['action_overhead_ms_per_action']:.3f}", f"{r['post_ms_per_post']:.3f}",
@@ -222,7 +232,8 @@ def main() -> None:
         args.name, title="Where a trial's step goes, action by action (the simulator's terms, measured)",
         device="cpu",
         tables={f"{args.model}, B {args.batch_size}, 2 ranks (medians over steps; ms)": _results.markdown_table(
-            ["candidate", "measured step", "predicted step", "rank", "compute", "profile's compute",
+            ["candidate", "measured step", "predicted step", "predicted without the GPipe / 1F1B send gates",
+             "rank", "compute", "profile's compute",
              "compute / profile", "overhead per action", "per post", "hand-off", "waiting", "optimizer",
              "predicted optimizer (slowest rank)", "rest", f"posts over {SLOW_POST_MS:g} ms", "their ms"], table)},
         data={"command": command, "model": args.model, "batch_size": args.batch_size, "rows": rows,
