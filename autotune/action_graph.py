@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,6 +113,33 @@ def compiled_graph(schedule: Schedule, pipeline_degree: int, n_microbatches: int
     return graph
 
 
+def sweep_order(
+    rank_actions: Sequence[Sequence[int]], ready: Callable[[int, bytearray], object]
+) -> tuple[list[int], bytearray]:
+    """Sweep the ranks, each running its actions (ids rising along its list) while ready(action, done) is true,
+    until a sweep runs nothing: the actions in the order they ran, and done (1 per action run; done[-1], one past
+    the actions, is 1, so an absent dependency -1 reads as done)."""
+    n = sum(map(len, rank_actions))
+    done = bytearray(n + 1)
+    done[n] = 1
+    order: list[int] = []
+    next_action = [ids[0] if ids else 0 for ids in rank_actions]
+    ends = [ids[-1] + 1 if ids else 0 for ids in rank_actions]
+    moved = True
+    while moved:
+        moved = False
+        for r, a in enumerate(next_action):
+            start = a
+            while a < ends[r] and ready(a, done):
+                done[a] = 1
+                order.append(a)
+                a += 1
+            if a != start:
+                next_action[r] = a
+                moved = True
+    return order, done
+
+
 def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microbatches: int) -> ActionGraph:
     """The graph of the given per-rank lists; a DeadlockError names what is missing, doubled or waits forever."""
     rank: list[int] = []
@@ -171,24 +198,9 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
     for actions in lists:
         rank_actions.append(tuple(range(offset, offset + len(actions))))
         offset += len(actions)
-    # One topological order: sweep the ranks, each running its actions while their tensors are ready, until a sweep
-    # runs nothing. What is left never becomes ready: a deadlock. (Any topological order replays to the same times.)
-    done = bytearray(n)
-    order: list[int] = []
-    next_action = [ids[0] if ids else 0 for ids in rank_actions]
-    ends = [ids[-1] + 1 if ids else 0 for ids in rank_actions]
-    moved = True
-    while moved:
-        moved = False
-        for r, a in enumerate(next_action):
-            start = a
-            while a < ends[r] and not ((dep[a] >= 0 and not done[dep[a]]) or (own[a] >= 0 and not done[own[a]])):
-                done[a] = 1
-                order.append(a)
-                a += 1
-            if a != start:
-                next_action[r] = a
-                moved = True
+    # One topological order. What is left never becomes ready: a deadlock. (Any topological order replays to the
+    # same times.)
+    order, done = sweep_order(rank_actions, lambda a, done: done[dep[a]] and done[own[a]])
     if len(order) < n:
         stuck = []
         for r, ids in enumerate(rank_actions):

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
 from typing import Any, cast
 
-from autotune.action_graph import ActionGraph, compile_graph, compiled_graph
+from autotune.action_graph import ActionGraph, compile_graph, compiled_graph, sweep_order
 from autotune.candidate import Candidate
 from autotune.costs import CheckpointPasses, LayerCost, Profile, stage_gradient_moves, stage_shared_copy_bytes
 from autotune.errors import UsageError
@@ -587,12 +587,15 @@ def simulate_costs(
     late = link.late_receives_wake and link.collective_wake_ms > 0
     across = crossing is not None and any(crossing)
 
+    # torch's single-stage schedules wait for their sends before going on, and gloo moves no byte of a send before
+    # its receive is posted: inside a node the replay holds such a sender until its receiver posted (across nodes
+    # _replay's wire model already moves no byte before that)
+    c = candidate
+    gloo = link.late_receives_wake and not across and actions is None
+    plan_gates = _send_gates(c.schedule, c.pipeline_degree, c.n_microbatches, c.n_stages) if gloo else None
+
     def replay(graph: ActionGraph, durations: list[float], transfers: list[float]) -> list[float]:
-        # torch's single-stage schedules wait for their sends before going on, and gloo moves no byte of a send
-        # before its receive is posted: inside a node the replay holds such a sender until its receiver posted
-        # (across nodes _replay's wire model already moves no byte before that)
-        gloo = link.late_receives_wake and not across and actions is None
-        gated = _send_gates(graph, candidate.schedule) if gloo else None
+        gated = plan_gates if graph is plan else None  # 2BW's two-step graph: no torch schedule class, no gates
         done = _replay(graph, durations, transfers, stages, candidate, crossing, gated=gated)
         if not late:
             return done
@@ -766,7 +769,8 @@ class _SendGates:
     one the sender sits in gloo's wait for the send, so a receive posted then is served at once."""
 
 
-def _send_gates(plan: ActionGraph, schedule: Schedule) -> _SendGates | None:
+@functools.lru_cache(maxsize=64)
+def _send_gates(schedule: Schedule, pipeline_degree: int, n_microbatches: int, n_stages: int) -> _SendGates | None:
     """The sends torch's ScheduleGPipe and Schedule1F1B wait for, and where (None for every other schedule: torch's
     runtime for the others posts its receives ahead and waits for its sends at the end of the step).
 
@@ -776,15 +780,14 @@ def _send_gates(plan: ActionGraph, schedule: Schedule) -> _SendGates | None:
     warm-up's forwards, the cool-down's backwards) is waited for after that action, before the one after it.
     ScheduleGPipe waits for every forward's send after the last forward, and for the backwards' at the end of the
     step. Without this the replay let a sender start its next action at once, and a receive posted meanwhile then
-    waited for the sender's thread to wake (late_receives_wake): 1F1B m4 on bench/models/mlp13.py (2 ranks) was
-    predicted 17.1 ms where traced steps took 14.2, the receiving rank's forwards held back until the sender's
-    backwards ended, which in the trace started only after the receive was posted."""
+    waited for the sender's thread to wake (late_receives_wake): the receiving rank's forwards held back until the
+    sender's backwards ended, which in traces start only after the receive was posted (bench/gloo_send_wait.py,
+    bench/results/action_trace_mlp13.md: 1F1B m4 / m8 / m16 predicted 16.8 / 20.9 / 30.8 ms without the gates,
+    15.2 / 19.2 / 28.1 with them, 16.0 / 17.2 / 24.0 measured)."""
     info = SCHEDULES[schedule]
     if info.torch_class not in ("ScheduleGPipe", "Schedule1F1B"):
         return None
-    cached = _GATES.get(id(plan))
-    if cached is not None and cached[0] is plan:
-        return cached[1]
+    plan = compiled_graph(schedule, pipeline_degree, n_microbatches, n_stages)
     n = len(plan.kind)
     receivers: list[list[int]] = [[] for _ in range(n)]
     for x in range(n):
@@ -808,41 +811,17 @@ def _send_gates(plan: ActionGraph, schedule: Schedule) -> _SendGates | None:
     for a, xs in enumerate(gates):
         for x in xs:
             blocked[x] = a
-    result = _SendGates(gates=tuple(map(tuple, gates)), order=order, blocked=tuple(blocked))
-    if len(_GATES) > 256:
-        _GATES.clear()
-    _GATES[id(plan)] = (plan, result)
-    return result
-
-
-_GATES: dict[int, tuple[ActionGraph, _SendGates]] = {}
-"""_send_gates' results by graph, kept with it (compiled_graph caches its graphs, so they come back)."""
+    return _SendGates(gates=tuple(map(tuple, gates)), order=order, blocked=tuple(blocked))
 
 
 def _gated_order(plan: ActionGraph, gates: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """A topological order of plan that also places each gate's receiving rank's previous action before the action
-    it gates (compile_graph's sweep with that edge added; torch's schedules never deadlock on them)."""
-    n = len(plan.kind)
+    it gates (torch's schedules never deadlock on them)."""
     prev, dep, own = plan.prev, plan.dep, plan.own
-    done = bytearray(n + 1)
-    done[n] = 1  # index -1: no action
-    order: list[int] = []
-    next_action = [ids[0] if ids else 0 for ids in plan.rank_actions]
-    ends = [ids[-1] + 1 if ids else 0 for ids in plan.rank_actions]
-    moved = True
-    while moved:
-        moved = False
-        for r, a in enumerate(next_action):
-            start = a
-            while a < ends[r] and done[dep[a]] and done[own[a]] and all(done[prev[x]] for x in gates[a]):
-                done[a] = 1
-                order.append(a)
-                a += 1
-            if a != start:
-                next_action[r] = a
-                moved = True
-    if len(order) < n:
-        raise AssertionError("send gates deadlock the schedule")  # torch's own schedules run; a bug here
+    order, _ = sweep_order(plan.rank_actions,
+                           lambda a, done: done[dep[a]] and done[own[a]] and all(done[prev[x]] for x in gates[a]))
+    if len(order) < len(plan.kind):
+        raise AssertionError("send gates deadlock the schedule")  # torch's own schedules run: a bug here
     return tuple(order)
 
 
@@ -860,6 +839,7 @@ def _replay(
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
     if gated is not None:  # inside a node, GPipe / 1F1B: each action also waits for the sends it is gated on
+        # (the plain loop below stays without the gates' inner loop: it is the planner's hot path)
         gates = gated.gates
         for a in gated.order:
             t = finish[prev[a]]
