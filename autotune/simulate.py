@@ -596,7 +596,10 @@ def simulate_costs(
 
     def replay(graph: ActionGraph, durations: list[float], transfers: list[float]) -> list[float]:
         gated = plan_gates if graph is plan else None  # 2BW's two-step graph: no torch schedule class, no gates
-        done = _replay(graph, durations, transfers, stages, candidate, crossing, gated=gated)
+        if gated is not None:  # GPipe / 1F1B inside a node on gloo: each action also waits for its gated sends
+            done = _replay_late_receives(graph, durations, transfers, None, 0.0, gated=gated)
+        else:
+            done = _replay(graph, durations, transfers, stages, candidate, crossing)
         if not late:
             return done
         if across:
@@ -706,6 +709,7 @@ class _WakeClock:
     is first; at once if the rank was waiting."""
 
     def __init__(self, plan: ActionGraph, dur: list[float], first: list[float], wake_ms: float) -> None:
+        self.first = first
         self.starts = [[first[a] - dur[a] for a in ids] for ids in plan.rank_actions]
         self.ends = [[first[a] for a in ids] for ids in plan.rank_actions]
         self.wake_ms = wake_ms
@@ -719,18 +723,20 @@ class _WakeClock:
 
 
 def _replay_late_receives(
-    plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float], wake_ms: float,
+    plan: ActionGraph, dur: list[float], xfer: list[float], first: list[float] | None, wake_ms: float,
     *, gated: _SendGates | None = None,
 ) -> list[float]:
     """The replay again, with each receive posted after its send (the receiving rank gets to the action after the
     sending one ended) delivered when the sending rank's collective thread wakes (wake_ms) or the sending rank next
-    calls into gloo, whichever is first: the end of its action running then, as the first replay placed it, or at
-    once if it was waiting (LinkModel.late_receives_wake). gated: as _replay's."""
+    calls into gloo, whichever is first: the end of its action running then, as the first replay placed it (first),
+    or at once if it was waiting (LinkModel.late_receives_wake). gated (GPipe / 1F1B, _send_gates): each action also
+    waits until the receives of the sends torch waits for before it are posted, and a receive posted while its
+    sender waits for it moves at once. first None: that first replay itself (gated; no wake)."""
     n = len(plan.kind)
     prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
-    if not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
+    if first is not None and not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
         return first  # no receive posted late: the same replay again
-    clock = _WakeClock(plan, dur, first, wake_ms)
+    clock = _WakeClock(plan, dur, first, wake_ms) if first is not None else None
     gates = gated.gates if gated is not None else None
     blocked = gated.blocked if gated is not None else ()
     finish = [0.0] * (n + 1)
@@ -738,9 +744,9 @@ def _replay_late_receives(
         t = finish[prev[a]]
         d = dep[a]
         u = finish[d] + xfer[a]
-        if cross[a] and t > finish[d]:
+        if clock is not None and cross[a] and t > finish[d]:
             g = blocked[a] if blocked else -1
-            if g < 0 or first[prev[g]] > t:  # the sender computes, or (GPipe) runs forwards before its wait
+            if g < 0 or clock.first[prev[g]] > t:  # the sender computes, or (GPipe) runs forwards before its wait
                 u = clock.moved(t, rank[d]) + xfer[a]
             # else the sender waits for this very send in gloo (1F1B's fused batch): it moves at once
         if u > t:
@@ -827,7 +833,7 @@ def _gated_order(plan: ActionGraph, gates: Sequence[Sequence[int]]) -> tuple[int
 
 def _replay(
     plan: ActionGraph, dur: list[float], xfer: list[float], stages: _StageCosts, candidate: Candidate,
-    crossing: Sequence[bool] | None, *, woken: _WakeClock | None = None, gated: _SendGates | None = None,
+    crossing: Sequence[bool] | None, *, woken: _WakeClock | None = None,
 ) -> list[float]:
     """Each action's finish time when every rank runs its actions in order, as soon as their inputs arrived (one past
     the last: 0.0). woken (across nodes): the senders' timelines of a first replay, to replay again with each
@@ -838,23 +844,7 @@ def _replay(
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
-    if gated is not None:  # inside a node, GPipe / 1F1B: each action also waits for the sends it is gated on
-        # (the plain loop below stays without the gates' inner loop: it is the planner's hot path)
-        gates = gated.gates
-        for a in gated.order:
-            t = finish[prev[a]]
-            u = finish[dep[a]] + xfer[a]
-            if u > t:
-                t = u
-            u = finish[own[a]]
-            if u > t:
-                t = u
-            for x in gates[a]:
-                u = max(finish[prev[x]], finish[dep[x]]) + xfer[x]
-                if u > t:
-                    t = u
-            finish[a] = t + dur[a]
-    elif crossing is None or not any(crossing):
+    if crossing is None or not any(crossing):
         for a in plan.order:
             t = finish[prev[a]]
             u = finish[dep[a]] + xfer[a]

@@ -16,6 +16,7 @@ Not a test: timings on a shared machine are noise; run it with nothing else busy
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -63,12 +64,11 @@ def _rank(rank: int, init: str, repeats: int, out: str) -> None:
                             w.wait()
                         arrive.append((time.perf_counter() - start) * 1e3)
                     dist.barrier()
-                times = post + wait if rank == 0 else arrive
                 rows.append({"fused": fused, "bytes": nbytes, "delay_ms": delay, "rank": rank,
                              "post_ms": statistics.median(post) if post else None,
                              "wait_ms": statistics.median(wait) if wait else None,
-                             "receive_ms": statistics.median(arrive) if arrive else None, "n": len(times)})
-    Path(out).write_text(repr(rows))
+                             "receive_ms": statistics.median(arrive) if arrive else None, "n": repeats})
+    Path(out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -78,8 +78,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results")
     args = parser.parse_args()
-    import ast
-
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +91,7 @@ def main() -> None:
             p.join(timeout=300)
             if p.exitcode != 0:
                 raise SystemExit(f"bench/gloo_send_wait.py: a rank failed (exit {p.exitcode})")
-        ranks = [ast.literal_eval(Path(o).read_text()) for o in outs]
+        ranks = [json.loads(Path(o).read_text()) for o in outs]
     table: list[list[Any]] = []
     for sender, receiver in zip(*ranks):
         table.append(["send + receive, one batch (1F1B)" if sender["fused"] else "send alone", sender["bytes"],
