@@ -68,11 +68,29 @@ gloo all-reduce alone takes 0.67 ms (bench/results/tp_block.md): (16.3 - 2.0 / 2
 #   0.044 ms per action + 0.138 x the profile's compute; 0.85 ms per step + 0.044 per action; 0.090; 0.020 ms.
 CPU_LATENCY_S = 20e-6
 """A send's latency on the CPU stand-in: from the sender's post to the end of the receiver's wait (traced median)."""
-CPU_MESSAGE_OVERHEAD_MS = 0.1
-"""Posting one send or receive (torch's _batch_p2p over gloo), on the rank's own time (traced median 0.098 ms)."""
-CPU_PER_ACTION_OVERHEAD_MS = 0.16
-"""Per compute action: 0.089 (the module's call beyond its blocks' profiled times) + 0.024 (torch's stage code) +
-0.049 (the schedule's own work between actions)."""
+CPU_MESSAGE_OVERHEAD_MS = 0.06
+"""Posting one send or receive (torch's _batch_p2p over gloo), on the rank's own time, where the other rank does not
+post to it at that moment (else CROSSING_POST_CPU_MS too): traced medians 0.03-0.08 ms. It was 0.1, the median of
+all posts, crossing ones included."""
+CPU_PER_ACTION_OVERHEAD_MS = 0.1
+"""Per compute action: 0.089 (the module's call beyond its blocks' profiled times) + torch's stage code and the
+schedule's own work between actions (traced medians 0.013-0.045 ms). It was 0.16, with 0.049 ms per action of a
+least-squares fit's "outside the actions", which carried what the crossing posts cost."""
+CROSSING_POST_CPU_MS = 0.6
+CROSSING_POST_WINDOW_CPU_MS = 0.2
+"""A post to a rank that posts to this one at the same moment now and then waits ~3 ms, where a post takes ~0.05:
+gloo's tcp device threads spin while a post holds their pair's lock (pytorch/gloo#246), and two ranks posting to
+each other at once on the 2-core machine lose both cores to them until the next scheduler tick (bench/gloo_cross.py:
+6-28 % of such posts 2.3-4.8 ms). Inside real trials, `python bench/action_trace.py --model bench/models/
+embed_mlp.py --batch-size 64 --repeats 2 --name action_trace_crossing_embed_mlp --configs ...` (bench/results/
+action_trace_crossing_embed_mlp.md): of the posts that began within 0.1 ms of one of the other rank's, 11-27 % took
+over 1 ms (medians 2.4-3.4 ms), 0.36-0.74 ms per such post (GPipe m8 0.71, LoopedBFS m8 0.74, Interleaved1F1B m8
+0.47, VHalf m8 0.63, DualPipeV m16 0.36); of the other posts 0-3 %; 1F1B m8's posts never came that close (its
+sends wait for their receives). The replay charges 0.6 ms a crossing post by its own times, weighted down linearly
+with the distance between the two posts, none from 0.2 ms apart (LinkModel.crossing_post_ms; not to 1F1B). Whole
+steps, the committed calibrations predicted again (--from-json, 13 model runs): mean step-time error 10.6 -> 8.2 %
+(with the two constants above; neither alone did it); a fresh calibration of the four bench models: MAPE 7.6-9.9 %
+(bench/results/calibration_models_1915.md), against 6.9-17.3 % (calibration_models_1530.md)."""
 CPU_COMPUTE_SLOWDOWN = 0.12
 """Profiled compute runs 11.6 % slower inside a two-rank pipelined step than timed alone (traced fit)."""
 CPU_STEP_OVERHEAD_MS = 0.8
@@ -218,6 +236,11 @@ class LinkModel:
     threads sleep while the rank computes (gloo on the CPU stand-in, COLLECTIVE_WAKE_CPU_MS): paid by each FSDP2
     unit's all-gather and reduce-scatter, and once per step by DistributedDataParallel's sync (its buckets queue back
     to back behind the first)."""
+    crossing_post_ms: float = 0.0
+    """What a send or receive post costs on average beyond message_overhead_ms when the rank it goes to or comes
+    from posts within crossing_post_window_ms of it (CPU: CROSSING_POST_CPU_MS); 0 where it was not seen (cuda)."""
+    crossing_post_window_ms: float = 0.1
+    """How close two ranks' posts to each other must be for crossing_post_ms."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -250,6 +273,7 @@ class LinkModel:
                     "compute_slowdown": CPU_COMPUTE_SLOWDOWN, "step_overhead_ms": CPU_STEP_OVERHEAD_MS,
                     "sends_on_rank": True, "late_receives_wake": True,
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
+                    "crossing_post_ms": CROSSING_POST_CPU_MS, "crossing_post_window_ms": CROSSING_POST_WINDOW_CPU_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
                     "all_gather_passes": 2, "reduce_scatter_passes": 3, "reduce_scatter_passes_across_nodes": 2,
@@ -608,6 +632,15 @@ def simulate_costs(
         return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms, gated=gated)
 
     finish = replay(plan, dur, xfer)
+    # Two ranks posting to each other at once (LinkModel.crossing_post_ms), inside a node, by this replay's times:
+    # not 1F1B, whose sends wait for their receives and whose posts never came that close in traces, nor 2BW's
+    # steady state (its own two-step replay below)
+    if (link.crossing_post_ms and not across and c.schedule is not Schedule.ONE_F_ONE_B
+            and not SCHEDULES[c.schedule].asynchronous):
+        extra = _crossing_posts(plan, dur, finish, link.crossing_post_ms, link.crossing_post_window_ms)
+        if extra is not None:
+            dur = [d + e for d, e in zip(dur, extra)]
+            finish = replay(plan, dur, xfer)
 
     pp = candidate.pipeline_degree
     rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
@@ -688,6 +721,37 @@ def simulate_costs(
         memory_limit_bytes=memory_limit_bytes,
         timeline=timeline,
     )
+
+
+def _crossing_posts(
+    plan: ActionGraph, dur: list[float], finish: list[float], cost_ms: float, window_ms: float
+) -> list[float] | None:
+    """Per action, what its posts cost beyond message_overhead_ms because the rank at the other end posted to this
+    one at about the same moment (LinkModel.crossing_post_ms), by the replay's times (finish): a receive is posted
+    when the rank ends its previous action, a send when the action ends. None: no two posts cross."""
+    n = len(plan.kind)
+    rank, dep, prev = plan.rank, plan.dep, plan.prev
+    posts: list[tuple[int, float, int]] = []  # (action, when, the other rank)
+    for x in range(n):
+        if plan.cross[x]:
+            posts.append((x, finish[prev[x]] if prev[x] >= 0 else 0.0, rank[dep[x]]))
+            posts.append((dep[x], finish[dep[x]], rank[x]))
+    when: dict[tuple[int, int], list[float]] = {}
+    for a, t, other in posts:
+        when.setdefault((rank[a], other), []).append(t)
+    for times in when.values():
+        times.sort()
+    extra = [0.0] * n
+    crossed = False
+    for a, t, other in posts:
+        times = when.get((other, rank[a]))
+        if times:
+            k = bisect.bisect_left(times, t - window_ms)
+            near = min((abs(times[j] - t) for j in (k, k + 1) if j < len(times)), default=window_ms)
+            if near < window_ms:
+                extra[a] += cost_ms * (1.0 - near / window_ms)
+                crossed = True
+    return extra if crossed else None
 
 
 def _durations(

@@ -13,8 +13,11 @@ rank's step into terms the simulator has one of each:
 - optimizer: the rank's step, against the simulator's;
 - the rest: the step less all of the above and the waits (the schedule's own Python, the loss, zero_grad);
 - slow posts: posts that took over SLOW_POST_MS (a post is ~0.05 ms; on the CPU stand-in some take ~3 ms, gloo's
-  device thread spinning while the two ranks post to each other at once: bench/gloo_cross.py says why, and the
-  simulator has no term for them): how many a step, and the ms they took.
+  device thread spinning while the two ranks post to each other at once: bench/gloo_cross.py says why): how many a
+  step, and the ms they took;
+- crossing posts: of the posts that began within CROSSING_MS of one of the other rank's, how many were slow, and
+  what they cost per crossing post, beside the other posts' share (LinkModel.crossing_post_ms charges the expected
+  cost where the replay's posts cross; the prediction without it is shown beside).
 
     python bench/action_trace.py --model bench/models/tail_heavy7.py --batch-size 64 \\
         --configs VMin/1/2,2,1,2 1F1B/8/4,3
@@ -25,6 +28,7 @@ Each config is SCHEDULE/M/SPLIT (M micro-batches). Medians over the measured ste
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -41,6 +45,8 @@ import _results  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_POST_MS = 1.0
 """A post (one _batch_p2p call) longer than this is counted slow."""
+CROSSING_MS = 0.1
+"""A post that begins this close to one of the other rank's crosses it (LinkModel.crossing_post_ms)."""
 SITE = Path(__file__).resolve().parent / "_trace_site"
 
 
@@ -92,6 +98,20 @@ def handoffs(sender: list[list], receiver: list[list]) -> list[float]:
     return out
 
 
+def crossing_posts(mine: list[list], other: list[list]) -> tuple[list[float], list[float]]:
+    """One rank's step: ms of each of its posts that began within CROSSING_MS of a post of the other rank's (the
+    same step), and of the rest (LinkModel.crossing_post_ms)."""
+    starts = sorted(e[1] for e in other if e[0] == "post" and e[4] > 0)
+    near, far = [], []
+    for kind, start, end, _, n in mine:
+        if kind != "post" or n == 0:
+            continue
+        k = bisect.bisect_left(starts, start - CROSSING_MS / 1e3)
+        close = k < len(starts) and starts[k] <= start + CROSSING_MS / 1e3
+        (near if close else far).append((end - start) * 1e3)
+    return near, far
+
+
 def split_step(events: list[list]) -> dict[str, float]:
     """One rank's step in ms per term."""
     total = collections.defaultdict(float)
@@ -128,6 +148,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
         ungated = simulate(profile, candidate, link=link)
     finally:
         simulator._send_gates = gates
+    uncrossed = simulate(profile, candidate, link=replace(link, crossing_post_ms=0.0))
     # the profile's compute alone: no overheads, no slowdown, sends not on the rank
     bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
                                                      held_activation_ms_per_mib=0.0, compute_slowdown=0.0,
@@ -136,6 +157,8 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
     for event in bare.timeline:
         sim_compute[event.rank] += event.end_ms - event.start_ms
     measured, per_rank, hands = [], collections.defaultdict(list), []
+    crossing: list[float] = []
+    apart: list[float] = []
     for r in range(repeats):
         result = run_trial(spec, candidate, TrialOptions(steps=steps, warmup=warmup, device="cpu"))
         if result.step_time_ms is None:
@@ -151,6 +174,10 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
                 per_rank[rank].append(split_step(step_events))
         for s in range(min(len(ranks[0]), len(ranks[1]))):
             hands += handoffs(ranks[0][s], ranks[1][s]) + handoffs(ranks[1][s], ranks[0][s])
+            for mine, other in ((ranks[0][s], ranks[1][s]), (ranks[1][s], ranks[0][s])):
+                near, far = crossing_posts(mine, other)
+                crossing += near
+                apart += far
 
     def median(rank: int, key: str) -> float:
         return statistics.median(d[key] for d in per_rank[rank])
@@ -172,6 +199,11 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
             "predicted_ms": estimate.step_time_ms, "predicted_ungated_ms": ungated.step_time_ms,
             "predicted_optimizer_ms": estimate.optimizer_ms,
             "handoff_ms_median": statistics.median(hands) if hands else None, "handoffs": len(hands),
+            "predicted_uncrossed_ms": uncrossed.step_time_ms,
+            "crossing_posts": len(crossing), "crossing_slow": sum(x > SLOW_POST_MS for x in crossing),
+            "crossing_slow_ms": [x for x in crossing if x > SLOW_POST_MS],
+            "apart_posts": len(apart), "apart_slow": sum(x > SLOW_POST_MS for x in apart),
+            "apart_slow_ms": [x for x in apart if x > SLOW_POST_MS],
             "ranks": ranks_out}
 
 
@@ -226,6 +258,18 @@ def main() -> None:
                           f"{r['wait_ms']:.2f}", f"{r['optimizer_ms']:.2f}",
                           f"{row['predicted_optimizer_ms']:.2f}" if r["rank"] == 0 else "", f"{r['rest_ms']:.2f}",
                           f"{r['slow_posts']:g} of {r['posts']:g}", f"{r['slow_post_ms']:.2f}"])
+    crossings = []
+    for row in rows:
+        if "crossing_posts" not in row:
+            continue
+        n, slow, apart, apart_slow = (row["crossing_posts"], row["crossing_slow"], row["apart_posts"],
+                                      row["apart_slow"])
+        crossings.append([row["candidate"], f"{row['measured_ms']:.1f}", f"{row['predicted_ms']:.1f}",
+                          f"{row['predicted_uncrossed_ms']:.1f}",
+                          f"{slow} of {n}" + (f" ({slow / n:.0%})" if n else ""),
+                          f"{statistics.median(row['crossing_slow_ms']):.2f}" if slow else "-",
+                          f"{sum(row['crossing_slow_ms']) / n:.2f}" if n else "-",
+                          f"{apart_slow} of {apart}" + (f" ({apart_slow / apart:.0%})" if apart else "")])
     idle = "AUTOTUNE_GLOO_LOOP_IDLE=1 " if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE") == "1" else ""
     command = idle + "python bench/action_trace.py " + " ".join(sys.argv[1:])
     _results.write(
@@ -235,7 +279,12 @@ def main() -> None:
             ["candidate", "measured step", "predicted step", "predicted without the GPipe / 1F1B send gates",
              "rank", "compute", "profile's compute",
              "compute / profile", "overhead per action", "per post", "hand-off", "waiting", "optimizer",
-             "predicted optimizer (slowest rank)", "rest", f"posts over {SLOW_POST_MS:g} ms", "their ms"], table)},
+             "predicted optimizer (slowest rank)", "rest", f"posts over {SLOW_POST_MS:g} ms", "their ms"], table),
+            f"crossing posts: a post that began within {CROSSING_MS:g} ms of one of the other rank's (all steps, "
+            "both ranks)": _results.markdown_table(
+                ["candidate", "measured step", "predicted step", "predicted without crossing posts",
+                 f"crossing posts over {SLOW_POST_MS:g} ms", "their median ms", "their ms per crossing post",
+                 f"other posts over {SLOW_POST_MS:g} ms"], crossings)},
         data={"command": command, "model": args.model, "batch_size": args.batch_size, "rows": rows,
               "profile": profile.to_dict(),
               "wall_s": time.time() - started},

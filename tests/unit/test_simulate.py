@@ -214,6 +214,39 @@ def test_1f1b_waits_for_its_sends_with_the_next_receive_so_a_late_receive_moves_
         assert est.step_time_ms == pytest.approx(9.0)
 
 
+def test_a_post_crossing_one_of_the_other_rank_costs_more_by_how_close_they_are():
+    """Two ranks posting to each other at the same moment now and then wait ~3 ms for a core (CROSSING_POST_CPU_MS):
+    each post within the window of one of the other rank's is charged, weighted down with the distance."""
+    from autotune.action_graph import compile_graph
+    from autotune.simulate import _crossing_posts
+
+    a = Action
+    plan = compile_graph(((a(0, "F", 0), a(2, "F", 0), a(2, "B", 0), a(0, "B", 0)),
+                          (a(1, "F", 0), a(3, "F", 0), a(3, "B", 0), a(1, "B", 0))), 4, 1)
+    # actions 0-3 on rank 0 (F0 F2 B2 B0), 4-7 on rank 1 (F1 F3 B3 B1); a receive is posted when the rank's action
+    # before it ends, a send when its action ends. Rank 1's B3 ends at 5.95, 0.05 ms before rank 0's B2: B3's send
+    # and B1's receive there cross B2's send and B0's receive (each weighted 1 - 0.05 / 0.2); every other pair of
+    # posts is 1 ms apart or more.
+    finish = [1.0, 3.0, 6.0, 8.0, 2.0, 4.0, 5.95, 7.0, 0.0]
+    extra = _crossing_posts(plan, [1.0] * 8, finish, 1.0, 0.2)
+    assert extra == pytest.approx([0, 0, 0.75, 0.75, 0, 0, 0.75, 0.75])
+    finish[6] = 5.5  # apart: nothing
+    assert _crossing_posts(plan, [1.0] * 8, finish, 1.0, 0.2) is None
+
+
+def test_crossing_posts_are_charged_to_every_schedule_but_1f1b():
+    """Traced, 1F1B's posts never came within 0.1 ms of the other rank's (its sends wait for their receives, fused
+    with the next one), GPipe's and the multi-stage schedules' did (bench/results/
+    action_trace_crossing_embed_mlp.md)."""
+    prof = profile_of(*[layer(f=1, b=1)] * 4)
+    crossing = dataclasses.replace(FREE, crossing_post_ms=1.0, crossing_post_window_ms=0.2)
+    c = candidate(Schedule.ONE_F_ONE_B, 2, 4, [2, 2])
+    assert simulate(prof, c, link=crossing).step_time_ms == simulate(prof, c, link=FREE).step_time_ms
+    for c in (candidate(Schedule.GPIPE, 2, 4, [2, 2]), candidate(Schedule.LOOPED_BFS, 2, 4, [1, 1, 1, 1])):
+        assert simulate(prof, c, link=crossing).step_time_ms > simulate(prof, c, link=FREE).step_time_ms
+    assert LinkModel.for_device("cuda").crossing_post_ms == 0.0
+
+
 def test_held_activations_slow_each_backward_by_what_the_rank_holds():
     mib = 2**20
     link = LinkModel(bandwidth_bytes_per_s=1e30, latency_s=0.0, per_action_overhead_ms=0.0, optimizer_bytes_per_s=1e30,
