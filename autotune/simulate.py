@@ -89,7 +89,7 @@ over 1 ms (medians 2.4-3.4 ms), 0.36-0.74 ms per such post (GPipe m8 0.71, Loope
 sends wait for their receives). The replay charges 0.6 ms a crossing post by its own times, weighted down linearly
 with the distance between the two posts, none from 0.2 ms apart (LinkModel.crossing_post_ms; not to 1F1B). Whole
 steps, the committed calibrations predicted again (--from-json, 13 model runs): mean step-time error 10.6 -> 8.2 %
-(with the two constants above; neither alone did it); a fresh calibration of the four bench models: MAPE 7.6-9.9 %
+(with the two constants above; neither alone did it); a fresh calibration of the four bench models: MAPE 7.6-9.7 %
 (bench/results/calibration_models_1915.md), against 6.9-17.3 % (calibration_models_1530.md)."""
 CPU_COMPUTE_SLOWDOWN = 0.12
 """Profiled compute runs 11.6 % slower inside a two-rank pipelined step than timed alone (traced fit)."""
@@ -637,7 +637,7 @@ def simulate_costs(
     # steady state (its own two-step replay below)
     if (link.crossing_post_ms and not across and c.schedule is not Schedule.ONE_F_ONE_B
             and not SCHEDULES[c.schedule].asynchronous):
-        extra = _crossing_posts(plan, dur, finish, link.crossing_post_ms, link.crossing_post_window_ms)
+        extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms)
         if extra is not None:
             dur = [d + e for d, e in zip(dur, extra)]
             finish = replay(plan, dur, xfer)
@@ -723,9 +723,7 @@ def simulate_costs(
     )
 
 
-def _crossing_posts(
-    plan: ActionGraph, dur: list[float], finish: list[float], cost_ms: float, window_ms: float
-) -> list[float] | None:
+def _crossing_posts(plan: ActionGraph, finish: list[float], cost_ms: float, window_ms: float) -> list[float] | None:
     """Per action, what its posts cost beyond message_overhead_ms because the rank at the other end posted to this
     one at about the same moment (LinkModel.crossing_post_ms), by the replay's times (finish): a receive is posted
     when the rank ends its previous action, a send when the action ends. None: no two posts cross."""
@@ -746,8 +744,8 @@ def _crossing_posts(
     for a, t, other in posts:
         times = when.get((other, rank[a]))
         if times:
-            k = bisect.bisect_left(times, t - window_ms)
-            near = min((abs(times[j] - t) for j in (k, k + 1) if j < len(times)), default=window_ms)
+            k = bisect.bisect_left(times, t)  # the nearest is times[k - 1] or times[k]
+            near = min((abs(times[j] - t) for j in (k - 1, k) if 0 <= j < len(times)), default=window_ms)
             if near < window_ms:
                 extra[a] += cost_ms * (1.0 - near / window_ms)
                 crossed = True

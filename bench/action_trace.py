@@ -260,8 +260,6 @@ def main() -> None:
                           f"{r['slow_posts']:g} of {r['posts']:g}", f"{r['slow_post_ms']:.2f}"])
     crossings = []
     for row in rows:
-        if "crossing_posts" not in row:
-            continue
         n, slow, apart, apart_slow = (row["crossing_posts"], row["crossing_slow"], row["apart_posts"],
                                       row["apart_slow"])
         crossings.append([row["candidate"], f"{row['measured_ms']:.1f}", f"{row['predicted_ms']:.1f}",

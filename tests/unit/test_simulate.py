@@ -228,10 +228,10 @@ def test_a_post_crossing_one_of_the_other_rank_costs_more_by_how_close_they_are(
     # and B1's receive there cross B2's send and B0's receive (each weighted 1 - 0.05 / 0.2); every other pair of
     # posts is 1 ms apart or more.
     finish = [1.0, 3.0, 6.0, 8.0, 2.0, 4.0, 5.95, 7.0, 0.0]
-    extra = _crossing_posts(plan, [1.0] * 8, finish, 1.0, 0.2)
+    extra = _crossing_posts(plan, finish, 1.0, 0.2)
     assert extra == pytest.approx([0, 0, 0.75, 0.75, 0, 0, 0.75, 0.75])
     finish[6] = 5.5  # apart: nothing
-    assert _crossing_posts(plan, [1.0] * 8, finish, 1.0, 0.2) is None
+    assert _crossing_posts(plan, finish, 1.0, 0.2) is None
 
 
 def test_crossing_posts_are_charged_to_every_schedule_but_1f1b():
