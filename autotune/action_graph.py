@@ -36,6 +36,11 @@ class ActionGraph:
     """The other stage's action whose tensor this one needs (F: F of s-1; B/I: B/I of s+1), or -1."""
     cross: tuple[bool, ...]
     """dep runs on another rank, so its tensor travels."""
+    fused_end: tuple[int, ...]
+    """The last action of the run of fused actions this one is in (Action.fused_with_next: torch runs DualPipeV's
+    OVERLAP_F_B, a forward and a backward, as one action and posts their sends after both); itself if not fused."""
+    sent: tuple[int, ...]
+    """The action whose end sends this one the tensor it needs: fused_end of dep; -1 without dep."""
     messages: tuple[int, ...]
     """Sends and receives the action posts: one receive if dep crosses ranks, one send per action on another rank
     that needs its tensor."""
@@ -192,6 +197,11 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
     for a in range(n):
         if cross[a]:
             sends[dep[a]] += 1
+    fused_end = list(range(n))  # per action, the last action of the fused run it is in (itself unless fused)
+    for a in range(n - 2, -1, -1):
+        if flat[a].fused_with_next and rank[a + 1] == rank[a]:
+            fused_end[a] = fused_end[a + 1]
+    sent = [fused_end[d] if d >= 0 else -1 for d in dep]
 
     rank_actions = []
     offset = 0
@@ -200,13 +210,13 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
         offset += len(actions)
     # One topological order. What is left never becomes ready: a deadlock. (Any topological order replays to the
     # same times.)
-    order, done = sweep_order(rank_actions, lambda a, done: done[dep[a]] and done[own[a]])
+    order, done = sweep_order(rank_actions, lambda a, done: done[sent[a]] and done[own[a]])
     if len(order) < n:
         stuck = []
         for r, ids in enumerate(rank_actions):
             first = next((a for a in ids if not done[a]), None)
             if first is not None:
-                needs = [str(flat[d]) for d in (dep[first], own[first]) if d >= 0 and not done[d]]
+                needs = [str(flat[d]) for d in (sent[first], own[first]) if d >= 0 and not done[d]]
                 stuck.append(f"rank {r} at {flat[first]} waits for {', '.join(needs) or 'its previous action'}")
         raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck) + "; fix the action order")
 
@@ -227,6 +237,8 @@ def compile_graph(lists: tuple[tuple[Action, ...], ...], n_stages: int, n_microb
         prev=tuple(prev),
         dep=tuple(dep),
         cross=tuple(cross),
+        fused_end=tuple(fused_end),
+        sent=tuple(sent),
         messages=tuple(int(c) + k for c, k in zip(cross, sends)),
         own=tuple(own),
         order=tuple(order),

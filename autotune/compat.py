@@ -143,11 +143,11 @@ _COMPUTE_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "
 
 def schedule_actions(
     schedule: str, pipeline_degree: int, n_microbatches: int, stages_per_rank: int
-) -> list[list[tuple[int, str, int]]]:
-    """torch's own per-rank compute order of a built-in schedule as (stage, kind F|B|I|W, micro-batch), without
-    any process group. DualPipeV's fused OVERLAP_F_B actions are listed as their sub-actions one after the other
-    (as the runtime runs them); communication, FSDP and gradient-reduction actions are dropped. Raises torch's own
-    ValueError for a combination the schedule refuses."""
+) -> list[list[tuple[int, str, int, bool]]]:
+    """torch's own per-rank compute order of a built-in schedule as (stage, kind F|B|I|W, micro-batch, fused with
+    the next), without any process group. DualPipeV's fused OVERLAP_F_B actions are listed as their sub-actions one
+    after the other (as the runtime runs them), the first fused with the second; communication, FSDP and
+    gradient-reduction actions are dropped. Raises torch's own ValueError for a combination the schedule refuses."""
     get_schedule_ops = symbol(_VISUALIZER, "get_schedule_ops")
     schedules = importlib.import_module(_PIPELINING_SCHEDULES)
     visualizer = importlib.import_module(_VISUALIZER)
@@ -202,18 +202,18 @@ class _ReusedAutospecs:
 _REUSED_AUTOSPECS = _ReusedAutospecs()
 
 
-def compute_actions(rank_ops: Sequence[Any]) -> list[tuple[int, str, int]]:
-    """One rank's torch actions (_Action, or None for an idle step) as (stage, kind F|B|I|W, micro-batch): fused
-    actions as their sub-actions, everything but compute dropped."""
+def compute_actions(rank_ops: Sequence[Any]) -> list[tuple[int, str, int, bool]]:
+    """One rank's torch actions (_Action, or None for an idle step) as (stage, kind F|B|I|W, micro-batch, fused
+    with the next): a fused action as its sub-actions, each but the last fused with the next (the runtime posts
+    their sends after the last), everything but compute dropped."""
     actions = []
     kinds = _compute_kinds()
     for op in rank_ops:
         if op is None:
             continue
-        for sub in op.sub_actions or (op,):
-            kind = kinds.get(sub.computation_type)
-            if kind is not None:
-                actions.append((sub.stage_index, kind, sub.microbatch_index))
+        subs = [(sub.stage_index, kind, sub.microbatch_index) for sub in op.sub_actions or (op,)
+                if (kind := kinds.get(sub.computation_type)) is not None]
+        actions.extend((*sub, k < len(subs) - 1) for k, sub in enumerate(subs))
     return actions
 
 

@@ -224,7 +224,8 @@ def _action_lists(
     from autotune import compat  # torch's private pipelining API, imported only when needed
 
     ops = compat.schedule_actions(schedule.value, pipeline_degree, n_microbatches, n_stages // pipeline_degree)
-    return tuple(tuple(Action(stage, kind, mb) for stage, kind, mb in rank_ops) for rank_ops in ops)  # type: ignore[arg-type]
+    return tuple(tuple(Action(stage, kind, mb, fused) for stage, kind, mb, fused in rank_ops)  # type: ignore[arg-type]
+                 for rank_ops in ops)
 
 
 def one_f_one_b(rank: int, pipeline_degree: int, n_microbatches: int) -> list[Action]:

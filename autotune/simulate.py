@@ -90,7 +90,11 @@ sends wait for their receives). The replay charges 0.6 ms a crossing post by its
 with the distance between the two posts, none from 0.2 ms apart (LinkModel.crossing_post_ms; not to 1F1B). Whole
 steps, the committed calibrations predicted again (--from-json, 13 model runs): mean step-time error 10.6 -> 8.2 %
 (with the two constants above; neither alone did it); a fresh calibration of the four bench models: MAPE 7.6-9.7 %
-(bench/results/calibration_models_1915.md), against 6.9-17.3 % (calibration_models_1530.md)."""
+(bench/results/calibration_models_1915.md), against 6.9-17.3 % (calibration_models_1530.md). The posts are placed
+where torch's runtime makes them: a fused pair's sends after its backward (ActionGraph.sent) and the multi-stage
+schedules' receives where _add_send_recv puts them (_receives_posted), not at the previous action's end; over the
+576 configurations of the committed calibrations (pp 2, every schedule) the mean step-time error went 8.2 -> 7.9 %,
+DualPipeV's 11.2 -> 9.7 % and ZBVZeroBubble's 9.0 -> 7.9 %."""
 CPU_COMPUTE_SLOWDOWN = 0.12
 """Profiled compute runs 11.6 % slower inside a two-rank pipelined step than timed alone (traced fit)."""
 CPU_STEP_OVERHEAD_MS = 0.8
@@ -637,7 +641,8 @@ def simulate_costs(
     # steady state (its own two-step replay below)
     if (link.crossing_post_ms and not across and c.schedule is not Schedule.ONE_F_ONE_B
             and not SCHEDULES[c.schedule].asynchronous):
-        extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms)
+        ahead = None if SCHEDULES[c.schedule].placement == "single" or actions is not None else _receives_posted(plan)
+        extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms, ahead)
         if extra is not None:
             dur = [d + e for d, e in zip(dur, extra)]
             finish = replay(plan, dur, xfer)
@@ -723,17 +728,30 @@ def simulate_costs(
     )
 
 
-def _crossing_posts(plan: ActionGraph, finish: list[float], cost_ms: float, window_ms: float) -> list[float] | None:
+def _crossing_posts(
+    plan: ActionGraph, finish: list[float], cost_ms: float, window_ms: float, posted: Sequence[int] | None = None
+) -> list[float] | None:
     """Per action, what its posts cost beyond message_overhead_ms because the rank at the other end posted to this
-    one at about the same moment (LinkModel.crossing_post_ms), by the replay's times (finish): a receive is posted
-    when the rank ends its previous action, a send when the action ends. None: no two posts cross."""
+    one at about the same moment (LinkModel.crossing_post_ms), by the replay's times (finish): a send when its action
+    ends (a fused run's last: ActionGraph.sent), a receive when the rank ends the action after which it is posted
+    (posted, torch's runtime: _receives_posted; None: the previous action, as torch's single-stage schedules post
+    theirs), charged to the rank's next action. None: no two posts cross."""
     n = len(plan.kind)
-    rank, dep, prev = plan.rank, plan.dep, plan.prev
+    rank, sent, prev = plan.rank, plan.sent, plan.prev
+    after = posted if posted is not None else prev
+    following = [-1] * (n + 1)  # per action (and -1: before the rank's first), the rank's next action
     posts: list[tuple[int, float, int]] = []  # (action, when, the other rank)
     for x in range(n):
         if plan.cross[x]:
-            posts.append((x, finish[prev[x]] if prev[x] >= 0 else 0.0, rank[dep[x]]))
-            posts.append((dep[x], finish[dep[x]], rank[x]))
+            p = after[x]
+            if p < 0:
+                ahead = plan.rank_actions[rank[x]][0]
+            else:
+                if following[p] < 0:
+                    following[p] = _next_on_rank(plan, p)
+                ahead = following[p]
+            posts.append((ahead, finish[p] if p >= 0 else 0.0, rank[sent[x]]))
+            posts.append((sent[x], finish[sent[x]], rank[x]))
     when: dict[tuple[int, int], list[float]] = {}
     for a, t, other in posts:
         when.setdefault((rank[a], other), []).append(t)
@@ -750,6 +768,12 @@ def _crossing_posts(plan: ActionGraph, finish: list[float], cost_ms: float, wind
                 extra[a] += cost_ms * (1.0 - near / window_ms)
                 crossed = True
     return extra if crossed else None
+
+
+def _next_on_rank(plan: ActionGraph, a: int) -> int:
+    """The action after a on its rank (a rank's action ids rise along its list); a itself if it is the last."""
+    ids = plan.rank_actions[plan.rank[a]]
+    return a + 1 if a + 1 <= ids[-1] else a
 
 
 def _durations(
@@ -795,7 +819,7 @@ def _replay_late_receives(
     waits until the receives of the sends torch waits for before it are posted, and a receive posted while its
     sender waits for it moves at once. first None: that first replay itself (gated; no wake)."""
     n = len(plan.kind)
-    prev, dep, own, cross, rank = plan.prev, plan.dep, plan.own, plan.cross, plan.rank
+    prev, dep, own, cross, rank = plan.prev, plan.sent, plan.own, plan.cross, plan.rank  # dep: when sent
     if first is not None and not any(cross[a] and first[prev[a]] > first[dep[a]] for a in range(n)):
         return first  # no receive posted late: the same replay again
     clock = _WakeClock(plan, dur, first, wake_ms) if first is not None else None
@@ -902,7 +926,7 @@ def _replay(
     receive posted after its send moved when the sender's collective thread wakes or the sender next calls into gloo
     (as _replay_late_receives inside a node)."""
     n = len(plan.kind)
-    prev, dep, own = plan.prev, plan.dep, plan.own
+    prev, dep, own = plan.prev, plan.sent, plan.own  # dep: the action whose end sends the tensor (ActionGraph.sent)
     # finish[-1] (one past the actions) stays 0.0: a missing dependency (-1) waits for nothing, without a branch
     # (an action without dep has no transfer, and every finish is >= 0).
     finish = [0.0] * (n + 1)
@@ -1063,11 +1087,13 @@ def _sent_first(plan: ActionGraph) -> dict[int, int]:
 @functools.lru_cache(maxsize=64)
 def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
     """Per action whose tensor crosses ranks, the action on its own rank after which torch's runtime posts the
-    receive (-1: before its first): torch's _add_send_recv walks the ranks in lock step, one compute action per rank
-    per round, and puts a receive in the receiving rank's list when the sender's action goes into the sender's."""
+    receive (-1: before its first): torch's _add_send_recv walks the ranks in lock step, one compute action (a fused
+    run, ActionGraph.fused_end, as one) per rank per round, and puts a receive in the receiving rank's list when the
+    sender's action goes into the sender's."""
     n = len(plan.kind)
     posted = [-1] * n
     receivers: list[list[int]] = [[] for _ in range(n)]
+    run_end = plan.fused_end
     for a in range(n):
         if plan.cross[a]:
             receivers[plan.dep[a]].append(a)
@@ -1081,14 +1107,17 @@ def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
             if head[r] >= len(ids):
                 continue
             a = ids[head[r]]
-            if plan.dep[a] >= 0 and not done[plan.dep[a]]:
+            run = range(a, run_end[a] + 1)
+            if any(plan.dep[x] >= 0 and not done[plan.dep[x]] for x in run):
                 continue
-            done[a] = 1
-            head[r] += 1
-            last[r] = a
+            for x in run:
+                done[x] = 1
+            head[r] += len(run)
+            last[r] = run[-1]
             moved = True
-            for x in receivers[a]:
-                posted[x] = last[plan.rank[x]]
+            for y in run:
+                for x in receivers[y]:
+                    posted[x] = last[plan.rank[x]]
     return tuple(posted)  # cached: shared by every simulation of the graph
 
 

@@ -4,6 +4,7 @@ check warns outside the tested range, and no other module of the package names a
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import warnings
 from pathlib import Path
@@ -66,9 +67,13 @@ def test_skipping_torchs_lowering_gives_torchs_own_lists(schedule):
         n_stages = pp * default_stages_per_rank(schedule)
         reference = _schedule_visualizer.get_schedule_ops(schedule.value, pp, m, num_stages_per_rank=n_stages // pp)
         lists = action_lists(schedule, pp, m, n_stages)
-        assert [[(a.stage, a.kind, a.microbatch) for a in rank] for rank in lists] == [
+        assert [[(a.stage, a.kind, a.microbatch, a.fused_with_next) for a in rank] for rank in lists] == [
             compat.compute_actions(r) for r in reference
         ]
+    # DualPipeV's OVERLAP_F_B pairs: the forward fused with the backward after it
+    fused = [(a, b) for rank in lists for a, b in itertools.pairwise(rank) if a.fused_with_next]
+    assert bool(fused) == (schedule is Schedule.DUAL_PIPE_V)
+    assert all(a.kind == "F" and b.kind == "B" for a, b in fused)
 
 
 def test_one_stand_in_stage_serves_every_schedule():

@@ -297,7 +297,8 @@ def test_across_nodes_one_way_tensors_go_in_the_order_they_were_ready_not_the_or
 
 
 @pytest.mark.parametrize("schedule, pp, m", [(Schedule.V_HALF, 2, 4), (Schedule.INTERLEAVED_1F1B, 2, 4),
-                                             (Schedule.ZBV_ZERO_BUBBLE, 2, 6), (Schedule.LOOPED_BFS, 3, 6)])
+                                             (Schedule.ZBV_ZERO_BUBBLE, 2, 6), (Schedule.LOOPED_BFS, 3, 6),
+                                             (Schedule.DUAL_PIPE_V, 2, 8), (Schedule.DUAL_PIPE_V, 4, 8)])
 def test_receives_are_posted_where_torchs_runtime_puts_them(schedule, pp, m):
     """Across nodes a runtime schedule's transfer starts no earlier than its receive is posted (gloo moves no byte
     before), and torch's _add_send_recv decides where each receive sits in the receiving rank's list."""
@@ -314,9 +315,18 @@ def test_receives_are_posted_where_torchs_runtime_puts_them(schedule, pp, m):
     graph = compiled_graph(schedule, pp, m, n_stages)
     where = {(graph.stage[a], graph.kind[a], graph.microbatch[a]): a for a in range(len(graph.kind))}
     to_rank = dict(enumerate(graph.stage_rank))
+    def torch_actions(actions):  # DualPipeV's fused pairs as torch's OVERLAP_F_B
+        out, run = [], []
+        for a in actions:
+            run.append(torch_schedules._Action(a.stage, getattr(ctype, kinds[a.kind]), a.microbatch))
+            if not a.fused_with_next:
+                out.append(run[0] if len(run) == 1 else
+                           torch_schedules._Action(-1, ctype.OVERLAP_F_B, None, tuple(run)))
+                run = []
+        return out
+
     with_comms = torch_schedules._add_send_recv(
-        {r: [torch_schedules._Action(a.stage, getattr(ctype, kinds[a.kind]), a.microbatch) for a in actions]
-         for r, actions in enumerate(lists)}, to_rank.__getitem__, n_stages)
+        {r: torch_actions(actions) for r, actions in enumerate(lists)}, to_rank.__getitem__, n_stages)
     names = {getattr(ctype, name): letter for letter, name in kinds.items()}
     posted = _receives_posted(graph)
     checked = 0
@@ -324,8 +334,9 @@ def test_receives_are_posted_where_torchs_runtime_puts_them(schedule, pp, m):
         last = -1
         for act in actions:
             kind = act.computation_type
-            if kind in names:
-                last = where[(act.stage_index, names[kind], act.microbatch_index)]
+            if kind in names or act.sub_actions:
+                act = act.sub_actions[-1] if act.sub_actions else act  # a fused pair: its receives come after both
+                last = where[(act.stage_index, names[act.computation_type], act.microbatch_index)]
             elif kind in (ctype.RECV_F, ctype.RECV_B):
                 backward = kind == ctype.RECV_B
                 receiver = where.get((act.stage_index, "B" if backward else "F", act.microbatch_index))

@@ -230,6 +230,11 @@ def test_a_post_crossing_one_of_the_other_rank_costs_more_by_how_close_they_are(
     finish = [1.0, 3.0, 6.0, 8.0, 2.0, 4.0, 5.95, 7.0, 0.0]
     extra = _crossing_posts(plan, finish, 1.0, 0.2)
     assert extra == pytest.approx([0, 0, 0.75, 0.75, 0, 0, 0.75, 0.75])
+    # torch's runtime posts receives ahead (_receives_posted): B0's after F2 (at 3.0, charged to B2, the action
+    # after), where no post of rank 1 is near; the rest as before
+    posted = [-1, 0, 1, 1, -1, 4, -1, 6]
+    extra = _crossing_posts(plan, finish, 1.0, 0.2, posted)
+    assert extra == pytest.approx([0, 0, 0.75, 0, 0, 0, 0.75, 0.75])
     finish[6] = 5.5  # apart: nothing
     assert _crossing_posts(plan, finish, 1.0, 0.2) is None
 
@@ -245,6 +250,21 @@ def test_crossing_posts_are_charged_to_every_schedule_but_1f1b():
     for c in (candidate(Schedule.GPIPE, 2, 4, [2, 2]), candidate(Schedule.LOOPED_BFS, 2, 4, [1, 1, 1, 1])):
         assert simulate(prof, c, link=crossing).step_time_ms > simulate(prof, c, link=FREE).step_time_ms
     assert LinkModel.for_device("cuda").crossing_post_ms == 0.0
+
+
+def test_a_forward_fused_with_a_backward_sends_after_both():
+    """torch runs DualPipeV's OVERLAP_F_B as its forward, then its backward, and posts both one's sends after the
+    backward (_add_send_recv): the next stage's forward waits for the end of the pair, not of the forward."""
+    prof = profile_of(layer(f=1, b=2), layer(f=1, b=2))
+    c = candidate(Schedule.GPIPE, 2, 2, [1, 1])
+    ranks = [[Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)],
+             [Action(1, "F", 0), Action(1, "B", 0), Action(1, "F", 1), Action(1, "B", 1)]]
+    # 0F0 0-1, 0F1 1-2, 1F0 1-2, 1B0 2-4, 0B0 4-6, 1F1 4-5 (0F1's tensor there at 2), 1B1 5-7, 0B1 7-9
+    assert simulate(prof, c, link=FREE, actions=ranks).step_time_ms == pytest.approx(9.0)
+    ranks[0][1] = Action(0, "F", 1, fused_with_next=True)
+    # 0F1's tensor leaves when 0B0 ends (6): 1F1 6-7, 1B1 7-9, 0B1 9-11
+    assert simulate(prof, c, link=FREE, actions=ranks).step_time_ms == pytest.approx(11.0)
+    assert ranks[0][1] == Action(0, "F", 1)  # the same action, run another way
 
 
 def test_held_activations_slow_each_backward_by_what_the_rank_holds():
