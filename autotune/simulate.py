@@ -739,17 +739,11 @@ def _crossing_posts(
     n = len(plan.kind)
     rank, sent, prev = plan.rank, plan.sent, plan.prev
     after = posted if posted is not None else prev
-    following = [-1] * (n + 1)  # per action (and -1: before the rank's first), the rank's next action
     posts: list[tuple[int, float, int]] = []  # (action, when, the other rank)
     for x in range(n):
         if plan.cross[x]:
             p = after[x]
-            if p < 0:
-                ahead = plan.rank_actions[rank[x]][0]
-            else:
-                if following[p] < 0:
-                    following[p] = _next_on_rank(plan, p)
-                ahead = following[p]
+            ahead = _next_on_rank(plan, p) if p >= 0 else plan.rank_actions[rank[x]][0]
             posts.append((ahead, finish[p] if p >= 0 else 0.0, rank[sent[x]]))
             posts.append((sent[x], finish[sent[x]], rank[x]))
     when: dict[tuple[int, int], list[float]] = {}
