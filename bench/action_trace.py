@@ -149,10 +149,11 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
     finally:
         simulator._send_gates = gates
     uncrossed = simulate(profile, candidate, link=replace(link, crossing_post_ms=0.0))
-    # the profile's compute alone: no overheads, no slowdown, sends not on the rank
+    # the profile's compute alone: no overheads, no slowdown, sends not on the rank, no crossing posts (the replay
+    # adds their charge to the action's duration)
     bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
                                                      held_activation_ms_per_mib=0.0, compute_slowdown=0.0,
-                                                     sends_on_rank=False))
+                                                     sends_on_rank=False, crossing_post_ms=0.0))
     sim_compute = collections.defaultdict(float)
     for event in bare.timeline:
         sim_compute[event.rank] += event.end_ms - event.start_ms
