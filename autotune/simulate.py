@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import accumulate, pairwise
@@ -88,12 +89,10 @@ over 1 ms (medians 2.4-3.4 ms), 0.36-0.74 ms per such post (GPipe m8 0.71, Loope
 0.47, VHalf m8 0.63, DualPipeV m16 0.36); of the other posts 0-3 %; 1F1B m8's posts never came that close (its
 sends wait for their receives). Behind a light first stage 1F1B's do (bench/results/action_trace_1f1b_embed_mlp.md:
 embed_mlp [1-4] m4 and m8: 15 of 36 and 42 of 98 over 1 ms, 1.1 and 1.4 ms per crossing post, and the two
-predicted 30 and 37 % under; none on [1-4] m2 and [3-2] m8, within 5 %). 1F1B stays uncharged all the same: charging
-it by the replay found those crossings (m4 12.1 -> 14.4 ms) but moved 1F1B's error over the 840 configurations of
-the committed calibrations only 8.2 -> 7.9 %, and on 96 equal tiny layers (8 ranks) the even split's posts all
-align in the replay, so the planner took [12-12-12-8-16-12-12-12] for a 3 % the term made up
-(tests/unit/test_partition.py). The replay charges 0.6 ms a crossing post by its own times, weighted down linearly
-with the distance between the two posts, none from 0.2 ms apart (LinkModel.crossing_post_ms; not to 1F1B). Whole
+predicted 30 and 37 % under; none on [1-4] m2 and [3-2] m8, within 5 %). The replay charges 0.6 ms a crossing post
+by its own times, weighted down linearly with the distance between the two posts, none from 0.2 ms apart, in
+expectation over the posts' jitter about the replay's times (CROSSING_POST_JITTER_CPU_MS; LinkModel.crossing_post_ms,
+_crossing_share), to every synchronous schedule, 1F1B included since the jitter (see there). Whole
 steps, the committed calibrations predicted again (--from-json, 13 model runs): mean step-time error 10.6 -> 8.2 %
 (with the two constants above; neither alone did it); a fresh calibration of the four bench models: MAPE 7.6-9.7 %
 (bench/results/calibration_models_1915.md), against 6.9-17.3 % (calibration_models_1530.md). The posts are placed
@@ -101,6 +100,18 @@ where torch's runtime makes them: a fused pair's sends after its backward (Actio
 schedules' receives where _add_send_recv puts them (_receives_posted), not at the previous action's end; over the
 576 configurations of the committed calibrations (pp 2, every schedule) the mean step-time error went 8.2 -> 7.9 %,
 DualPipeV's 11.2 -> 9.7 % and ZBVZeroBubble's 9.0 -> 7.9 %."""
+CROSSING_POST_JITTER_CPU_MS = 0.1
+"""How far a post's moment strays from the replay's (the spread of a normal): the replay places posts to the
+microsecond, the runtime's wander by about an action's overhead (CPU_PER_ACTION_OVERHEAD_MS), and the crossing share
+is taken in expectation over it (_crossing_share). Without it the share's triangle slopes at 1 / window from an exact
+alignment, which the replay makes wherever ranks' stages are equal: 1F1B was left uncharged because charging it made
+the planner buy a 3 % the term made up with an uneven split on 96 equal tiny layers over 8 ranks (a step of 8.2 ms
+then 27.8; [12-12-12-8-16-12-12-12] + checkpointing first, tests/unit/test_partition.py). With 0.1 ms the even split
+is first again (23.3 ms, the uneven ones within 0.05 %), and 1F1B is charged. Over the 840 configurations of the
+committed calibrations (bench/calibrate.py --from-json, every schedule, the recipes and the four bench models) the
+mean step-time error went 7.73 -> 7.46 % (1F1B's 7.9 -> 7.5, DualPipeV's 10.8 -> 9.3 %); the 13-layer MLP's in the
+headline calibration 11.4 -> 9.5 % (its 1F1B m8 -20 -> -1 %, DualPipeV m32 +61 -> +30 %). Swept: 0.05 ms 7.53 %,
+0.15 ms 7.69 %, 0.2 ms 7.86 %, 0.3 ms 8.36 %."""
 CPU_COMPUTE_SLOWDOWN = 0.12
 """Profiled compute runs 11.6 % slower inside a two-rank pipelined step than timed alone (traced fit)."""
 CPU_STEP_OVERHEAD_MS = 0.8
@@ -251,6 +262,9 @@ class LinkModel:
     from posts within crossing_post_window_ms of it (CPU: CROSSING_POST_CPU_MS); 0 where it was not seen (cuda)."""
     crossing_post_window_ms: float = 0.1
     """How close two ranks' posts to each other must be for crossing_post_ms."""
+    crossing_post_jitter_ms: float = 0.0
+    """How far a post's moment strays from the replay's (a normal spread), for crossing_post_ms: the share a post
+    pays is the expectation over it (_crossing_share). CPU: CROSSING_POST_JITTER_CPU_MS."""
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -284,6 +298,7 @@ class LinkModel:
                     "sends_on_rank": True, "late_receives_wake": True,
                     "tensor_parallel_efficiency": 1.0, "tensor_parallel_overhead_ms": TP_CPU_OVERHEAD_MS,
                     "crossing_post_ms": CROSSING_POST_CPU_MS, "crossing_post_window_ms": CROSSING_POST_WINDOW_CPU_MS,
+                    "crossing_post_jitter_ms": CROSSING_POST_JITTER_CPU_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
                     "all_gather_passes": 2, "reduce_scatter_passes": 3, "reduce_scatter_passes_across_nodes": 2,
@@ -642,14 +657,13 @@ def simulate_costs(
         return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms, gated=gated)
 
     finish = replay(plan, dur, xfer)
-    # Two ranks posting to each other at once (LinkModel.crossing_post_ms), inside a node, by this replay's times:
-    # not 1F1B, whose sends wait for their receives (its posts cross only behind a light first stage, and charging
-    # them made the planner chase the replay's exact alignments: CROSSING_POST_CPU_MS), nor 2BW's steady state (its
-    # own two-step replay below)
-    if (link.crossing_post_ms and not across and c.schedule is not Schedule.ONE_F_ONE_B
+    # Two ranks posting to each other at once (LinkModel.crossing_post_ms), inside a node, by this replay's times;
+    # not 2BW's steady state (its own two-step replay below)
+    if (link.crossing_post_ms and not across
             and not SCHEDULES[c.schedule].asynchronous):
         ahead = None if SCHEDULES[c.schedule].placement == "single" or actions is not None else _receives_posted(plan)
-        extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms, ahead)
+        extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms, ahead,
+                                link.crossing_post_jitter_ms)
         if extra is not None:
             dur = [d + e for d, e in zip(dur, extra)]
             finish = replay(plan, dur, xfer)
@@ -736,13 +750,15 @@ def simulate_costs(
 
 
 def _crossing_posts(
-    plan: ActionGraph, finish: list[float], cost_ms: float, window_ms: float, posted: Sequence[int] | None = None
+    plan: ActionGraph, finish: list[float], cost_ms: float, window_ms: float, posted: Sequence[int] | None = None,
+    jitter_ms: float = 0.0,
 ) -> list[float] | None:
     """Per action, what its posts cost beyond message_overhead_ms because the rank at the other end posted to this
     one at about the same moment (LinkModel.crossing_post_ms), by the replay's times (finish): a send when its action
     ends (a fused run's last: ActionGraph.sent), a receive when the rank ends the action after which it is posted
     (posted, torch's runtime: _receives_posted; None: the previous action, as torch's single-stage schedules post
-    theirs), charged to the rank's next action. None: no two posts cross."""
+    theirs), charged to the rank's next action; weighted by _crossing_share of the distance to the other rank's
+    nearest post. None: no two posts cross."""
     n = len(plan.kind)
     rank, sent, prev = plan.rank, plan.sent, plan.prev
     after = posted if posted is not None else prev
@@ -764,11 +780,32 @@ def _crossing_posts(
         times = when.get((other, rank[a]))
         if times:
             k = bisect.bisect_left(times, t)  # the nearest is times[k - 1] or times[k]
-            near = min((abs(times[j] - t) for j in (k - 1, k) if 0 <= j < len(times)), default=window_ms)
-            if near < window_ms:
-                extra[a] += cost_ms * (1.0 - near / window_ms)
+            near = min((abs(times[j] - t) for j in (k - 1, k) if 0 <= j < len(times)), default=window_ms * 9)
+            share = _crossing_share(near, window_ms, jitter_ms)
+            if share > 0:
+                extra[a] += cost_ms * share
                 crossed = True
     return extra if crossed else None
+
+
+def _crossing_share(offset_ms: float, window_ms: float, jitter_ms: float) -> float:
+    """The share of crossing_post_ms a post pays when the other rank's nearest post is offset_ms from it by the
+    replay's times: 1 - |d| / window where |d| < window, d = offset + e, expected over e ~ N(0, jitter_ms^2), the
+    posts' own jitter about the replay's times (LinkModel.crossing_post_jitter_ms). The triangle alone (jitter 0)
+    slopes at 1 / window right from d = 0, so the replay's exact alignments (equal layers, tiny steps) were charged
+    in full and a planner could buy its way out of them with a few microseconds of imbalance; with the jitter the
+    share is flat about 0 and the total over all offsets stays the triangle's."""
+    if jitter_ms <= 0:
+        return max(0.0, 1.0 - offset_ms / window_ms)
+    if offset_ms >= window_ms + 6 * jitter_ms:
+        return 0.0
+
+    def ramp(x: float) -> float:  # E[max(0, x + e)]
+        z = x / jitter_ms
+        return x * 0.5 * math.erfc(-z / math.sqrt(2)) + jitter_ms * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+    # the triangle is (ramp(d + w) - 2 ramp(d) + ramp(d - w)) / w for ramp(x) = max(0, x); so is its expectation
+    return max(0.0, (ramp(offset_ms + window_ms) - 2 * ramp(offset_ms) + ramp(offset_ms - window_ms)) / window_ms)
 
 
 def _next_on_rank(plan: ActionGraph, a: int) -> int:
