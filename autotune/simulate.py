@@ -259,7 +259,8 @@ class LinkModel:
     to back behind the first)."""
     crossing_post_ms: float = 0.0
     """What a send or receive post costs on average beyond message_overhead_ms when the rank it goes to or comes
-    from posts within crossing_post_window_ms of it (CPU: CROSSING_POST_CPU_MS); 0 where it was not seen (cuda)."""
+    from posts at the same moment, weighted down with the distance (_crossing_share: crossing_post_window_ms,
+    crossing_post_jitter_ms; CPU: CROSSING_POST_CPU_MS); 0 where it was not seen (cuda)."""
     crossing_post_window_ms: float = 0.1
     """How close two ranks' posts to each other must be for crossing_post_ms."""
     crossing_post_jitter_ms: float = 0.0
@@ -780,7 +781,7 @@ def _crossing_posts(
         times = when.get((other, rank[a]))
         if times:
             k = bisect.bisect_left(times, t)  # the nearest is times[k - 1] or times[k]
-            near = min((abs(times[j] - t) for j in (k - 1, k) if 0 <= j < len(times)), default=window_ms * 9)
+            near = min(abs(times[j] - t) for j in (k - 1, k) if 0 <= j < len(times))
             share = _crossing_share(near, window_ms, jitter_ms)
             if share > 0:
                 extra[a] += cost_ms * share
