@@ -306,7 +306,7 @@ def search_summary(outcome: Any) -> dict[str, Any]:
 def render_search(result: Any, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    table = Table(title="fastest configurations (median over every run)")
+    table = Table(title="fastest configurations (median over every run; those re-run side by side first)")
     for column in ("#", "candidate", "step ms", "samples/s", "runs"):
         table.add_column(column, justify="right" if column != "candidate" else "left")
     for i, leader in enumerate(result.leaders[:5], start=1):

@@ -593,6 +593,6 @@ def search_history(records: Sequence[TrialRecord], chosen: Candidate | None) -> 
         "Every trial in the order the study asked it. Filled dots are real runs, hollow ones repeats the search did "
         "not launch again; grey crosses are candidates pruned by the simulator, drawn at their predicted throughput; "
         "out-of-memory, error and timeout trials sit below zero. The green line is the best single run so far; the "
-        "final choice is the best *median* after the leaders are re-run side by side."
+        "final choice is the best *median* among the leaders re-run side by side."
     )
     return _image("search_history", "Search history", caption, figure, width, height)

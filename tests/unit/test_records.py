@@ -40,6 +40,24 @@ def test_the_best_trial_is_a_run_of_the_best_median_not_the_fastest_single_run()
     assert summary.launched == 5 and not summary.too_noisy
 
 
+C = Candidate(schedule=Schedule.INTERLEAVED_1F1B, pipeline_degree=2, global_batch_size=32, n_microbatches=4,
+              layers_per_stage=(2, 2, 2, 2))
+
+
+def test_the_best_is_chosen_among_the_leaders_re_run_side_by_side():
+    # the skewed MLP's miss: C ran once in a quiet minute and was fourth; A and B were re-run in a busier one
+    runs = {A.key: [run(A, 11.5), run(A, 13.9)], B.key: [run(B, 11.4), run(B, 16.5)], C.key: [run(C, 12.6)]}
+    records = [record(0, A, 11.5), record(1, B, 11.4), record(2, C, 12.6)]
+    assert summarize(records, runs).best.candidate == C  # no side-by-side runs: the fastest median of all
+    rerun = [dataclasses.replace(record(3, B, 16.5), phase="remeasure"),
+             dataclasses.replace(record(4, A, 13.9), phase="remeasure")]
+    summary = summarize(records + rerun, runs)
+    assert [leader.candidate for leader in summary.leaders] == [A, B, C]
+    assert summary.best.candidate == A and summary.best.step_time_ms == 12.7 and summary.best_trial == 0
+    # one leader re-run (the budget or a Ctrl-C cut the round short) is no side-by-side comparison
+    assert summarize(records + rerun[1:], runs).best.candidate == C
+
+
 def test_nothing_ran_ok():
     failed = Measurement(candidate=A, status="oom")
     summary = summarize([record(0, A, None, "oom")], {A.key: [failed]})
