@@ -299,6 +299,16 @@ def open_search_storage(url: str, options: SearchOptions) -> StudyStorage:
 ANNOUNCE_STEP = 0.05
 """A fitted compute slowdown this far from the last one announced gets a progress line."""
 
+def remeasure_reserve(n_trials: int, top: int) -> int:
+    """Trials kept from exploring for re-running the leaders side by side: a third of the budget, up to two rounds
+    of the top; a quarter, up to one round, of a budget under 6. The planner's seeds held the side-by-side best in
+    each of 24 searches of three bench models (bench/results/choice_rule.md); where searches missed it was in the
+    choice among leaders 4 % apart, a step's noise on a busy machine."""
+    if n_trials >= 6:
+        return min(2 * top, n_trials // 3)
+    return min(top, n_trials // 4)
+
+
 MIN_IDLE_ASKS = 10
 """Asks that run nothing a search allows itself before it stops exploring, whatever its budget (a 3-trial search
 stopped after 3 pruned asks, leaving its budget to re-runs)."""
@@ -434,7 +444,7 @@ class _Engine:
         pruned by simulation, repeats of a measured one) are cheap but not free: at most max(n_trials, MIN_IDLE_ASKS)
         of them, and the sampler is stopped once it proposes max(5, n_trials // 2) repeats with no new run between
         them: it only repeats what it knows."""
-        reserve = min(self.options.remeasure_top, max(0, self.options.n_trials // 4))
+        reserve = remeasure_reserve(self.options.n_trials, self.options.remeasure_top)
         idle = repeats = 0
         max_idle = max(self.options.n_trials, MIN_IDLE_ASKS)
         patience = max(5, self.options.n_trials // 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import sys
 import tempfile
@@ -73,17 +74,40 @@ def grid(n_layers: int, gpus: int, batch_size: int) -> list[Candidate]:
     return out
 
 
-def side_by_side(spec, candidates: dict[str, Candidate], rounds: int, options: TrialOptions) -> dict[str, float]:
-    """Median step time of each, measured in turn (A B C A B C ...) so drift hits all alike. Names of one candidate
-    (a search that chose the grid's best) share its runs: the same config is not compared with itself."""
+def side_by_side(
+    spec, candidates: dict[str, Candidate], rounds: int, options: TrialOptions
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Median step time of each, measured in turn (A B C A B C ...) so drift hits all alike, and every round's
+    times by candidate key. Names of one candidate (a search that chose the grid's best) share its runs: the same
+    config is not compared with itself."""
     distinct = {c.key: c for c in candidates.values()}
-    times: dict[str, list[float]] = {key: [] for key in distinct}
+    by_round: list[dict[str, float]] = []
     for _ in range(rounds):
+        this: dict[str, float] = {}
         for key, candidate in distinct.items():
             m = run_trial(spec, candidate, options)
             if m.status == "ok" and m.step_time_ms:
-                times[key].append(m.step_time_ms)
-    return {name: statistics.median(times[c.key]) for name, c in candidates.items() if times[c.key]}
+                this[key] = m.step_time_ms
+        by_round.append(this)
+    times = {key: [r[key] for r in by_round if key in r] for key in distinct}
+    return {name: statistics.median(times[c.key]) for name, c in candidates.items() if times[c.key]}, by_round
+
+
+def quality_interval(
+    by_round: list[dict[str, float]], best: str, chosen: str, draws: int = 2000
+) -> tuple[float, float]:
+    """90 % interval of median(best) / median(chosen), the rounds resampled with replacement (a round's runs are
+    taken together, so they are drawn together): how far the side-by-side rounds can tell the two apart."""
+    rng = random.Random(0)
+    rounds = [r for r in by_round if best in r and chosen in r]
+    if best == chosen or not rounds:
+        return (1.0, 1.0)
+    ratios = []
+    for _ in range(draws):
+        sample = [rng.choice(rounds) for _ in rounds]
+        ratios.append(statistics.median(r[best] for r in sample) / statistics.median(r[chosen] for r in sample))
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
 def compute_per_rank_ms(profile, candidate: Candidate) -> float:
@@ -158,12 +182,13 @@ def main() -> None:
         contenders.setdefault(tuned.key, tuned)
         uniform = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages))
         contenders.setdefault(uniform.key, uniform)
-    medians = side_by_side(spec, contenders, args.rounds, options)
+    medians, by_round = side_by_side(spec, contenders, args.rounds, options)
 
     for s in searches:
         tuned = s["tuned"]
         uniform_key = replace(tuned, layers_per_stage=uniform_split(spec.n_layers, tuned.n_stages)).key
         s["quality"] = medians["grid best"] / medians[tuned.key]
+        s["quality_interval"] = quality_interval(by_round, grid_best.key, tuned.key)
         s["cost"] = s["wall"] / grid_wall
         s["gain"] = medians["rule-of-thumb default"] / medians[tuned.key]
         s["balance_gain"] = medians[uniform_key] / medians[tuned.key]
@@ -208,7 +233,8 @@ def main() -> None:
         ],
     ]
     per_search = [
-        [s["seed"], s["tuned"].key, s["quality"], s["cost"], s["gain"], s["balance_gain"], s["rank_in_grid"],
+        [s["seed"], s["tuned"].key, s["quality"], "{:.3f}-{:.3f}".format(*s["quality_interval"]), s["cost"],
+         s["gain"], s["balance_gain"], s["rank_in_grid"],
          s["launched"], s["records"], s["wall"], fit_text(s["fit"])]
         for s in searches
     ]
@@ -224,7 +250,8 @@ def main() -> None:
         tables={
             "summary": _results.markdown_table(["measure", "value", "target", "status"], summary),
             "each search": _results.markdown_table(
-                ["seed", "choice", "quality", "cost", "gain", "split gain", "rank in grid's single runs",
+                ["seed", "choice", "quality", "quality's 90 % interval (rounds resampled)", "cost", "gain",
+                 "split gain", "rank in grid's single runs",
                  "launched", "records (incl. pruned)", "wall s (incl. profile, plan)",
                  "compute fitted at the end (mean error of its runs' predictions)"],
                 per_search,
@@ -255,6 +282,7 @@ def main() -> None:
             "searches": [{k: (v.key if isinstance(v, Candidate) else v) for k, v in s.items() if k != "profile"}
                          for s in searches],
             "medians_ms": medians,
+            "side_by_side_rounds_ms": by_round,
             "contenders": {k: c.key for k, c in contenders.items()},
             "grid": [
                 {"candidate": m.candidate.key, "status": m.status, "step_time_ms": m.step_time_ms} for m in measured

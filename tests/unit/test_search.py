@@ -16,7 +16,7 @@ from autotune.errors import UsageError
 from autotune.model_file import load_model_file
 from autotune.plan import plan
 from autotune.schedules import Schedule
-from autotune.search import SearchOptions, SearchSpace, rule_of_thumb, run_search
+from autotune.search import SearchOptions, SearchSpace, remeasure_reserve, rule_of_thumb, run_search
 from autotune.search_space import _shifted
 from autotune.simulate import simulate
 from tests.conftest import RECIPES
@@ -103,6 +103,14 @@ def test_no_extra_rerun_when_the_measured_leaders_are_the_predicted_fastest(spec
     result = search(spec, tmp_path, SimulatedRunner(), n_trials=12)
     remeasured = {r.candidate.key for r in result.records if r.phase == "remeasure"}
     assert len(remeasured) <= 3
+
+
+def test_a_third_of_the_budget_re_runs_the_leaders_in_up_to_two_rounds(spec, tmp_path):
+    assert [remeasure_reserve(n, 3) for n in (3, 4, 5, 6, 12, 20, 50)] == [0, 1, 1, 2, 4, 6, 6]
+    result = search(spec, tmp_path, SimulatedRunner(), n_trials=12)
+    reruns = [r for r in result.records if r.phase == "remeasure" and r.launched]
+    assert len(reruns) >= 4 and sum(r.launched for r in result.records) == 12
+    assert len({r.candidate.key for r in reruns}) >= 2  # side by side: the choice is made among them
 
 
 def test_failed_trials_are_recorded_and_the_search_goes_on(spec, tmp_path):
