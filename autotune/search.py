@@ -299,6 +299,7 @@ def open_search_storage(url: str, options: SearchOptions) -> StudyStorage:
 ANNOUNCE_STEP = 0.05
 """A fitted compute slowdown this far from the last one announced gets a progress line."""
 
+
 def remeasure_reserve(n_trials: int, top: int) -> int:
     """Trials kept from exploring for re-running the leaders side by side: a third of the budget, up to two rounds
     of the top; a quarter, up to one round, of a budget under 6. The planner's seeds held the side-by-side best in
