@@ -7,8 +7,10 @@
    bench/tuning.py result) the grid's five fastest single runs, run in turn --rounds times (A B C A B C ...); medians.
 3. Rules, each applied to every search's recorded runs (the runs do not depend on the rule: it only picks among
    them once the search is over), scored as truth's best / truth of the rule's pick:
-   - all runs: the fastest median over every run of a candidate (autotune before 2026-11-29);
-   - re-run first: the same, among the leaders re-run side by side when two or more were (autotune.records);
+   - all runs: the fastest median over every run of a candidate (autotune.records.leaders_of; autotune before
+     2026-11-29);
+   - re-run first: the same, among the leaders re-run side by side when two or more were (autotune.records.summarize,
+     what autotune chooses now);
    - re-runs only: the fastest median of the side-by-side re-runs alone;
    - drift-corrected: log time = candidate + drift, the drift a running median (5 runs) of the residuals.
 
@@ -30,6 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
+from autotune.candidate import Candidate, Measurement  # noqa: E402
+from autotune.records import TrialRecord, leaders_of, summarize  # noqa: E402
+from autotune.schedules import Schedule  # noqa: E402
+
 Run = tuple[str, str, float]
 """(phase, candidate key, median step ms) of one launched run, in run order."""
 
@@ -42,25 +48,40 @@ def medians(runs: list[Run], keep: Callable[[Run], bool] = lambda r: True) -> di
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def all_runs(runs: list[Run]) -> str:
-    m = medians(runs)
-    return min(m, key=m.__getitem__)
+def candidate_of(key: str, gpus: int, batch_size: int) -> Candidate:
+    """A key of this bench's space (pp = gpus, dp = 1, no checkpointing, float32 wire): Schedule/mM/[a-b-...]."""
+    schedule, m, split = key.split("/")
+    return Candidate(schedule=Schedule(schedule), pipeline_degree=gpus, global_batch_size=batch_size,
+                     n_microbatches=int(m[1:]), layers_per_stage=tuple(int(x) for x in split.strip("[]").split("-")))
 
 
-def rerun_first(runs: list[Run]) -> str:
-    rerun = {key for phase, key, _ in runs if phase == "remeasure"}
-    if len(rerun) < 2:
-        return all_runs(runs)
-    m = medians(runs, lambda r: r[1] in rerun)
-    return min(m, key=m.__getitem__)
+def as_search(runs: list[Run], gpus: int, batch_size: int) -> tuple[list[TrialRecord], dict[str, list[Measurement]]]:
+    """The recorded runs as autotune.records takes them: a record per run, the measurements by candidate key."""
+    records, measured = [], {}
+    for number, (phase, key, ms) in enumerate(runs):
+        candidate = candidate_of(key, gpus, batch_size)
+        records.append(TrialRecord(number=number, candidate=candidate, outcome="ok", reason="", step_time_ms=ms,
+                                   phase=phase, launched=True))
+        measured.setdefault(key, []).append(Measurement(candidate=candidate, status="ok", step_time_ms=ms))
+    return records, measured
 
 
-def reruns_only(runs: list[Run]) -> str:
+def all_runs(runs: list[Run], gpus: int, batch_size: int) -> str:
+    return leaders_of(as_search(runs, gpus, batch_size)[1])[0].candidate.key
+
+
+def rerun_first(runs: list[Run], gpus: int, batch_size: int) -> str:
+    summary = summarize(*as_search(runs, gpus, batch_size))
+    assert summary.best is not None
+    return summary.best.candidate.key
+
+
+def reruns_only(runs: list[Run], gpus: int, batch_size: int) -> str:
     m = medians(runs, lambda r: r[0] == "remeasure")
-    return min(m, key=m.__getitem__) if len(m) >= 2 else all_runs(runs)
+    return min(m, key=m.__getitem__) if len(m) >= 2 else all_runs(runs, gpus, batch_size)
 
 
-def drift_corrected(runs: list[Run], window: int = 2, rounds: int = 5) -> str:
+def drift_corrected(runs: list[Run], gpus: int, batch_size: int, window: int = 2, rounds: int = 5) -> str:
     runs = [r for r in runs if r[0] != "default"]
     logs = [math.log(t) for _, _, t in runs]
     keys = [k for _, k, _ in runs]
@@ -72,7 +93,7 @@ def drift_corrected(runs: list[Run], window: int = 2, rounds: int = 5) -> str:
     return min(level, key=level.__getitem__)
 
 
-RULES: dict[str, Callable[[list[Run]], str]] = {
+RULES: dict[str, Callable[[list[Run], int, int], str]] = {
     "all runs (before)": all_runs,
     "re-run first (autotune)": rerun_first,
     "re-runs only": reruns_only,
@@ -81,9 +102,7 @@ RULES: dict[str, Callable[[list[Run]], str]] = {
 
 
 def record(args: argparse.Namespace) -> dict:
-    from autotune.candidate import Candidate
     from autotune.model_file import load_model_file
-    from autotune.schedules import Schedule
     from autotune.trial import TrialOptions, run_trial
     from autotune.tune import TuneRequest, tune
 
@@ -114,10 +133,7 @@ def record(args: argparse.Namespace) -> dict:
         grid = json.loads(Path(args.grid_json).read_text())["grid"]
         ok = sorted((g for g in grid if g["status"] == "ok"), key=lambda g: g["step_time_ms"])[:5]
         for g in ok:
-            schedule, m, split = g["candidate"].split("/")  # the grid's keys are plain: Schedule/mM/[a-b-...]
-            candidates.setdefault(g["candidate"], Candidate(
-                schedule=Schedule(schedule), pipeline_degree=args.gpus, global_batch_size=args.batch_size,
-                n_microbatches=int(m[1:]), layers_per_stage=tuple(int(x) for x in split.strip("[]").split("-"))))
+            candidates.setdefault(g["candidate"], candidate_of(g["candidate"], args.gpus, args.batch_size))
             keys.add(g["candidate"])
     times: dict[str, list[float]] = {key: [] for key in sorted(k for k in keys if k in candidates)}
     for _ in range(args.rounds):
@@ -125,14 +141,18 @@ def record(args: argparse.Namespace) -> dict:
             m = run_trial(spec, candidates[key], options)
             if m.status == "ok" and m.step_time_ms:
                 times[key].append(m.step_time_ms)
-    return {"model": args.model, "searches": searches, "times": times}
+    return {"model": args.model, "gpus": args.gpus, "batch_size": args.batch_size, "searches": searches,
+            "times": times}
 
 
-def score(model: dict) -> dict[str, list[float | None]]:
-    truth = {k: statistics.median(v) for k, v in model["times"].items() if v}
-    best = min(truth.values())
-    return {name: [best / truth[pick] if (pick := rule(s["runs"])) in truth else None for s in model["searches"]]
-            for name, rule in RULES.items()}
+def truth_of(model: dict) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in model["times"].items() if v}
+
+
+def picks_of(model: dict) -> list[dict[str, str]]:
+    """Per search, each rule's pick (runs recorded before the shape was stored were 2 GPUs, batch 64)."""
+    shape = model.get("gpus", 2), model.get("batch_size", 64)
+    return [{name: rule(s["runs"], *shape) for name, rule in RULES.items()} for s in model["searches"]]
 
 
 def main() -> None:
@@ -163,19 +183,18 @@ def main() -> None:
     rows, per_search = [], []
     totals = {name: [0, 0] for name in RULES}
     for model in models:
-        scores = score(model)
-        for name, qualities in scores.items():
+        truth, picks = truth_of(model), picks_of(model)
+        best = min(truth, key=truth.__getitem__)
+        for name in RULES:
+            qualities = [truth[best] / truth[p[name]] if p[name] in truth else None for p in picks]
             met = sum(1 for q in qualities if q is not None and q >= 0.99)
             totals[name][0] += met
             totals[name][1] += len(qualities)
             rows.append([model["model"], name, f"{met} / {len(qualities)}",
                          min((q for q in qualities if q is not None), default=None)])
-        truth = {k: statistics.median(v) for k, v in model["times"].items() if v}
-        for s in model["searches"]:
-            picks = {name: rule(s["runs"]) for name, rule in RULES.items()}
-            per_search.append([model["model"], s["seed"], picks["all runs (before)"], picks["re-run first (autotune)"],
+        for s, p in zip(model["searches"], picks):
+            per_search.append([model["model"], s["seed"], p["all runs (before)"], p["re-run first (autotune)"],
                                " ".join(f"{run[1]} {run[2]:.1f}" for run in s["runs"] if run[0] == "remeasure")])
-        best = min(truth, key=truth.__getitem__)
         rows.append([model["model"], "truth's best", best, truth[best]])
     rows += [["all models", name, f"{met} / {n}", None] for name, (met, n) in totals.items()]
     _results.write(
