@@ -2,7 +2,9 @@
 
 For each recipe: profile, plan every candidate (no pruning), pick --configs spread over schedules, B/M and splits,
 run each as a real trial (2 ranks), --passes times interleaved (medians), and compare with the simulator
-(--profile-each-run: each run also predicted from a profile taken right before it, at its micro-batch size).
+(--profile-each-run: each run also predicted from a profile taken right before it, at its micro-batch size;
+--profiles N: N profiles spread between the passes, predictions from their median, median_profile). The
+start's and --profiles' are each taken in a fresh process (fresh_profile), as `autotune search` takes its own.
 
     python bench/calibrate.py --recipes mlp gpt cnn --configs 24 --passes 2
 
@@ -19,9 +21,12 @@ table. --from-json FILE predicts a saved run's measurements again with the simul
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import itertools
 import json
+import multiprocessing
+import random
 import statistics
 import sys
 import time
@@ -84,11 +89,14 @@ def pick(planned: list, n: int, *, data_parallel: bool = False) -> list:
 
 def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, device: str,
               memory_only: bool = False, data_parallel: bool = False, precision: str = "fp32",
-              checkpointed: bool = False, steps: int = 5, profile_each_run: bool = False) -> dict:
+              checkpointed: bool = False, steps: int = 5, profile_each_run: bool = False,
+              n_profiles: int = 1) -> dict:
     path = Path(recipe) if recipe.endswith(".py") else ROOT / "recipes" / f"{recipe}.py"
     spec = load_model_file(path)
     check_model(spec, batch_size)
-    profile = profile_model(spec, batch_size=batch_size, device=device, precision=precision)
+    # --profiles: the start's and more between the passes, merged by median_profile
+    taken = [fresh_profile(path, batch_size=batch_size, device=device, precision=precision)]
+    profile = Profile.from_dict(taken[0])
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
     dp = 2 if data_parallel else 1
     planned = [p for p in planned if p.candidate.data_parallel_degree == dp and p.candidate.n_microbatches <= 64]
@@ -101,7 +109,10 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     at_profile: dict[str, list[int]] = {c.key: [] for c in configs}
     profiles: list[dict] = []
     started = time.time()
-    for _ in range(passes):
+    profile_after = {round(passes * k / n_profiles) for k in range(1, n_profiles)} if not memory_only else set()
+    for done in range(passes):
+        if done in profile_after:
+            taken.append(fresh_profile(path, batch_size=batch_size, device=device, precision=precision))
         for c in configs:
             if profile_each_run and not memory_only:
                 profiles.append(profile_model(spec, batch_size=batch_size, micro_batch_sizes=[c.micro_batch_size],
@@ -129,7 +140,48 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
         spearman([measured[k][i].step_time_ms for k in complete], [measured[k][j].step_time_ms for k in complete])
         for i, j in pairs
     ) if pairs and len(complete) > 2 else float("nan")
-    return predicted(recipe, batch_size, profile, rows, retest, time.time() - started, profiles)
+    if len(taken) > 1:
+        profile = Profile.from_dict(median_profile(taken))
+    return {**predicted(recipe, batch_size, profile, rows, retest, time.time() - started, profiles),
+            "profiles_taken": taken if len(taken) > 1 else []}
+
+
+def fresh_profile(path: Path, *, batch_size: int, device: str, precision: str) -> dict:
+    """The model profiled in a process of its own (spawned), as `autotune search` profiles it in its own: in this
+    long-lived one, after other models' profiles and trials, the memory-bound optimizer step timed slow (bench/models/
+    tail_heavy7.py, 2026-11-29 10:40: 1.80-2.10 ms in five fresh processes, 1.88 / 3.25 / 3.25 / 3.06 / 2.12 ms in
+    one after profiling mlp, gpt and cnn; its trials' steps agreed with the fresh ones), which carried into every
+    prediction (tail_heavy7 over-predicted by 14 % on average in the 10:15 run; within 8 % from its one fast
+    profile)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_profile_dict, str(path), batch_size, device, precision).result()
+
+
+def _profile_dict(path: str, batch_size: int, device: str, precision: str) -> dict:
+    spec = load_model_file(Path(path))
+    return profile_model(spec, batch_size=batch_size, device=device, precision=precision).to_dict()
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """Profiles of one model taken at several moments, merged: every number the median (low) of its values over
+    them, so a moment this machine ran slow does not carry into every prediction (tail_heavy7 in the 7-pass run of
+    2026-11-29 10:00: the profile at its start timed the optimizer step at 3.72 ms where profiles before and after
+    took 2.1-2.3 ms, and its trials' steps agreed with the latter; predicted from 2.3 ms the model met every goal).
+    Byte counts are the same in each profile and stay so; anything that differs in shape keeps the first's."""
+    def merge(values: list):
+        first = values[0]
+        if isinstance(first, bool) or not all(type(v) is type(first) for v in values):
+            return first
+        if isinstance(first, (int, float)):
+            return statistics.median_low(values)
+        if isinstance(first, list) and all(len(v) == len(first) for v in values):
+            return [merge([v[i] for v in values]) for i in range(len(first))]
+        if isinstance(first, dict) and all(v.keys() == first.keys() for v in values):
+            return {k: merge([v[k] for v in values]) for k in first}
+        return first
+
+    return merge(profiles)
 
 
 def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], retest: float, wall_s: float,
@@ -167,7 +219,7 @@ def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], 
     return {"recipe": recipe, "batch_size": batch_size,
             "peak_error_by_schedule": {k: [min(v), max(v)] for k, v in by_schedule.items()},
             "profile": profile.to_dict(), "configs": len(rows), "mape": mape, "mape_each_run": mape_each_run,
-            "spearman": rho, "pass_to_pass_spearman": retest,
+            "spearman": rho, "pass_to_pass_spearman": retest, "noise_floor": noise_floor(rows),
             "peak_memory_mape": peak_err, "wall_s": wall_s, "rows": rows, "profiles": profiles or []}
 
 
@@ -190,6 +242,9 @@ def main() -> None:
     parser.add_argument("--profile-each-run", action="store_true",
                         help="also profile the model right before each run, at the run's micro-batch size, and "
                              "predict each run from its own profile (the start's profile is still reported beside it)")
+    parser.add_argument("--profiles", type=int, default=1,
+                        help="profiles per model: the start's and the rest spread between the passes; predictions "
+                             "from their median (median_profile), not from the start's moment alone")
     parser.add_argument("--peak-tolerance", type=float, default=0.05)
     parser.add_argument("--name", default="calibration", help="results file name under bench/results/")
     parser.add_argument("--from-json", type=Path,
@@ -209,7 +264,7 @@ def main() -> None:
         results = [calibrate(r, batch_size=args.batch_size, n_configs=args.configs, passes=args.passes,
                              device=args.device, memory_only=args.memory_only, data_parallel=args.data_parallel,
                              precision=args.precision, checkpointed=args.checkpointed, steps=args.steps,
-                             profile_each_run=args.profile_each_run)
+                             profile_each_run=args.profile_each_run, n_profiles=args.profiles)
                    for r in [*args.recipes, *args.models]]
     if args.memory_only:
         memory_only_report(results, args)
@@ -218,12 +273,13 @@ def main() -> None:
     misses = {r["recipe"]: step_time_misses(r, families[r["recipe"]]) for r in results}
     summary = [[r["recipe"], r["configs"], r["mape"], "" if r["mape_each_run"] is None else r["mape_each_run"],
                 r["spearman"], r["pass_to_pass_spearman"],
-                r["peak_memory_mape"], max(families[r["recipe"]].values()),
+                r["peak_memory_mape"], max(families[r["recipe"]].values()), floor_text(r),
                 "met" if not misses[r["recipe"]] else "missed"] for r in results]
     tables = {"summary (2 ranks)": _results.markdown_table(
         ["recipe", "configs", "step-time MAPE", "the same, each run from its own profile", "Spearman",
          "pass-to-pass Spearman", "peak-memory MAPE",
          "worst family's MAPE",
+         "the passes against themselves: MAPE / worst family; share of resamplings meeting the goal",
          f"MAPE <= {MAPE_GOAL:.0%}, every family <= {FAMILY_GOAL:.0%}, Spearman >= pass-to-pass"],
         summary)}
     schedules = sorted({k for f in families.values() for k in f})
@@ -270,6 +326,45 @@ def step_error_by_schedule(rows: list[dict]) -> dict[str, float]:
     for x in rows:
         by_schedule.setdefault(x["candidate"].split("/")[0], []).append(abs(x["error"]))
     return {k: statistics.fmean(v) for k, v in sorted(by_schedule.items())}
+
+
+def noise_floor(rows: list[dict], resamples: int = 400, seed: int = 0) -> dict | None:
+    """How well the measurements predict themselves against the step-time goals: each configuration's median over
+    its passes taken as a perfect prediction, checked against the median of its passes drawn again with replacement
+    (what another calibration of the same passes could have measured). Returns the medians over the resamplings of
+    that MAPE and of the worst family's, and the share of resamplings that meet both goals. A simulator cannot be
+    expected to meet the goals more often than this; None with fewer than three passes a configuration.
+
+    Why: on the 2-core stand-in a configuration's passes are often bimodal (the 13-layer MLP's DualPipeV m4 at
+    03:00: 16.8 / 16.0 / 15.2 / 9.9 / 10.3 ms), and over the three committed 5-pass calibrations such a perfect
+    prediction met the goals on all seven models in 41-65 % of resamplings, the 13-layer MLP alone in 55-90 %."""
+    runs = [r["runs_ms"] for r in rows]
+    if not runs or min(map(len, runs)) < 3:
+        return None
+    rng = random.Random(seed)
+    families = [r["candidate"].split("/")[0] for r in rows]
+    mapes, worsts, met = [], [], 0
+    for _ in range(resamples):
+        errors = []
+        for ms in runs:
+            again = statistics.median(rng.choices(ms, k=len(ms)))
+            errors.append(abs(statistics.median(ms) - again) / again)
+        by_family: dict[str, list[float]] = {}
+        for family, e in zip(families, errors):
+            by_family.setdefault(family, []).append(e)
+        mape, worst = statistics.fmean(errors), max(statistics.fmean(v) for v in by_family.values())
+        mapes.append(mape)
+        worsts.append(worst)
+        met += mape <= MAPE_GOAL and worst <= FAMILY_GOAL
+    return {"mape": statistics.median(mapes), "worst_family": statistics.median(worsts), "meets": met / resamples}
+
+
+def floor_text(result: dict) -> str:
+    """A model's noise floor in the summary table ("" without one)."""
+    floor = result.get("noise_floor")
+    if not floor:
+        return ""
+    return f"{floor['mape']:.1%} / {floor['worst_family']:.0%}; meets {floor['meets']:.0%}"
 
 
 def step_time_misses(result: dict, families: dict[str, float]) -> list[str]:

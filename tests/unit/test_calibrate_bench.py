@@ -1,0 +1,41 @@
+"""bench/calibrate.py's own arithmetic: the profiles' median and the measurements' noise floor."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import calibrate  # noqa: E402
+
+
+def test_profiles_taken_at_several_moments_merge_by_their_median() -> None:
+    fast = {"optimizer_step_ms": 2.1, "parameter_bytes": 100, "layers": [{"forward_ms": [1.0, 2.0], "name": "a"}]}
+    slow = {"optimizer_step_ms": 3.7, "parameter_bytes": 100, "layers": [{"forward_ms": [1.2, 2.4], "name": "a"}]}
+    again = {"optimizer_step_ms": 2.3, "parameter_bytes": 100, "layers": [{"forward_ms": [0.9, 2.2], "name": "a"}]}
+
+    merged = calibrate.median_profile([slow, fast, again])
+
+    assert merged["optimizer_step_ms"] == 2.3  # the slow moment's 3.7 does not carry
+    assert merged["parameter_bytes"] == 100
+    assert merged["layers"] == [{"forward_ms": [1.0, 2.2], "name": "a"}]
+
+
+def test_profiles_of_different_shapes_keep_the_first() -> None:
+    first = {"micro_batch_sizes": [1, 2, 4], "x": 1.0}
+    second = {"micro_batch_sizes": [1, 2], "x": 3.0}
+
+    merged = calibrate.median_profile([first, second])
+
+    assert merged["micro_batch_sizes"] == [1, 2, 4]
+    assert merged["x"] == 1.0  # median_low of two
+
+
+def test_the_noise_floor_is_what_the_passes_say_of_themselves() -> None:
+    steady = [{"candidate": f"GPipe/m{m}/[1-1]", "runs_ms": [10.0] * 5} for m in (1, 2, 4)]
+    bimodal = [{"candidate": "VHalf/m4/[1-1-1-1]", "runs_ms": [16.8, 16.0, 15.2, 9.9, 10.3]},
+               {"candidate": "VHalf/m8/[1-1-1-1]", "runs_ms": [30.0, 18.0, 29.0, 17.5, 29.5]}]
+
+    assert calibrate.noise_floor(steady) == {"mape": 0.0, "worst_family": 0.0, "meets": 1.0}
+    floor = calibrate.noise_floor(steady + bimodal)
+    assert floor is not None and floor["worst_family"] > 0.0 and floor["meets"] < 1.0
+    assert calibrate.noise_floor([{"candidate": "GPipe/m1/[1-1]", "runs_ms": [10.0, 11.0]}]) is None
