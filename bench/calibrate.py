@@ -342,17 +342,13 @@ def noise_floor(rows: list[dict], resamples: int = 400, seed: int = 0) -> dict |
     if not runs or min(map(len, runs)) < 3:
         return None
     rng = random.Random(seed)
-    families = [r["candidate"].split("/")[0] for r in rows]
+    truth = [statistics.median(ms) for ms in runs]
     mapes, worsts, met = [], [], 0
     for _ in range(resamples):
-        errors = []
-        for ms in runs:
-            again = statistics.median(rng.choices(ms, k=len(ms)))
-            errors.append(abs(statistics.median(ms) - again) / again)
-        by_family: dict[str, list[float]] = {}
-        for family, e in zip(families, errors):
-            by_family.setdefault(family, []).append(e)
-        mape, worst = statistics.fmean(errors), max(statistics.fmean(v) for v in by_family.values())
+        again = [{"candidate": r["candidate"], "error": (t - m) / m}
+                 for r, t, ms in zip(rows, truth, runs) for m in [statistics.median(rng.choices(ms, k=len(ms)))]]
+        mape = statistics.fmean(abs(x["error"]) for x in again)
+        worst = max(step_error_by_schedule(again).values())
         mapes.append(mape)
         worsts.append(worst)
         met += mape <= MAPE_GOAL and worst <= FAMILY_GOAL
