@@ -338,8 +338,9 @@ class _Engine:
         self.fit: LinkFit | None = None
         self._fitted_on: list[tuple[Candidate, float]] = []
         """The measured steps the last fit was made on (the fit is redone only when they change)."""
-        self._announced = predict.link.compute_slowdown
-        """The slowdown the last progress line gave (a re-run moves the fit by a point or two: not worth a line)."""
+        self._announced = (predict.link.compute_slowdown, 1.0)
+        """The slowdown and the factor on the rank-side costs the last progress line gave (a re-run moves the fit by a
+        point or two: not worth a line)."""
         self._estimates: dict[str, Estimate] = {}
         self.ctrl_c = [False]
         """Set by a Ctrl-C, so that one Python swallowed still stops the search before its next trial."""
@@ -381,15 +382,16 @@ class _Engine:
         if predict.link != self.predict.link:
             self.predict = predict
             self._estimates.clear()
-        if abs(fit.compute_slowdown - self._announced) >= ANNOUNCE_STEP or (
-                fit.moved != (self._announced != self.given.link.compute_slowdown)):
-            self._announced = fit.compute_slowdown
+        announced = (fit.compute_slowdown, fit.overhead_scale)
+        if max(abs(a - b) for a, b in zip(announced, self._announced)) >= ANNOUNCE_STEP or (
+                fit.moved != (self._announced != (self.given.link.compute_slowdown, 1.0))):
+            self._announced = announced
             self.reporter.phase(
-                f"predictions fitted to {fit.trials} measured candidates: compute x{1 + fit.compute_slowdown:.2f} "
-                f"the profile's (was x{1 + fit.given_slowdown:.2f}; mean step-time error {fit.error_before:.0%} -> "
-                f"{fit.error_after:.0%})" if fit.moved else
+                f"predictions fitted to {fit.trials} measured candidates: {fit.describe()}; mean step-time error "
+                f"{fit.error_before:.0%} -> {fit.error_after:.0%}" if fit.moved else
                 f"predictions with {fit.trials} measured candidates: compute back to x{1 + fit.given_slowdown:.2f} "
-                f"the profile's (no other slowdown lowers their mean error of {fit.error_before:.0%} by 2 points)")
+                f"the profile's (no other slowdown, and no factor on the per-action costs, lowers their mean error "
+                f"of {fit.error_before:.0%} by 2 points)")
         self.fit = fit
 
     def best_record(self) -> TrialRecord | None:

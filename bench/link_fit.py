@@ -1,13 +1,16 @@
 """Does fitting the simulator to a study's first runs predict the rest better? (Issue 24: "let the search learn" the
-constants the simulator cannot know in advance.) --fit compute (the default) is the search's own fit
+constants the simulator cannot know in advance.) --fit search (the default) is the search's own fit
 (autotune.link_fit): LinkModel.compute_slowdown chosen on a grid so that the predictions of k measured configurations
-come closest to their measured step times (mean relative error). --fit overheads is the earlier experiment: one factor
-on per_action_overhead_ms, message_overhead_ms and collective_wake_ms. Either is tried on a calibration run's
+come closest to their measured step times (mean relative error), or one factor on per_action_overhead_ms,
+message_overhead_ms and collective_wake_ms chosen the same way, whichever fits the k closer. --fit compute is the
+slowdown alone (the search's fit until 2026-11-29), --fit overheads the factor alone. Each is tried on a calibration
+run's
 measurements (bench/calibrate.py keeps each model's profile and every measured configuration): for k of them drawn at
 random, fit on the k, compare the predictions of the others with the default link and with the fitted one (mean
 relative error, Spearman), over --draws draws.
 
     python bench/link_fit.py --calibration bench/results/calibration.json bench/results/calibration_models.json
+    python bench/link_fit.py --fit compute --name link_fit_compute --calibration ...
     python bench/link_fit.py --fit overheads --name link_fit_overheads --calibration ...
 
 Nothing is measured here: it re-predicts the calibration's measurements, so it takes a minute or two.
@@ -34,7 +37,7 @@ from typing import Any  # noqa: E402
 
 from autotune.candidate import Candidate  # noqa: E402
 from autotune.costs import Profile  # noqa: E402
-from autotune.link_fit import fit_link  # noqa: E402
+from autotune.link_fit import fit_link, scaled_overheads  # noqa: E402
 from autotune.simulate import LinkModel, Predictor  # noqa: E402
 
 OVERHEAD_SCALES = tuple(i / 4 for i in range(17))
@@ -65,18 +68,11 @@ class Fit:
     predict: Predictor
 
 
-def scaled(link: LinkModel, scale: float) -> LinkModel:
-    """link with its rank-side costs times scale."""
-    return replace(link, per_action_overhead_ms=link.per_action_overhead_ms * scale,
-                   message_overhead_ms=link.message_overhead_ms * scale,
-                   collective_wake_ms=link.collective_wake_ms * scale)
-
-
 def fit_overheads(predict: Predictor, pairs: Sequence[tuple[Candidate, float]]) -> Fit:
     """The experiment of an earlier stop (commit 38858e2, taken out in 581aa78): one factor on the link's rank-side
     costs, kept where it lowers the mean relative error by 2 points."""
     def error(scale: float) -> float:
-        fitted = replace(predict, link=scaled(predict.link, scale))
+        fitted = replace(predict, link=scaled_overheads(predict.link, scale))
         return statistics.fmean(abs(fitted(c).step_time_ms - ms) / ms for c, ms in pairs)
 
     best = min(OVERHEAD_SCALES, key=lambda s: (error(s), abs(s - 1.0)))
@@ -84,15 +80,17 @@ def fit_overheads(predict: Predictor, pairs: Sequence[tuple[Candidate, float]]) 
     best = min(fine, key=lambda s: (error(s), abs(s - 1.0)))
     if error(1.0) - error(best) < 0.02:
         best = 1.0
-    return Fit(best, replace(predict, link=scaled(predict.link, best)))
+    return Fit(best, replace(predict, link=scaled_overheads(predict.link, best)))
 
 
 def fit(kind: str, predict: Predictor, pairs: Sequence[tuple[Candidate, float]]) -> Fit:
     if kind == "overheads":
         return fit_overheads(predict, pairs)
-    found = fit_link(predict, pairs)  # the search's own fit (autotune.link_fit)
+    # search: the search's own fit (autotune.link_fit), the slowdown or the factor on the rank-side costs;
+    # compute: the slowdown alone, as the search fitted before 2026-11-29
+    found = fit_link(predict, pairs, overheads=kind == "search")
     assert found is not None, "fewer pairs than autotune.link_fit.MIN_TRIALS"
-    return Fit(found.compute_slowdown, replace(predict, link=found.link))
+    return Fit(found.overhead_scale if kind == "search" else found.compute_slowdown, replace(predict, link=found.link))
 
 
 def mean_error(predict: Predictor, rows: list[tuple[Candidate, float]]) -> float:
@@ -116,9 +114,11 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, nargs="+",
                         default=[ROOT / "bench" / "results" / "calibration.json"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[5, 8, 12])
-    parser.add_argument("--fit", choices=["compute", "overheads"], default="compute",
-                        help="compute: the search's fit of the compute slowdown (autotune.link_fit); overheads: one "
-                             "factor on the per-action, per-message and wake costs (the earlier experiment)")
+    parser.add_argument("--fit", choices=["search", "compute", "overheads"], default="search",
+                        help="search: the search's own fit (autotune.link_fit: the compute slowdown or one factor on "
+                             "the per-action, per-message and wake costs, whichever fits the k closer; the table "
+                             "shows the factor, 1 where the slowdown was kept); compute: the slowdown alone (the "
+                             "search's fit before 2026-11-29); overheads: the factor alone")
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--name", default="link_fit", help="results file name under bench/results")
@@ -160,7 +160,8 @@ def main() -> None:
                              f"{spearman(measured_all, [given(c).step_time_ms for c, _ in rows]):.3f} -> "
                              f"{spearman(measured_all, [hindsight.predict(c).step_time_ms for c, _ in rows]):.3f}"])
             data.append({"recipe": result["recipe"], "fit": args.fit, "k": k, "draws": draws})
-    what = "compute slowdown" if args.fit == "compute" else "factor on the rank-side costs"
+    what = {"compute": "compute slowdown", "overheads": "factor on the rank-side costs",
+            "search": "factor on the rank-side costs (1: the slowdown fitted instead, or nothing)"}[args.fit]
     header = ["recipe", "configs", "fitted on", "held-out error, default link", "fitted link", "Spearman, default",
               "fitted", f"{what} min / median / max", "fitted on all (hindsight): value, error",
               "Spearman on all, default -> fitted"]
@@ -172,8 +173,10 @@ def main() -> None:
                                  for p, saved in sources) + f". Each row: {args.draws} random draws of k "
              f"measured configurations, the {what} fitted on them (kept only if it lowers their error by 2 points), "
              "the others predicted with and without it; means over the draws.")
-    title = ("The compute slowdown fitted to a study's first runs" if args.fit == "compute"
-             else "The link's rank-side costs fitted to a study's first runs")
+    title = {"compute": "The compute slowdown fitted to a study's first runs",
+             "overheads": "The link's rank-side costs fitted to a study's first runs",
+             "search": "The search's fit: the compute slowdown or the rank-side costs, whichever fits a study's "
+                       "first runs closer"}[args.fit]
     _results.write(args.name, title=title,
                    device="cpu", tables={"held-out predictions": table}, data={"rows": data}, notes=notes)
 

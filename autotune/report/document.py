@@ -354,13 +354,20 @@ def _trials(facts: ReportFacts) -> list[Block]:
 
 
 def _fitted(fit: LinkFit | None) -> str:
-    """What fitting the simulator's compute slowdown to the runs did to the predictions (autotune.link_fit)."""
+    """What fitting the simulator's compute slowdown or rank-side costs to the runs did to the predictions
+    (autotune.link_fit)."""
     if fit is None:
         return ""
     if not fit.moved:
         return (f" Fitted to the {fit.trials} fastest measured configurations, the simulator's compute stayed as it "
                 f"was ({1 + fit.given_slowdown:.2f} x the profile's; mean step-time error of their predictions "
                 f"{fit.error_before:.0%}).")
+    if fit.overhead_scale != 1.0:
+        return (f" The search fitted the simulator's per-action and per-message costs to the {fit.trials} fastest "
+                f"measured configurations: {fit.overhead_scale:.2f} x the defaults' (the compute stayed "
+                f"{1 + fit.given_slowdown:.2f} x the profile's); the mean error of their predicted step times moved "
+                f"from {fit.error_before:.0%} to {fit.error_after:.0%}, and the trials asked after the fit, like this "
+                f"report's predictions, use it.")
     return (f" The search fitted the simulator's compute to the {fit.trials} fastest measured configurations: "
             f"{1 + fit.compute_slowdown:.2f} x the profile's, for {1 + fit.given_slowdown:.2f}; the mean error of "
             f"their predicted step times moved from {fit.error_before:.0%} to {fit.error_after:.0%}, and the trials "

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from autotune.candidate import Candidate
-from autotune.link_fit import MIN_TRIALS, fit_link, fitted_predictor, measured_steps
+from autotune.link_fit import MIN_TRIALS, fit_link, fitted_predictor, measured_steps, scaled_overheads
 from autotune.model_file import load_model_file
 from autotune.plan import plan
 from autotune.records import TrialRecord
@@ -48,6 +48,24 @@ def test_a_faster_machine_fits_below_the_profile():
     measured = [(c, simulate(profile, c, link=machine_link(-0.2)).step_time_ms) for c in candidates(6)]
     fit = fit_link(given, measured)
     assert fit is not None and fit.compute_slowdown == pytest.approx(-0.2)
+
+
+def test_a_host_slower_per_action_fits_the_rank_side_costs_not_the_compute():
+    """A machine whose Python and dispatch are slower pays more per action, post and wake, not per FLOP: the factor
+    on those costs fits it exactly where no compute slowdown can, and is the one kept."""
+    profile = synthetic_profile()
+    given = Predictor(profile=profile, link=LinkModel.for_device("cpu"))
+    host = scaled_overheads(LinkModel.for_device("cpu"), 2.5)
+    measured = [(c, simulate(profile, c, link=host).step_time_ms) for c in candidates(6)]
+    fit = fit_link(given, measured)
+    assert fit is not None and fit.moved
+    assert fit.overhead_scale == pytest.approx(2.5) and fit.compute_slowdown == fit.given_slowdown
+    assert fit.error_after == pytest.approx(0.0, abs=1e-9) and fit.link == host
+    assert "per-action and per-message costs x2.50" in fit.describe()
+    assert fit.to_dict()["overhead_scale"] == 2.5
+    # the slowdown alone (as the search fitted before) cannot reach it
+    alone = fit_link(given, measured, overheads=False)
+    assert alone is not None and alone.overhead_scale == 1.0 and alone.error_after > 0.001
 
 
 def test_no_fit_on_too_few_runs_and_no_change_without_a_gain():
@@ -122,3 +140,14 @@ def test_the_report_says_how_far_the_fit_moved_the_predictions(tmp_path):
                                                                  link=machine).step_time_ms)
     text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
     assert "fitted the simulator's compute to the" in text and "1.45 x the profile's, for 1.12" in text
+
+
+def test_the_report_says_when_the_fit_scaled_the_rank_side_costs():
+    from autotune.link_fit import LinkFit
+    from autotune.report.document import _fitted
+
+    link = scaled_overheads(LinkModel.for_device("cpu"), 2.0)
+    fit = LinkFit(compute_slowdown=0.12, given_slowdown=0.12, overhead_scale=2.0, trials=8, error_before=0.12,
+                  error_after=0.05, link=link)
+    text = _fitted(fit)
+    assert "per-action and per-message costs" in text and "2.00 x the defaults'" in text and "12% to 5%" in text
