@@ -12,8 +12,9 @@ error), searched on a grid and refined around its best, and one factor on the th
 the one that fits closer is kept. Fitted on 8 configurations of each calibration model and predicting the other 16
 (bench/results/link_fit_search.md, against link_fit_compute.md for the slowdown alone): on a 2-core VM whose profiles
 ran 1.2-1.9 x slower than the development machine's, mean held-out error 8.2 % with the defaults, 7.6 % with the
-slowdown fitted, 6.7 % with either (fitted on all 24, the factor is 1.55-3.25 on four of seven models); on the development machine,
-where the defaults were measured, 6.1 / 6.3 / 6.3 % and 6.0 / 6.0 / 6.1 %: a fit there mostly fits noise.
+slowdown fitted, 6.7 % with either (fitted on all 24, the factor is 1.55-3.25 on four of seven models); on the
+development machine, where the defaults were measured, 6.1 / 6.3 / 6.3 % and 6.0 / 6.0 / 6.1 %: a fit there mostly
+fits noise.
 The wire (bandwidth, latency, a probe's inter-node figures) is left as it is, and only one term is fitted at a time:
 that is what a handful of trials can pin down without fitting their noise.
 """
