@@ -22,7 +22,7 @@ that is what a handful of trials can pin down without fitting their noise.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,7 +51,8 @@ step of the best."""
 
 @dataclass(frozen=True, kw_only=True)
 class LinkFit:
-    """The compute slowdown that fits a study's measurements, and what it did to the predictions' error."""
+    """The compute slowdown, or the factor on the rank-side costs, that fits a study's measurements, and what it did
+    to the predictions' error."""
 
     compute_slowdown: float
     """The fitted LinkModel.compute_slowdown (given_slowdown where no slowdown gained MIN_GAIN, or where the factor
@@ -124,7 +125,7 @@ def fit_link(predict: Predictor, measured: Sequence[tuple[Candidate, float]], *,
             errors[key] = statistics.fmean(abs(fitted(c).step_time_ms - ms) / ms for c, ms in pairs)
         return errors[key]
 
-    def best_of(grid: Iterable[float], term: Any, origin: float) -> float:
+    def best_of(grid: Iterable[float], term: Callable[[float], float], origin: float) -> float:
         return min(grid, key=lambda x: (term(x), abs(x - origin)))
 
     def scale_error(x: float) -> float:
@@ -150,8 +151,7 @@ def fit_link(predict: Predictor, measured: Sequence[tuple[Candidate, float]], *,
         best = given
     return LinkFit(compute_slowdown=best, given_slowdown=given, overhead_scale=scale, trials=len(pairs),
                    error_before=before, error_after=error(best, scale),
-                   link=scaled_overheads(replace(predict.link, compute_slowdown=best), scale) if scale != 1.0
-                   else replace(predict.link, compute_slowdown=best))
+                   link=scaled_overheads(replace(predict.link, compute_slowdown=best), scale))
 
 
 def with_fit(predict: Predictor, fit: LinkFit | None) -> Predictor:
