@@ -4,10 +4,9 @@ constants the simulator cannot know in advance.) --fit search (the default) is t
 come closest to their measured step times (mean relative error), or one factor on per_action_overhead_ms,
 message_overhead_ms and collective_wake_ms chosen the same way, whichever fits the k closer. --fit compute is the
 slowdown alone (the search's fit until 2026-11-29), --fit overheads the factor alone. Each is tried on a calibration
-run's
-measurements (bench/calibrate.py keeps each model's profile and every measured configuration): for k of them drawn at
-random, fit on the k, compare the predictions of the others with the default link and with the fitted one (mean
-relative error, Spearman), over --draws draws.
+run's measurements (bench/calibrate.py keeps each model's profile and every measured configuration): for k of them
+drawn at random, fit on the k, compare the predictions of the others with the default link and with the fitted one
+(mean relative error, Spearman), over --draws draws.
 
     python bench/link_fit.py --calibration bench/results/calibration.json bench/results/calibration_models.json
     python bench/link_fit.py --fit compute --name link_fit_compute --calibration ...
