@@ -378,6 +378,11 @@ class Profile:
     profiler. On CUDA a foreach/fused step launches the same kernels for one tensor as for a block's, so a rank's
     one step over its stages pays it once where the per-block steps summed in optimizer_step_ms paid it per block.
     0 in profiles saved before it was recorded."""
+    host_call_ms: float = 0.0
+    """How fast this host runs Python and torch's dispatch: the median of HOST_CALL_REPEATS steps of a plain
+    torch.optim.AdamW over a one-element parameter (whatever the model's own optimizer), measured by the CPU
+    profiler. The simulator scales the CPU stand-in's per-action overhead by it (LinkModel.for_profile). 0 on CUDA
+    and in profiles saved before it was recorded (the defaults as measured)."""
     tensor_parallel_layers: tuple[TensorParallelLayer, ...] = ()
     """Per layer, what the model's tensor-parallel plan shards and which collectives it adds (measured at tp 1, the
     profile itself knows nothing of tp); () for a model without a plan, or a profile saved before it was recorded:
@@ -607,6 +612,7 @@ class Profile:
             "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
             **({"device_workspace_bytes": self.device_workspace_bytes} if self.device_workspace_bytes else {}),
             **({"optimizer_call_ms": self.optimizer_call_ms} if self.optimizer_call_ms else {}),
+            **({"host_call_ms": self.host_call_ms} if self.host_call_ms else {}),
             **({"tensor_parallel_layers": [t.to_dict() for t in self.tensor_parallel_layers]}
                if self.tensor_parallel_layers else {}),
             "layers": [
@@ -681,6 +687,7 @@ class Profile:
                 infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
                 device_workspace_bytes=int(data.get("device_workspace_bytes", 0)),
                 optimizer_call_ms=float(data.get("optimizer_call_ms", 0.0)),
+                host_call_ms=float(data.get("host_call_ms", 0.0)),
                 tensor_parallel_layers=tuple(
                     TensorParallelLayer.from_dict(t) for t in data.get("tensor_parallel_layers", ())
                 ),

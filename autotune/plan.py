@@ -145,7 +145,7 @@ def plan(
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
         raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node}; pass a multiple")
     chosen = [parse_schedule(s) for s in schedules] if schedules is not None else list(SYNCHRONOUS_SCHEDULES)
-    link = link or LinkModel.for_device(profile.device)
+    link = link or LinkModel.for_profile(profile)
     chosen_layouts = list(layouts) if layouts is not None else pipeline_layouts(gpus, batch_size, profile.n_layers)
     modes = list(data_parallel_modes)
     unknown = [m for m in modes if m not in DATA_PARALLEL_MODES]

@@ -147,7 +147,7 @@ def profile_model(
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_bytes / total), index)
     workspace_bytes = 0
-    call_ms = 0.0
+    call_ms = host_ms = 0.0
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
         measured, sizes, input_bytes, target_bytes, infeasible = _Walk(
@@ -155,6 +155,7 @@ def profile_model(
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
         call_ms = _optimizer_call_ms(spec, torch.device(device), clock, repeats)
+        host_ms = 0.0 if cuda else host_call_ms(clock)
     finally:
         # The walk (its batches and the tensors handed between blocks) is out of scope here, so what is still
         # allocated below is the libraries' workspaces alone, and the tuner keeps no model after profiling.
@@ -222,6 +223,7 @@ def profile_model(
         infeasible_micro_batch_sizes=tuple(infeasible),
         device_workspace_bytes=workspace_bytes,
         optimizer_call_ms=call_ms,
+        host_call_ms=host_ms,
         precision=precision,
         tensor_parallel_layers=_tensor_parallel_layers(spec),
     )
@@ -1482,6 +1484,20 @@ def _optimizer_call_ms(spec: ModelSpec, device: torch.device, clock: _Clock, rep
         logger.debug("no optimizer call cost: build_optimizer refused a one-element parameter", exc_info=True)
         return 0.0
     return _median_step_ms(optimizer, clock, max(repeats, 5))
+
+
+HOST_CALL_REPEATS = 51
+"""Steps timed for Profile.host_call_ms (about 2-4 ms in all): a median of many, since one step is tens of us."""
+
+
+def host_call_ms(clock: _Clock | None = None) -> float:
+    """This host's Python and dispatch speed on the CPU (Profile.host_call_ms): the median time of a plain
+    torch.optim.AdamW step over a one-element parameter, the same whatever the model and its optimizer."""
+    param = nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros_like(param)
+    optimizer = torch.optim.AdamW([param])
+    optimizer.step()
+    return _median_step_ms(optimizer, clock or _CpuClock(), HOST_CALL_REPEATS)
 
 
 def _median_step_ms(optimizer: torch.optim.Optimizer, clock: _Clock, repeats: int) -> float:

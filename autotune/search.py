@@ -197,7 +197,7 @@ def run_search(
     """Run (or resume, or join) the study. Ctrl-C stops the running trial and returns what was found,
     interrupted=True. storage: a URL, or one opened already (open_storage)."""
     reporter = reporter or _Silent()
-    predict = Predictor(profile=profile, link=link or LinkModel.for_device(profile.device),
+    predict = Predictor(profile=profile, link=link or LinkModel.for_profile(profile),
                         memory_limit_bytes=options.memory_limit_bytes, gpus_per_node=options.gpus_per_node)
     space = SearchSpace(profile, options)
     opened = storage if isinstance(storage, StudyStorage) else open_search_storage(storage, options)

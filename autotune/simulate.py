@@ -77,6 +77,12 @@ CPU_PER_ACTION_OVERHEAD_MS = 0.1
 """Per compute action: 0.089 (the module's call beyond its blocks' profiled times) + torch's stage code and the
 schedule's own work between actions (traced medians 0.013-0.045 ms). It was 0.16, with 0.049 ms per action of a
 least-squares fit's "outside the actions", which carried what the crossing posts cost."""
+HOST_CALL_REFERENCE_MS = 0.0385
+"""Profile.host_call_ms on the machine where CPU_PER_ACTION_OVERHEAD_MS was traced: the median of the optimizer-call
+probes (the same AdamW step, 35-41 us) of its 2026-11-28/29 calibrations' profiles. Another host's per-action cost
+is the constant times its own probe over this one (LinkModel.for_profile): a 2-core EPYC VM probed 66-79 us."""
+HOST_SCALE_RANGE = (0.25, 4.0)
+"""How far a host's probe may move the per-action overhead (a probe off by more is a disturbed measurement)."""
 CROSSING_POST_CPU_MS = 0.6
 CROSSING_POST_WINDOW_CPU_MS = 0.2
 """A post to a rank that posts to this one at the same moment now and then waits ~3 ms, where a post takes ~0.05:
@@ -266,6 +272,23 @@ class LinkModel:
     crossing_post_jitter_ms: float = 0.0
     """How far a post's moment strays from the replay's (a normal spread), for crossing_post_ms: the share a post
     pays is the expectation over it (_crossing_share). CPU: CROSSING_POST_JITTER_CPU_MS."""
+
+    @classmethod
+    def for_profile(cls, profile: Profile, **overrides: float) -> LinkModel:
+        """for_device(profile.device), with the CPU stand-in's per-action overhead scaled to the profiled host.
+
+        A rank's time around each action is Python and torch's dispatch (the module call, the stage and schedule
+        code), so it moves with the host's speed at those, not with its compute: on a 2-core EPYC VM whose probe
+        (Profile.host_call_ms) read 66-79 us against the development machine's 35-41, the calibration models'
+        steps at many micro-batches were under-predicted by 18-28 %, and scaling this term by the probes' ratio
+        took the seven models' step-time MAPE from 8.2 to 6.6 % on average (bench/results/calibration_host.md).
+        Profiles without the probe (0), and CUDA's, keep the defaults."""
+        link = cls.for_device(profile.device, **overrides)
+        if profile.device != "cpu" or profile.host_call_ms <= 0 or "per_action_overhead_ms" in overrides:
+            return link
+        low, high = HOST_SCALE_RANGE
+        scale = min(high, max(low, profile.host_call_ms / HOST_CALL_REFERENCE_MS))
+        return replace(link, per_action_overhead_ms=link.per_action_overhead_ms * scale)
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -502,7 +525,7 @@ def simulate(
             f"the profile was measured in {profile.precision} but the candidate trains in {candidate.precision}; "
             f"profile again with --precision {candidate.precision} (or plan in {profile.precision})"
         )
-    link = link or LinkModel.for_device(profile.device)
+    link = link or LinkModel.for_profile(profile)
     tp_costs = tensor_parallel_layer_costs(profile, candidate.micro_batch_size, candidate.tensor_parallel_degree,
                                            link)
     return simulate_costs(
@@ -551,7 +574,7 @@ class Predictor:
         setup's."""
         known = {f.name for f in fields(LinkModel)}
         stored = {k: v for k, v in (setup.get("link") or {}).items() if k in known}
-        link = LinkModel(**stored) if stored else LinkModel.for_device(profile.device)
+        link = LinkModel(**stored) if stored else LinkModel.for_profile(profile)
         limit = memory_limit_bytes if memory_limit_bytes is not None else setup.get("memory_limit_bytes")
         per_node = setup.get("gpus_per_node")
         return cls(profile=profile, link=link, memory_limit_bytes=int(limit) if limit is not None else None,

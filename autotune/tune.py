@@ -262,6 +262,7 @@ def tune(
     from autotune.schedules import TIED_ASYNC, allowed_schedules
     from autotune.search import SearchOptions, default_storage, default_study_name, run_search
     from autotune.shared_study import check_study_name
+    from autotune.simulate import LinkModel
     from autotune.study_storage import default_worker, open_storage
     from autotune.trial import TrialOptions, run_trial
     from autotune.trial.launch import TRIAL_TIMEOUT_FLOOR_S
@@ -291,7 +292,8 @@ def tune(
     if request.allow_async and tied:
         reporter.warning(f"--allow-async: {TIED_ASYNC}; searching the synchronous schedules only")
     precision = profile.precision  # request.precision, else devices.default_precision: what the profile measured
-    link = probed_link(profile.device, intra=request.intra_node_link, inter=request.inter_node_link)
+    link = probed_link(LinkModel.for_profile(profile), intra=request.intra_node_link,
+                       inter=request.inter_node_link)
     with reporter.planning(f"planning {request.gpus} ranks..."), planning():
         planned = plan(profile, gpus=request.gpus, batch_size=request.batch_size, memory_limit_bytes=limit,
                        gpus_per_node=request.gpus_per_node, link=link, tensor_parallel_degrees=tp_degrees,
@@ -380,19 +382,18 @@ def tune(
 
 
 def probed_link(
-    device: str, *, intra: tuple[float, float] | None,
+    base: LinkModel, *, intra: tuple[float, float] | None,
     inter: tuple[float, float] | tuple[float, float, float | None] | None
 ) -> LinkModel | None:
-    """The link model of a search from its probes, each (latency s, bandwidth bytes/s): inside a node, the probe's
-    figures replace the device's defaults (on CUDA those are guesses: NVLink, PCIe and NVSwitch differ several
-    times); between nodes, LinkModel.with_probe. None without probes: the planner's default for the device."""
+    """The link model of a search from its probes, each (latency s, bandwidth bytes/s), over `base` (the profile's
+    default, LinkModel.for_profile): inside a node, the probe's figures replace the device's defaults (on CUDA
+    those are guesses: NVLink, PCIe and NVSwitch differ several times); between nodes, LinkModel.with_probe. None
+    without probes: the planner's default for the profile."""
     from dataclasses import replace
-
-    from autotune.simulate import LinkModel
 
     if intra is None and inter is None:
         return None
-    link = LinkModel.for_device(device)
+    link = base
     if intra is not None:
         link = replace(link, latency_s=intra[0], bandwidth_bytes_per_s=intra[1])
     if inter is not None:

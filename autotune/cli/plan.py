@@ -204,7 +204,7 @@ def plan_command(
                 state_shards=gpus if "shard" in modes else 1,
             )
             tp_degrees = search_tp_degrees(spec, gpus, per_node, parse_degrees(tensor_parallel, "--tensor-parallel"))
-        link = _node_link(profile.device, inter_node_bandwidth, inter_node_latency) if per_node else None
+        link = _node_link(profile, inter_node_bandwidth, inter_node_latency) if per_node else None
         from autotune.graph_cache import planning
 
         if allow_async and profile.shared_parameters:
@@ -278,14 +278,14 @@ def _ranks(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tu
     return gpus, (gpus_per_node if gpus_per_node is not None and gpus > gpus_per_node else None)
 
 
-def _node_link(device: str, bandwidth_gb_s: float | None, latency_us: float | None) -> Any:
-    """The profile device's link with an inter-node entry: the flags, or the documented assumption."""
+def _node_link(profile: Any, bandwidth_gb_s: float | None, latency_us: float | None) -> Any:
+    """The profile's link (LinkModel.for_profile) with an inter-node entry: the flags, or the documented assumption."""
     from autotune.simulate import LinkModel
 
-    cuda = device.startswith("cuda")
+    cuda = profile.device.startswith("cuda")
     bandwidth = (bandwidth_gb_s if bandwidth_gb_s is not None else (25.0 if cuda else 1.25)) * 1e9
     latency = (latency_us if latency_us is not None else (10.0 if cuda else 100.0)) * 1e-6
-    base = LinkModel.for_device(device)
+    base = LinkModel.for_profile(profile)
     return base.with_probe(inter_latency_s=latency, inter_bandwidth_bytes_per_s=bandwidth)
 
 

@@ -43,6 +43,7 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     assert profile.optimizer_step_ms > 0
     # a step over one element: what every one of the 10 per-block steps paid on top of its bytes
     assert 0 < profile.optimizer_call_ms < profile.optimizer_step_ms
+    assert 0 < profile.host_call_ms < 1.0  # the host's probe: a plain AdamW step over one element, tens of us
     assert profile.optimizer_state_bytes == pytest.approx(2 * profile.parameter_bytes, rel=0.01)  # AdamW
     assert 0 < profile.optimizer_peak_bytes <= 3 * profile.parameter_bytes  # foreach temporaries
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0

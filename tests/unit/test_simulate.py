@@ -399,6 +399,30 @@ def test_a_ranks_optimizer_step_pays_the_fixed_call_cost_once_whatever_its_block
     assert bound <= two_ranks.step_time_ms + 1e-9
 
 
+
+def test_the_cpu_per_action_overhead_moves_with_the_profiled_hosts_speed():
+    """A rank's time around each action is Python and dispatch: a host whose probe (Profile.host_call_ms) is twice
+    the development machine's pays twice the per-action overhead; nothing else in the link moves."""
+    from autotune.simulate import HOST_CALL_REFERENCE_MS, HOST_SCALE_RANGE
+
+    base = profile_of(*(layer() for _ in range(4)))
+    default = LinkModel.for_device("cpu")
+    assert LinkModel.for_profile(base) == default  # no probe (a profile saved before it): the defaults
+    slow = dataclasses.replace(base, host_call_ms=2 * HOST_CALL_REFERENCE_MS)
+    assert Profile.from_dict(slow.to_dict()) == slow
+    link = LinkModel.for_profile(slow)
+    assert link.per_action_overhead_ms == pytest.approx(2 * default.per_action_overhead_ms)
+    assert dataclasses.replace(link, per_action_overhead_ms=default.per_action_overhead_ms) == default
+    wild = dataclasses.replace(base, host_call_ms=100 * HOST_CALL_REFERENCE_MS)  # a disturbed probe: bounded
+    assert LinkModel.for_profile(wild).per_action_overhead_ms == pytest.approx(
+        HOST_SCALE_RANGE[1] * default.per_action_overhead_ms)
+    assert LinkModel.for_profile(dataclasses.replace(slow, device="cuda")) == LinkModel.for_device("cuda")
+    assert LinkModel.for_profile(slow, per_action_overhead_ms=0.5).per_action_overhead_ms == 0.5  # asked: as asked
+    # simulate's default link is the profile's: many actions cost more on the slower host
+    many = candidate(Schedule.ONE_F_ONE_B, 2, 8, [2, 2])
+    assert simulate(slow, many).step_time_ms > simulate(base, many).step_time_ms
+    assert simulate(slow, many).step_time_ms == pytest.approx(simulate(base, many, link=link).step_time_ms)
+
 def test_data_parallel_sync_overlaps_the_last_backward_bucket_by_bucket():
     """DistributedDataParallel's buckets (1 MiB, then 25 MiB each) are all-reduced as the last backward fills them,
     one after another; only what is left after the backward shows. A ring of 2 moves 1 MiB in 1 ms here."""

@@ -118,11 +118,12 @@ def test_a_probed_link_replaces_the_defaults_inside_a_node_and_adds_the_crossing
     from autotune.simulate import LinkModel
     from autotune.tune import probed_link
 
-    assert probed_link("cuda", intra=None, inter=None) is None
-    inside = probed_link("cuda", intra=(10e-6, 150e9), inter=None)
+    cuda = LinkModel.for_device("cuda")
+    assert probed_link(cuda, intra=None, inter=None) is None
+    inside = probed_link(cuda, intra=(10e-6, 150e9), inter=None)
     assert (inside.latency_s, inside.bandwidth_bytes_per_s) == (10e-6, 150e9)
     assert inside.per_action_overhead_ms == LinkModel.for_device("cuda").per_action_overhead_ms
-    both = probed_link("cuda", intra=(10e-6, 150e9), inter=(30e-6, 25e9))
+    both = probed_link(cuda, intra=(10e-6, 150e9), inter=(30e-6, 25e9))
     assert both.bandwidth_bytes_per_s == 150e9
     assert both.inter_node_latency_s == pytest.approx(30e-6)
     assert both.inter_node_bandwidth_bytes_per_s == pytest.approx(25e9)
