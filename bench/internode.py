@@ -4,7 +4,7 @@ pair shaped with tbf (bench/_netns.py), one CPU rank each.
 At each --rates (Mbit/s; `none`: unshaped) it measures the link with a plain TCP stream, then runs (a) a fixed set of
 trials across it from one node-0 process (the cluster's own probe first, then each trial through autotune.cluster),
 and (b) the two-node `autotune search`. Each trial is compared with the simulator's prediction over the probed link
-(LinkModel.for_device("cpu").with_probe(...), gpus_per_node 1: what the search itself predicts with), and the probe
+(LinkModel.for_profile(profile).with_probe(...), gpus_per_node 1: what the search itself predicts with), and the probe
 with the shaping. Needs root and `ip netns`; without them it says so and exits 0. The namespaces are removed at the
 end, on failure and on Ctrl-C / SIGTERM.
 
@@ -283,7 +283,7 @@ def run_nodes(pair: Any, argv: list[str], folder: Path, timeout_s: float) -> str
 def predictor(profile: Any, probed: tuple[float, ...] | None) -> Any:
     from autotune.simulate import LinkModel, Predictor
 
-    link = LinkModel.for_device("cpu")
+    link = LinkModel.for_profile(profile)  # the CPU defaults at this host's speed, as the search's own
     if probed is not None:  # (latency, bandwidth[, all-reduce bandwidth]): runs before the probe timed one have 2
         link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1],
                                inter_allreduce_bandwidth_bytes_per_s=probed[2] if len(probed) > 2 else None)
@@ -341,7 +341,6 @@ def analyse(results: list[dict[str, Any]], profile: Any, profiles: list[dict[str
     from autotune.simulate import LinkModel, Predictor
 
     fresh = [Profile.from_dict(p) for p in profiles or []]
-    inside_link = LinkModel.for_device("cpu")  # both ranks on one node
     made: dict[tuple[Any, ...], Any] = {}
 
     def predict(raw: dict[str, Any] | None, probe: tuple[float, ...] | None, *, one_node: bool = False) -> Any:
@@ -352,7 +351,8 @@ def analyse(results: list[dict[str, Any]], profile: Any, profiles: list[dict[str
         key = (index, None if one_node else probe, one_node)
         if key not in made:
             chosen = fresh[index] if index >= 0 else profile
-            made[key] = (Predictor(profile=chosen, link=inside_link) if one_node else predictor(chosen, probe))
+            made[key] = (Predictor(profile=chosen, link=LinkModel.for_profile(chosen))  # both ranks on one node
+                         if one_node else predictor(chosen, probe))
         return made[key]
 
     for e in results:
@@ -378,6 +378,7 @@ def main() -> None:
                         help="rounds of the fixed set; each trial's median round is compared (the spread is shown)")
     parser.add_argument("--search-trials", type=int, default=3, help="0: no search")
     parser.add_argument("--no-write", action="store_true", help="print, do not write bench/results")
+    parser.add_argument("--name", default="internode", help="the results' file name in bench/results")
     parser.add_argument("--from-json", type=Path, help="predict a saved run's measurements again (no namespaces)")
     args = parser.parse_args()
 
@@ -387,7 +388,8 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         results = saved["results"]
         analyse(results, Profile.from_dict(saved["profile"]), saved.get("profiles"))
-        report(results, saved["profile"], saved["run"], no_write=args.no_write, profiles=saved.get("profiles"))
+        report(results, saved["profile"], saved["run"], no_write=args.no_write, profiles=saved.get("profiles"),
+               name=args.name)
         return
 
     from _netns import NamespacePair, unavailable
@@ -437,13 +439,13 @@ def main() -> None:
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     analyse(results, profile, fixed.get("profiles"))
-    report(results, profile.to_dict(), run, no_write=args.no_write, profiles=fixed.get("profiles"))
+    report(results, profile.to_dict(), run, no_write=args.no_write, profiles=fixed.get("profiles"), name=args.name)
 
 
 HOW_TO_READ = """Two network namespaces joined by a veth pair, tbf on both ends (bench/_netns.py), one torchrun node
 in each (GLOO_SOCKET_IFNAME = its veth), one CPU rank per node. The probe is the cluster's own (autotune.cluster
 Cluster.probe); the TCP stream is a plain socket transfer, for what the shaped link carries (tbf counts headers, so
-payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_device("cpu").with_probe(probe) and
+payload is ~95 % of the rate). Predictions: the simulator with LinkModel.for_profile(profile).with_probe(probe) and
 gpus_per_node 1, as the search predicts, from a profile node 0 takes right before each configuration's rounds
 (and before each rate's re-measured search trials): this machine's speed drifts over a run, and a profile taken
 at the start would measure the drift; the search's own prediction (its own profile) is shown beside. The
@@ -459,7 +461,7 @@ def _as_mbit(bytes_per_s: float | None) -> str:
 
 
 def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str, Any], *, no_write: bool,
-           profiles: list[dict[str, Any]] | None = None) -> None:
+           profiles: list[dict[str, Any]] | None = None, name: str = "internode") -> None:
     import _results
 
     from autotune.candidate import Candidate
@@ -563,7 +565,7 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
                                   default=str))
         print(f"(raw data: {out})")
         return
-    _results.write("internode", title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
+    _results.write(name, title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
                    tables=tables, data={"results": results, "profile": profile, "profiles": profiles, "run": run},
                    notes=notes)
 

@@ -130,7 +130,7 @@ def main() -> None:
             sys.exit(f"{path}: {result['recipe']} has no profile; rerun bench/calibrate.py")
         profile = Profile.from_dict(result["profile"])
         _CACHE.clear()
-        given = CachedPredictor(profile=profile, link=LinkModel.for_device("cpu"))
+        given = CachedPredictor(profile=profile, link=LinkModel.for_profile(profile))
         rows = [(Candidate.from_dict(r["candidate_dict"]), r["measured_ms"]) for r in result["rows"]
                 if r.get("measured_ms")]
         hindsight = fit(args.fit, given, rows)

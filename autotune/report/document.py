@@ -15,7 +15,7 @@ from autotune.report.facts import ReportFacts
 from autotune.report.figures import FigureImage, is_repeat
 from autotune.report.measures import NodeLink, describe_gain, percent
 from autotune.schedules import SCHEDULES
-from autotune.simulate import Estimate
+from autotune.simulate import HOST_CALL_REFERENCE_MS, Estimate
 from autotune.tuned_config import mask_password
 from autotune.units import format_bytes, format_rate
 
@@ -343,6 +343,7 @@ def _trials(facts: ReportFacts) -> list[Block]:
         + (f" {n_folded} trials that asked again for a configuration already listed, without running it, are folded "
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
+        + _host(facts.host_probe)
         + _fitted(facts.link_fit)
     )
     header: tuple[str, ...] = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory",
@@ -351,6 +352,16 @@ def _trials(facts: ReportFacts) -> list[Block]:
     if result.workers:  # which search ran each trial
         header, align = (*header[:2], "worker", *header[2:]), (*align[:2], "left", *align[2:])
     return [Paragraph(intro), Table(header, tuple(tuple(row) for row in rows), align, tuple(highlight))]
+
+
+def _host(probe: tuple[float, float] | None) -> str:
+    """The report's sentence on the host probe's factor on the CPU per-action cost (LinkModel.for_profile)."""
+    if probe is None:
+        return ""
+    probe_ms, scale = probe
+    return (f" The profile timed this host's Python and dispatch at {probe_ms * 1e3:.0f} us a call "
+            f"({HOST_CALL_REFERENCE_MS * 1e3:.1f} on the machine the CPU stand-in's costs were measured on), so the "
+            f"simulator took each action's runtime overhead {scale:.2f} x its default.")
 
 
 def _fitted(fit: LinkFit | None) -> str:

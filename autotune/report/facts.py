@@ -29,7 +29,7 @@ from autotune.report.measures import (
     parallelism_comparison,
 )
 from autotune.report.reasons import ReportWarning, memory_choice_reason, reproduce_commands, warnings_for, why_chosen
-from autotune.simulate import Estimate, Predictor
+from autotune.simulate import Estimate, LinkModel, Predictor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +90,9 @@ class ReportFacts:
     link_fit: LinkFit | None = None
     """The compute slowdown the study's runs support (SearchResult.link_fit: as the search fitted it, and what the
     report's predictions use); None before enough candidates ran."""
+    host_probe: tuple[float, float] | None = None
+    """The CPU stand-in's host probe (Profile.host_call_ms) and the factor it put on the per-action overhead of the
+    study's link over the device default (LinkModel.for_profile); None on CUDA, without a probe, or at 1."""
 
 
 def gather_facts(
@@ -172,7 +175,17 @@ def gather_facts(
         loss_curves=losses,
         node_link=node_link(result, predict, device),
         link_fit=result.link_fit,
+        host_probe=_host_probe(profile, predict.link, device),
     )
+
+
+def _host_probe(profile: Profile, link: LinkModel, device: str) -> tuple[float, float] | None:
+    """(the probe in ms, the study link's per-action overhead over the device default) where they differ."""
+    default = LinkModel.for_device(device).per_action_overhead_ms
+    if device != "cpu" or profile.host_call_ms <= 0 or not default:
+        return None
+    scale = link.per_action_overhead_ms / default
+    return (profile.host_call_ms, scale) if abs(scale - 1.0) > 0.005 else None
 
 
 def _int_or_none(value: Any) -> int | None:

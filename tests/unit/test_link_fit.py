@@ -151,3 +151,26 @@ def test_the_report_says_when_the_fit_scaled_the_rank_side_costs():
                   error_after=0.05, link=link)
     text = _fitted(fit)
     assert "per-action and per-message costs" in text and "2.00 x the defaults'" in text and "12% to 5%" in text
+
+
+def test_a_search_on_a_slower_host_predicts_and_reports_its_per_action_cost(tmp_path):
+    """The profile's host probe at twice the development machine's: the study's stored link charges each action
+    twice the default overhead, and the report says so."""
+    from autotune.report.document import Paragraph, build_document
+    from autotune.report.facts import gather_facts
+    from autotune.simulate import HOST_CALL_REFERENCE_MS
+
+    profile = replace(synthetic_profile(), host_call_ms=2 * HOST_CALL_REFERENCE_MS)
+    options = SearchOptions(gpus=2, batch_size=32, n_trials=4, seed=1)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
+                        memory_limit_bytes=None), options, study_name="s", storage=storage,
+                        runner=SimulatedRunner(link=LinkModel.for_profile(profile)))
+    stored, _ = load_search(storage, "s")
+    setup = stored.setup
+    assert setup["link"]["per_action_overhead_ms"] == pytest.approx(
+        2 * LinkModel.for_device("cpu").per_action_overhead_ms)
+    facts = gather_facts(result, profile=profile, memory_limit_bytes=None, setup=setup)
+    assert facts.host_probe == pytest.approx((2 * HOST_CALL_REFERENCE_MS, 2.0))
+    text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
+    assert "at 77 us a call (38.5 on the machine" in text and "2.00 x its default" in text
