@@ -280,10 +280,11 @@ def run_nodes(pair: Any, argv: list[str], folder: Path, timeout_s: float) -> str
     return out
 
 
-def predictor(profile: Any, probed: tuple[float, ...] | None) -> Any:
+def predictor(profile: Any | None, probed: tuple[float, ...] | None) -> Any:
     from autotune.simulate import LinkModel, Predictor
 
-    link = LinkModel.for_profile(profile)  # the CPU defaults at this host's speed, as the search's own
+    # the CPU defaults at this host's speed, as the search's own (None: the link's wire alone is wanted)
+    link = LinkModel.for_profile(profile) if profile is not None else LinkModel.for_device("cpu")
     if probed is not None:  # (latency, bandwidth[, all-reduce bandwidth]): runs before the probe timed one have 2
         link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1],
                                inter_allreduce_bandwidth_bytes_per_s=probed[2] if len(probed) > 2 else None)
@@ -438,6 +439,9 @@ def main() -> None:
             print(f"rate {rate}: probe {entry['fixed']['probe']}", file=sys.stderr)
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    raw = Path(tempfile.gettempdir()) / f"{args.name}-raw.json"  # the measurements, whatever the report does
+    raw.write_text(json.dumps({"results": results, "profile": profile.to_dict(), "profiles": fixed.get("profiles"),
+                               "run": run}, default=str))
     analyse(results, profile, fixed.get("profiles"))
     report(results, profile.to_dict(), run, no_write=args.no_write, profiles=fixed.get("profiles"), name=args.name)
 
