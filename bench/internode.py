@@ -440,8 +440,7 @@ def main() -> None:
     run["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     run["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     raw = Path(tempfile.gettempdir()) / f"{args.name}-raw.json"  # the measurements, whatever the report does
-    raw.write_text(json.dumps({"results": results, "profile": profile.to_dict(), "profiles": fixed.get("profiles"),
-                               "run": run}, default=str))
+    raw.write_text(json.dumps(_saved(results, profile.to_dict(), fixed.get("profiles"), run), default=str))
     analyse(results, profile, fixed.get("profiles"))
     report(results, profile.to_dict(), run, no_write=args.no_write, profiles=fixed.get("profiles"), name=args.name)
 
@@ -458,6 +457,12 @@ that median is compared (the search's own one-shot measurement is shown beside i
 trials run every rate of one configuration back to back (the machine's load drifts), so "what the link added"
 (rate minus unshaped, same configuration) is the comparison of the inter-node terms least disturbed by the load;
 the unshaped rows' errors are the compute side (profile vs trial on a loaded 2-core machine)."""
+
+
+def _saved(results: list[dict[str, Any]], profile: dict[str, Any], profiles: list[dict[str, Any]] | None,
+           run: dict[str, Any]) -> dict[str, Any]:
+    """A run as saved (what --from-json reads)."""
+    return {"results": results, "profile": profile, "profiles": profiles, "run": run}
 
 
 def _as_mbit(bytes_per_s: float | None) -> str:
@@ -565,12 +570,11 @@ def report(results: list[dict[str, Any]], profile: dict[str, Any], run: dict[str
         _results.show(tables)
         print(notes)
         out = Path(tempfile.gettempdir()) / "internode-last.json"
-        out.write_text(json.dumps({"results": results, "profile": profile, "profiles": profiles, "run": run},
-                                  default=str))
+        out.write_text(json.dumps(_saved(results, profile, profiles, run), default=str))
         print(f"(raw data: {out})")
         return
     _results.write(name, title="Inter-node model over a shaped link (two namespaces, tbf)", device="cpu",
-                   tables=tables, data={"results": results, "profile": profile, "profiles": profiles, "run": run},
+                   tables=tables, data=_saved(results, profile, profiles, run),
                    notes=notes)
 
 

@@ -121,7 +121,8 @@ def gather_facts(
     device = str(setup.get("device") or profile.device)
     limit = memory_limit_bytes if memory_limit_bytes is not None else _int_or_none(setup.get("memory_limit_bytes"))
 
-    predict = with_fit(Predictor.of_setup(profile, setup, memory_limit_bytes=limit), result.link_fit)
+    given = Predictor.of_setup(profile, setup, memory_limit_bytes=limit)  # the study's link, before any fit
+    predict = with_fit(given, result.link_fit)
     estimate = predict(chosen.candidate, with_timeline=True) if chosen else None
     default_estimate = predict(result.default) if result.default else None
     gain = compare_with_default(result, chosen, estimate, default_estimate)
@@ -175,7 +176,7 @@ def gather_facts(
         loss_curves=losses,
         node_link=node_link(result, predict, device),
         link_fit=result.link_fit,
-        host_probe=_host_probe(profile, predict.link, device),
+        host_probe=_host_probe(profile, given.link, device),  # the probe's factor, not the fit's
     )
 
 
