@@ -107,7 +107,8 @@ def profile_model(
     its layers): a forward and a full backward, then a forward and a backward that asks only for the input
     gradients (autograd skips the weight-grad work); weight-grad time is the difference. Saved bytes come from an
     untimed pass with saved_tensors_hooks; the optimizer step's time, state and temporaries from the block's own
-    parameters. Whole-model figures (optimizer, checkpointing ratios) are sums over the blocks.
+    parameters. Whole-model optimizer figures are sums over the blocks; the checkpointing ratios come from the
+    dominant block's window checkpointed once as one stage (_sample_stage_checkpoint).
 
     Out of memory (a CUDA allocation, or on CPU the live-tensor tracker passing memory_limit_bytes) at a size makes
     that size and the larger ones infeasible (Profile.infeasible_micro_batch_sizes); at every size, or for a block's
@@ -173,7 +174,7 @@ def profile_model(
     at = range(len(sizes))
     saved, saved_inputs, handoffs = _saved_without_handoffs(measured, sizes)
     last = measured[-1]
-    ratios = [_checkpoint_ratios([dominant.sizes[m].plain], [dominant.sizes[m].checkpointed])
+    ratios = [_checkpoint_ratios(*_stage_ratio_pairs(dominant.sizes[m]))
               for dominant in [_dominant(measured, sizes)] for m in sizes]
     return Profile(
         micro_batch_sizes=tuple(sizes),
@@ -259,9 +260,9 @@ def _whole_step_peak(measured: Sequence[_BlockResult]) -> int:
 
 def _dominant(measured: Sequence[_BlockResult], sizes: Sequence[int]) -> _BlockResult:
     """The measured block whose kind takes most of the model's forward time: its checkpointing ratios stand for the
-    model's. Each block is checkpointed on its own here, while a stage is checkpointed once for all its blocks, so
-    the fixed cost of a checkpoint weighs most in the smallest blocks; the kind that dominates the time is the one
-    whose ratio matters (the old whole-model pass checkpointed the whole model once)."""
+    model's, from its window checkpointed once as one stage (as a stage is), or, where it was timed alone, from the
+    block checkpointed on its own (a checkpoint's fixed cost then weighs most in the smallest blocks; the kind that
+    dominates the time is the one whose ratio matters)."""
     share: dict[int, float] = {}
     for r in measured:
         share[id(r.sizes)] = share.get(id(r.sizes), 0.0) + sum(r.sizes[m].forward_ms for m in sizes)
@@ -323,6 +324,11 @@ class _SizeResult:
     """(forward, backward) of the block as a stage, the fastest of the rounds."""
     checkpointed: tuple[float, float] = (0.0, 0.0)
     """The same, checkpointed as a stage is."""
+    stage_plain: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) of the blocks timed together with this one (its window) as one stage, the fastest of the
+    rounds; (0, 0) where the block was timed alone."""
+    stage_checkpointed: tuple[float, float] = (0.0, 0.0)
+    """The same stage checkpointed once, as the runtime checkpoints a stage."""
     split_input_extra_ms: float = 0.0
     """torch's split backward of the block as a stage: its I beyond the input gradients' share of a whole backward
     (_split_extras)."""
@@ -802,6 +808,8 @@ class _SizeSamples:
         self.plain: list[tuple[float, float]] = []
         self.checkpointed: list[tuple[float, float]] = []
         self.split: list[tuple[float, float]] = []
+        self.stage_plain: list[tuple[float, float]] = []
+        self.stage_checkpointed: list[tuple[float, float]] = []
         self._pass(full=True)  # warm-up (allocator, lazy init)
         self._pass(full=False)
         _unit_pass(unit, (self.args, self.side), loss, clock, checkpointed=True)
@@ -814,7 +822,7 @@ class _SizeSamples:
     def clear(self) -> None:
         """Forget the timings taken so far (the window is timed again another way)."""
         for times in (self.forward, self.full, self.partial, self.loss_forward, self.loss_backward, self.plain,
-                      self.checkpointed, self.split):
+                      self.checkpointed, self.split, self.stage_plain, self.stage_checkpointed):
             times.clear()
 
     def sample_checkpoint(self) -> None:
@@ -854,6 +862,8 @@ class _SizeSamples:
             loss_backward_bytes=self.loss_backward_bytes,
             plain=_fastest(self.plain),
             checkpointed=_fastest(self.checkpointed),
+            stage_plain=_fastest(self.stage_plain),
+            stage_checkpointed=_fastest(self.stage_checkpointed),
         )
 
 
@@ -1063,10 +1073,18 @@ def _split_extras(
     return max(0.0, split_input - whole * input_share), max(0.0, split_weight - whole * (1.0 - input_share))
 
 
+def _stage_ratio_pairs(result: _SizeResult) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The (plain, checkpointed) times the checkpointing ratios come from: the block's window as one stage where it
+    was timed with others, else the block alone as a stage."""
+    if result.stage_plain[0] > 0 and result.stage_checkpointed[0] > 0:
+        return [result.stage_plain], [result.stage_checkpointed]
+    return [result.plain], [result.checkpointed]
+
+
 def _checkpoint_ratios(
     plain: Sequence[tuple[float, float]], checkpointed: Sequence[tuple[float, float]]
 ) -> tuple[float, float]:
-    """From (forward, backward) times of the model plain and checkpointed: checkpointed forward / plain forward, and
+    """From (forward, backward) times of a stage plain and checkpointed: checkpointed forward / plain forward, and
     (checkpointed backward - plain backward) / plain forward.
 
     Recomputing is not just one more forward: the checkpointed forward still pays bookkeeping and the backward
@@ -1100,6 +1118,59 @@ def _sample_chain(chain: Sequence[_SizeSamples], clock: _Clock) -> None:
             last.loss_backward.append(loss_backward)
     for samples in chain:
         samples.sample_checkpoint()
+    if len(chain) > 1:
+        _sample_stage_checkpoint(chain, clock)
+
+
+def _sample_stage_checkpoint(chain: Sequence[_SizeSamples], clock: _Clock) -> None:
+    """The window's blocks as one stage, plain and checkpointed once as the runtime checkpoints a stage: what the
+    checkpointing ratios come from (_stage_ratio_pairs). One block checkpointed alone says little of a stage: on
+    the 13-layer MLP of bench/models/mlp13.py (micro-batch 16, CPU) one block's ratios put a stage's checkpointing
+    cost at 3.5 ms, the stage paid 1.6; on recipes/gpt.py one block said 1.8 ms where the stage paid 7.5
+    (bench/results/checkpoint_cost_cuda.md)."""
+    first, last = chain[0], chain[-1]
+    units = [samples.unit for samples in chain]
+    inputs = (first.args, first.side)
+    quick = all(samples.forward for samples in chain) and sum(
+        min(samples.forward) for samples in chain) < QUICK_BLOCK_MS
+    for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
+        plain = _stage_pass(units, inputs, last.loss, clock, checkpointed=False)
+        checkpointed = _stage_pass(units, inputs, last.loss, clock, checkpointed=True)
+        for samples in chain:
+            samples.stage_plain.append(plain)
+            samples.stage_checkpointed.append(checkpointed)
+    for unit in units:
+        unit.zero_grad(set_to_none=True)
+
+
+def _stage_pass(
+    units: Sequence[_Unit],
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    loss_fn: Callable[[Any], torch.Tensor],
+    clock: _Clock,
+    *,
+    checkpointed: bool,
+) -> tuple[float, float]:
+    """Forward and backward times of consecutive blocks as one stage (each block's outputs the next's inputs),
+    plain or checkpointed once for all of them; the loss (or the stand-in for the rest of the model) outside."""
+
+    def stage(*args: torch.Tensor, **side: Any) -> Any:
+        output: Any = None
+        for unit in units:
+            output = unit(args, side)
+            args = tuple(_flat(output))
+        return output
+
+    args, side = inputs
+    start = clock.mark()
+    output = checkpoint(stage, *args, use_reentrant=False, **side) if checkpointed else stage(*args, **side)
+    middle = clock.mark()
+    loss = loss_fn(output)
+    if loss.requires_grad:
+        loss.backward()
+    end = clock.mark()
+    clock.sync()
+    return clock.ms(start, middle), clock.ms(middle, end)
 
 
 def _chain_pass(

@@ -562,3 +562,60 @@ def test_a_checkpointed_w_says_whether_the_saved_input_outlives_its_passes(first
     x = torch.randn(8, width, requires_grad=True)
     _, passes = _checkpoint_weight_bytes(_Unit(block, block, last=False), ((x,), {}), _Surrogate())
     assert passes is not None and passes.input_kept is kept
+
+
+def test_checkpointing_ratios_come_from_the_window_checkpointed_once(monkeypatch):
+    """A stage is checkpointed once for all its blocks (runtime.CheckpointedStage): the ratios come from the blocks
+    timed together, checkpointed once, not from one block checkpointed alone (which put the 13-layer MLP's stage
+    at twice what it paid)."""
+    import autotune.profiling as profiling
+
+    stages = []
+
+    def stage_pass(units, inputs, loss_fn, clock, *, checkpointed):
+        stages.append((len(units), checkpointed))
+        return (3.0, 7.0) if checkpointed else (2.0, 4.0)
+
+    monkeypatch.setattr(profiling, "_stage_pass", stage_pass)
+    profile = profile_model(load_model_file(RECIPES / "mlp.py"), batch_size=8, micro_batch_sizes=[8, 2], repeats=1)
+    assert stages and {n for n, _ in stages} == {10}  # the recipe's ten blocks are one window
+    assert {c for _, c in stages} == {False, True}
+    assert profile.checkpoint_forward_ratio == (1.5, 1.5)  # 3 / 2
+    assert profile.checkpoint_recompute_ratio == (1.5, 1.5)  # (7 - 4) / 2
+
+
+def test_a_stage_pass_checkpoints_its_blocks_once(monkeypatch):
+    import autotune.profiling as profiling
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)]
+    units = [profiling._Unit(b, b, last=i == 2) for i, b in enumerate(blocks)]
+    x = torch.randn(4, 8, requires_grad=True)
+    calls = []
+    real = profiling.checkpoint
+    monkeypatch.setattr(profiling, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+
+    def grads(checkpointed):
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        forward, backward = profiling._stage_pass(units, ((x,), {}), lambda out: out.square().sum(),
+                                                  profiling._CpuClock(), checkpointed=checkpointed)
+        assert forward > 0 and backward > 0
+        return [p.grad.clone() for b in blocks for p in b.parameters()]
+
+    plain = grads(False)
+    assert calls == []
+    checkpointed = grads(True)
+    assert len(calls) == 1  # one checkpoint over the three blocks
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_block_timed_alone_keeps_its_own_checkpointing_times():
+    """A window that ran out of memory timed together is timed a block at a time: no stage pass, the block's own."""
+    from autotune.profiling import _SizeResult, _stage_ratio_pairs
+
+    alone = _SizeResult(plain=(2.0, 4.0), checkpointed=(3.0, 6.0))
+    assert _stage_ratio_pairs(alone) == ([(2.0, 4.0)], [(3.0, 6.0)])
+    together = dataclasses.replace(alone, stage_plain=(20.0, 40.0), stage_checkpointed=(25.0, 50.0))
+    assert _stage_ratio_pairs(together) == ([(20.0, 40.0)], [(25.0, 50.0)])
