@@ -812,7 +812,7 @@ class _SizeSamples:
         self.stage_checkpointed: list[tuple[float, float]] = []
         self._pass(full=True)  # warm-up (allocator, lazy init)
         self._pass(full=False)
-        _unit_pass(unit, (self.args, self.side), loss, clock, checkpointed=True)
+        _stage_pass([unit], (self.args, self.side), loss, clock, checkpointed=True)
         unit.zero_grad(set_to_none=True)
 
     def _pass(self, *, full: bool) -> tuple[list[float], float, list[float], float]:
@@ -831,8 +831,8 @@ class _SizeSamples:
         # A block of well under a millisecond is easily hit by the machine's other work: more samples of it.
         quick = bool(self.forward) and min(self.forward) < QUICK_BLOCK_MS
         for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
-            self.plain.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=False))
-            self.checkpointed.append(_unit_pass(self.unit, inputs, self.loss, self.clock, checkpointed=True))
+            self.plain.append(_stage_pass([self.unit], inputs, self.loss, self.clock, checkpointed=False))
+            self.checkpointed.append(_stage_pass([self.unit], inputs, self.loss, self.clock, checkpointed=True))
             self.split.append(_split_pass(self.unit, inputs, self.loss, self.clock))
         self.unit.zero_grad(set_to_none=True)
 
@@ -873,32 +873,6 @@ def _fastest(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
     if not pairs:
         return 0.0, 0.0
     return min(f for f, _ in pairs), min(b for _, b in pairs)
-
-
-def _unit_pass(
-    unit: _Unit,
-    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
-    loss_fn: Callable[[Any], torch.Tensor],
-    clock: _Clock,
-    *,
-    checkpointed: bool,
-) -> tuple[float, float]:
-    """Forward and backward times of the block as a stage, plain or checkpointed as the runtime checkpoints a
-    stage; the loss (or the stand-in for the rest of the model) stays outside."""
-    start = clock.mark()
-    args, side = inputs
-    if checkpointed:
-        with unit.precision():  # the recompute runs in the forward's autocast state (torch.utils.checkpoint)
-            output = checkpoint(unit.module, *args, use_reentrant=False, **side)
-    else:
-        output = unit(args, side)
-    middle = clock.mark()
-    loss = loss_fn(output)
-    if loss.requires_grad:
-        loss.backward()
-    end = clock.mark()
-    clock.sync()
-    return clock.ms(start, middle), clock.ms(middle, end)
 
 
 def _split_pass(
@@ -1151,8 +1125,10 @@ def _stage_pass(
     *,
     checkpointed: bool,
 ) -> tuple[float, float]:
-    """Forward and backward times of consecutive blocks as one stage (each block's outputs the next's inputs),
-    plain or checkpointed once for all of them; the loss (or the stand-in for the rest of the model) outside."""
+    """Forward and backward times of consecutive blocks (one, or a window) as one stage, each block's outputs the
+    next's inputs, plain or checkpointed once for all of them as the runtime checkpoints a stage (each block's
+    autocast entered inside, so the recompute runs in the forward's precision); the loss (or the stand-in for the
+    rest of the model) outside."""
 
     def stage(*args: torch.Tensor, **side: Any) -> Any:
         output: Any = None

@@ -574,12 +574,14 @@ def test_checkpointing_ratios_come_from_the_window_checkpointed_once(monkeypatch
 
     def stage_pass(units, inputs, loss_fn, clock, *, checkpointed):
         stages.append((len(units), checkpointed))
+        if len(units) == 1:  # a block alone: what the ratios came from before (3 / 6 here)
+            return (6.0, 16.0) if checkpointed else (2.0, 4.0)
         return (3.0, 7.0) if checkpointed else (2.0, 4.0)
 
     monkeypatch.setattr(profiling, "_stage_pass", stage_pass)
     profile = profile_model(load_model_file(RECIPES / "mlp.py"), batch_size=8, micro_batch_sizes=[8, 2], repeats=1)
-    assert stages and {n for n, _ in stages} == {10}  # the recipe's ten blocks are one window
-    assert {c for _, c in stages} == {False, True}
+    assert {n for n, _ in stages} == {1, 10}  # each block alone, and the recipe's ten blocks as one window
+    assert {c for n, c in stages if n == 10} == {False, True}
     assert profile.checkpoint_forward_ratio == (1.5, 1.5)  # 3 / 2
     assert profile.checkpoint_recompute_ratio == (1.5, 1.5)  # (7 - 4) / 2
 
