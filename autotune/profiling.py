@@ -528,8 +528,9 @@ class _Walk:
 
     def _close(self, window: list[_Open], results: dict[int, _BlockResult]) -> None:
         """Time the window's blocks in place (WINDOW_BLOCKS): per round and size, one untimed pass through all of
-        them, a timed full one and a timed input-grad one, then each block plain and checkpointed as a stage; then
-        release them. A window that runs out of memory at some size is timed a block at a time instead."""
+        them, a timed full one and a timed input-grad one, then each block plain as a stage and the window
+        checkpointed once as one (_sample_chain); then release them. A window that runs out of memory at some size
+        is timed a block at a time instead."""
         if not window:
             return
         try:
@@ -825,14 +826,17 @@ class _SizeSamples:
                       self.checkpointed, self.split, self.stage_plain, self.stage_checkpointed):
             times.clear()
 
-    def sample_checkpoint(self) -> None:
-        """The block plain and checkpointed as a stage (what the checkpointing ratios come from)."""
+    def sample_checkpoint(self, *, alone: bool) -> None:
+        """The block plain as a stage (what its split backward's extras are measured against) and under torch's split
+        backward; alone (not timed with other blocks), also checkpointed, for the checkpointing ratios (a window's
+        come from the window checkpointed once: _sample_stage_checkpoint)."""
         inputs = (self.args, self.side)
         # A block of well under a millisecond is easily hit by the machine's other work: more samples of it.
         quick = bool(self.forward) and min(self.forward) < QUICK_BLOCK_MS
         for _ in range(QUICK_BLOCK_SAMPLES if quick else 1):
             self.plain.append(_stage_pass([self.unit], inputs, self.loss, self.clock, checkpointed=False))
-            self.checkpointed.append(_stage_pass([self.unit], inputs, self.loss, self.clock, checkpointed=True))
+            if alone:
+                self.checkpointed.append(_stage_pass([self.unit], inputs, self.loss, self.clock, checkpointed=True))
             self.split.append(_split_pass(self.unit, inputs, self.loss, self.clock))
         self.unit.zero_grad(set_to_none=True)
 
@@ -1077,7 +1081,7 @@ def _checkpoint_ratios(
 def _sample_chain(chain: Sequence[_SizeSamples], clock: _Clock) -> None:
     """One round of a window at one size: an untimed pass through its blocks (the previous round ran another
     size), a timed full pass and a timed input-grad pass, each block's times taken in place; then each block plain
-    and checkpointed on its own."""
+    on its own, and the blocks as one stage plain and checkpointed once (a lone block: itself checkpointed)."""
     first, last = chain[0], chain[-1]
     units = [samples.unit for samples in chain]
     _chain_pass(units, (first.args, first.side), last.loss, clock, full=True)
@@ -1091,7 +1095,7 @@ def _sample_chain(chain: Sequence[_SizeSamples], clock: _Clock) -> None:
         if full:
             last.loss_backward.append(loss_backward)
     for samples in chain:
-        samples.sample_checkpoint()
+        samples.sample_checkpoint(alone=len(chain) == 1)
     if len(chain) > 1:
         _sample_stage_checkpoint(chain, clock)
 
