@@ -88,10 +88,12 @@ class LinkFit:
 
 
 def scaled_overheads(link: LinkModel, scale: float) -> LinkModel:
-    """link with its rank-side costs (per action, per message, the collectives' wake) times scale."""
+    """link with its rank-side costs (per action, per message, the collectives' wake, DistributedDataParallel's
+    forward) times scale."""
     return replace(link, per_action_overhead_ms=link.per_action_overhead_ms * scale,
                    message_overhead_ms=link.message_overhead_ms * scale,
-                   collective_wake_ms=link.collective_wake_ms * scale)
+                   collective_wake_ms=link.collective_wake_ms * scale,
+                   replica_forward_overhead_ms=link.replica_forward_overhead_ms * scale)
 
 
 def measured_steps(records: Iterable[TrialRecord]) -> list[tuple[Candidate, float]]:

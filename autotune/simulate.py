@@ -147,6 +147,20 @@ of a forward's and a backward's: 0.18 ms + 0.015 ms per MiB; an earlier run 0.15
 way (a /tmp script, 4 micro-batches of 8): bench/models/mlp13.py 0.19 / 0.16 ms a forward / backward (0.25 MiB
 units), recipes/gpt.py 0.25 / 0.21 (0.19 MiB, 12 tensors a block), recipes/mlp.py 0.34 / 0.38 (up to 4 MiB)."""
 
+REPLICA_FORWARD_OVERHEAD_CPU_MS = 0.18
+"""DistributedDataParallel's forward on the CPU stand-in beyond the stage module's, per forward of a replicated
+stage (LinkModel.replica_forward_overhead_ms), at the reference host (HOST_CALL_REFERENCE_MS; LinkModel.for_profile
+scales it). `python bench/ddp_forward.py --repeats 300` (bench/results/ddp_forward.md; a stage wrapped as
+runtime._replicate wraps it, under no_sync, against the module alone, call by call): the forward +0.13-0.29 ms over
+seven models (median 0.25 on a 2-core EPYC VM whose probe read 53 us: 0.18 here), the backward +0.03. In trials it
+went unpriced, where it is paid by every micro-batch: mlp13 pp 1 x dp 2 at B 256 stepped 1.2 / 4.9 / 7.9 ms slower
+at 1 / 8 / 32 micro-batches under DDP than with one flat all-reduce after the schedule (bench/dp_overlap.py
+--model bench/models/mlp13.py, bench/results/dp_overlap_mlp13_m*.md), and its dp 2 trials at 1-16 micro-batches
+were predicted 4-17 % under (5-10 % with the term; the same at 32 micro-batches, of 4 samples, +5 -> +15 %, where
+the profile already over-counts). bench/calibrate.py --from-json bench/results/calibration_dp.json (dp 2, the
+development machine): step-time MAPE mlp 8.9 -> 7.9 %, gpt 12.0 -> 11.6, cnn 7.2 -> 6.8, mlp13 12.1 -> 11.5,
+gpt2block 3.6 -> 4.1."""
+
 SHARDED_OPTIMIZER_GROUP_CPU_MS = 0.4
 """AdamW over FSDP2's DTensor shards on the CPU stand-in, per parameter-holding module beyond half the unsharded
 step: `python bench/gloo_wake.py --repeats 2` part 5 (one Linear per unit: median 0.45 ms, 0.39-1.0 over units
@@ -265,6 +279,12 @@ class LinkModel:
     threads sleep while the rank computes (gloo on the CPU stand-in, COLLECTIVE_WAKE_CPU_MS): paid by each FSDP2
     unit's all-gather and reduce-scatter, and once per step by DistributedDataParallel's sync (its buckets queue back
     to back behind the first)."""
+    replica_forward_overhead_ms: float = 0.0
+    """What DistributedDataParallel's forward costs the rank beyond the stage module's, per forward action of a
+    replicated stage it wraps (runtime.overlaps_gradient_sync): its Python around the call (the no_sync check, the
+    inputs' walk, the reducer's bookkeeping), paid by every micro-batch, not only the one that syncs; 0 where it
+    was not measured (cuda: it runs ahead of the GPU's kernels). CPU: REPLICA_FORWARD_OVERHEAD_CPU_MS, scaled to the
+    profiled host as per_action_overhead_ms is (for_profile)."""
     crossing_post_ms: float = 0.0
     """What a send or receive post costs on average beyond message_overhead_ms when the rank it goes to or comes
     from posts at the same moment, weighted down with the distance (_crossing_share: crossing_post_window_ms,
@@ -284,13 +304,17 @@ class LinkModel:
         (Profile.host_call_ms) read 56-59 us against the development machine's 35-41, the calibration models' steps
         at many micro-batches were under-predicted by 18-28 % with the defaults; with this term scaled (x1.46-1.52)
         the seven models' step-time MAPE went 10.2 -> 8.8 % on average and the goal was met on five instead of four
-        (bench/results/calibration_host.md). Profiles without the probe (0), and CUDA's, keep the defaults."""
+        (bench/results/calibration_host.md). DistributedDataParallel's forward (replica_forward_overhead_ms) is
+        Python around the module's call too, and scales alike. A field given in overrides is kept as given.
+        Profiles without the probe (0), and CUDA's, keep the defaults."""
         link = cls.for_device(profile.device, **overrides)
-        if profile.device != "cpu" or profile.host_call_ms <= 0 or "per_action_overhead_ms" in overrides:
+        if profile.device != "cpu" or profile.host_call_ms <= 0:
             return link
         low, high = HOST_SCALE_RANGE
         scale = min(high, max(low, profile.host_call_ms / HOST_CALL_REFERENCE_MS))
-        return replace(link, per_action_overhead_ms=link.per_action_overhead_ms * scale)
+        python_side = ("per_action_overhead_ms", "replica_forward_overhead_ms")
+        scaled = {name: getattr(link, name) * scale for name in python_side if name not in overrides}
+        return replace(link, **scaled)
 
     @classmethod
     def for_device(cls, device: str, **overrides: float) -> LinkModel:
@@ -326,6 +350,7 @@ class LinkModel:
                     "crossing_post_ms": CROSSING_POST_CPU_MS, "crossing_post_window_ms": CROSSING_POST_WINDOW_CPU_MS,
                     "crossing_post_jitter_ms": CROSSING_POST_JITTER_CPU_MS,
                     "gradient_sync_overlaps": False, "collective_wake_ms": COLLECTIVE_WAKE_CPU_MS,
+                    "replica_forward_overhead_ms": REPLICA_FORWARD_OVERHEAD_CPU_MS,
                     "collective_bandwidth_bytes_per_s": COLLECTIVE_CPU_BANDWIDTH_BYTES_PER_S,
                     "all_gather_passes": 2, "reduce_scatter_passes": 3, "reduce_scatter_passes_across_nodes": 2,
                     "all_gather_passes_across_nodes": 1.5,
@@ -659,6 +684,8 @@ def simulate_costs(
     walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
     if walk is not None:
         gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
+    elif link.replica_forward_overhead_ms and _under_ddp(candidate):
+        dur = [d + link.replica_forward_overhead_ms if k == "F" else d for d, k in zip(dur, plan.kind)]
     late = link.late_receives_wake and link.collective_wake_ms > 0
     across = crossing is not None and any(crossing)
 
@@ -1183,6 +1210,16 @@ def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
                 for x in receivers[y]:
                     posted[x] = last[plan.rank[x]]
     return tuple(posted)  # cached: shared by every simulation of the graph
+
+
+def _under_ddp(candidate: Candidate) -> bool:
+    """Whether the candidate's stages run under DistributedDataParallel (runtime.overlaps_gradient_sync): replicas
+    of a schedule whose backwards are whole and whose steps are synchronous, without tensor parallel. (The runtime
+    also keeps a rank whose
+    stages share a parameter off it; the replay does not see that.)"""
+    info = SCHEDULES[candidate.schedule]
+    return (candidate.data_parallel_degree > 1 and not candidate.sharded and candidate.tensor_parallel_degree == 1
+            and not info.splits_backward and not info.asynchronous)
 
 
 DDP_FIRST_BUCKET_BYTES = 2**20

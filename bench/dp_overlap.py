@@ -40,7 +40,7 @@ def rank_main(rank: int, args: argparse.Namespace, run_dir: str) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=2,
                             store=dist.FileStore(str(Path(run_dir) / "store"), 2))
-    spec = load_model_file(ROOT / "recipes" / f"{args.recipe}.py")
+    spec = load_model_file(ROOT / args.model if args.model else ROOT / "recipes" / f"{args.recipe}.py")
     candidate = Candidate(schedule=Schedule.GPIPE, pipeline_degree=1, data_parallel_degree=2,
                           global_batch_size=args.batch_size, n_microbatches=args.microbatches,
                           layers_per_stage=(spec.n_layers,))
@@ -70,11 +70,13 @@ def rank_main(rank: int, args: argparse.Namespace, run_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="mlp")
+    parser.add_argument("--model", default=None, help="a model file (relative to the repository), instead of --recipe")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--name", default="dp_overlap", help="results file name (bench/results/<name>.md)")
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="dp-overlap-")
     ctx = multiprocessing.get_context("forkserver")
@@ -93,7 +95,7 @@ def main() -> None:
         rows.append([mode, statistics.median(steps), min(steps), max(steps)])
     table = _results.markdown_table(["dp sync", "median step ms", "min", "max"], rows)
     print(table)
-    _results.write("dp_overlap", title="Data-parallel gradient sync: overlapped (DDP) vs one flat all-reduce",
+    _results.write(args.name, title="Data-parallel gradient sync: overlapped (DDP) vs one flat all-reduce",
                    device=args.device, tables={"steps": table}, data=data)
 
 

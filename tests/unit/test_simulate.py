@@ -402,7 +402,8 @@ def test_a_ranks_optimizer_step_pays_the_fixed_call_cost_once_whatever_its_block
 
 def test_the_cpu_per_action_overhead_moves_with_the_profiled_hosts_speed():
     """A rank's time around each action is Python and dispatch: a host whose probe (Profile.host_call_ms) is twice
-    the development machine's pays twice the per-action overhead; nothing else in the link moves."""
+    the development machine's pays twice the per-action overhead, and twice DistributedDataParallel's forward
+    (Python around the module's call too); nothing else in the link moves, and an override is kept as given."""
     from autotune.simulate import HOST_CALL_REFERENCE_MS, HOST_SCALE_RANGE
 
     base = profile_of(*(layer() for _ in range(4)))
@@ -412,7 +413,10 @@ def test_the_cpu_per_action_overhead_moves_with_the_profiled_hosts_speed():
     assert Profile.from_dict(slow.to_dict()) == slow
     link = LinkModel.for_profile(slow)
     assert link.per_action_overhead_ms == pytest.approx(2 * default.per_action_overhead_ms)
-    assert dataclasses.replace(link, per_action_overhead_ms=default.per_action_overhead_ms) == default
+    assert link.replica_forward_overhead_ms == pytest.approx(2 * default.replica_forward_overhead_ms)
+    assert dataclasses.replace(link, per_action_overhead_ms=default.per_action_overhead_ms,
+                               replica_forward_overhead_ms=default.replica_forward_overhead_ms) == default
+    assert LinkModel.for_profile(slow, per_action_overhead_ms=0.3).per_action_overhead_ms == 0.3
     wild = dataclasses.replace(base, host_call_ms=100 * HOST_CALL_REFERENCE_MS)  # a disturbed probe: bounded
     assert LinkModel.for_profile(wild).per_action_overhead_ms == pytest.approx(
         HOST_SCALE_RANGE[1] * default.per_action_overhead_ms)
@@ -462,6 +466,28 @@ def test_where_collectives_take_the_ranks_own_time_the_buckets_follow_the_backwa
     cpu = LinkModel.for_device("cpu")
     assert not cpu.gradient_sync_overlaps and cpu.collective_wake_ms > 0
     assert LinkModel.for_device("cuda").gradient_sync_overlaps
+
+
+def test_a_replicated_stage_under_ddp_pays_its_forward_overhead_on_every_micro_batch():
+    """DistributedDataParallel's forward costs every micro-batch's forward (LinkModel.replica_forward_overhead_ms),
+    the ones under no_sync as well; not where the stages run without it: one replica, sharded, a split backward
+    (one flat all-reduce after the schedule), tensor parallel (its replicas average after the schedule). CUDA has
+    none (the host runs ahead of the GPU)."""
+    link = dataclasses.replace(FREE, replica_forward_overhead_ms=0.5)
+    prof = profile_of(layer(f=1.0, b=2.0))
+    base = simulate(prof, candidate(Schedule.ONE_F_ONE_B, 1, 4, [1], dp=2), link=FREE).step_time_ms
+    assert simulate(prof, candidate(Schedule.ONE_F_ONE_B, 1, 4, [1], dp=2), link=link).step_time_ms == \
+        pytest.approx(base + 4 * 0.5)
+    for other in (candidate(Schedule.ONE_F_ONE_B, 1, 4, [1]),
+                  candidate(Schedule.ONE_F_ONE_B, 1, 4, [1], dp=2, data_parallel_mode="shard")):
+        assert simulate(prof, other, link=link).step_time_ms == simulate(prof, other, link=FREE).step_time_ms
+    split = profile_of(layer(f=1.0, b=1.0, w=1.0), layer(f=1.0, b=1.0, w=1.0))
+    zb = candidate(Schedule.ZBV_ZERO_BUBBLE, 1, 2, [1, 1], batch=4, dp=2)
+    assert simulate(split, zb, link=link).step_time_ms == simulate(split, zb, link=FREE).step_time_ms
+    assert LinkModel.for_device("cpu").replica_forward_overhead_ms > 0
+    assert LinkModel.for_device("cuda").replica_forward_overhead_ms == 0
+    tp = candidate(Schedule.ONE_F_ONE_B, 1, 4, [1], dp=2, tensor_parallel_degree=2)
+    assert simulate(prof, tp, link=link).step_time_ms == simulate(prof, tp, link=FREE).step_time_ms
 
 
 def test_feasible_is_judged_against_the_limit():
