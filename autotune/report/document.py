@@ -361,7 +361,8 @@ def _host(probe: tuple[float, float] | None) -> str:
     probe_ms, scale = probe
     return (f" The profile timed this host's Python and dispatch at {probe_ms * 1e3:.0f} us a call "
             f"({HOST_CALL_REFERENCE_MS * 1e3:.1f} on the machine the CPU stand-in's costs were measured on), so the "
-            f"simulator took each action's runtime overhead {scale:.2f} x its default.")
+            f"simulator took each action's runtime overhead and each send's or receive's post {scale:.2f} x their "
+            f"defaults.")
 
 
 def _fitted(fit: LinkFit | None) -> str:
