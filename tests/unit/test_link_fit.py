@@ -173,4 +173,4 @@ def test_a_search_on_a_slower_host_predicts_and_reports_its_per_action_cost(tmp_
     facts = gather_facts(result, profile=profile, memory_limit_bytes=None, setup=setup)
     assert facts.host_probe == pytest.approx((2 * HOST_CALL_REFERENCE_MS, 2.0))
     text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
-    assert "at 77 us a call (38.5 on the machine" in text and "2.00 x its default" in text
+    assert "at 77 us a call (38.5 on the machine" in text and "2.00 x their defaults" in text
