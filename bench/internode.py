@@ -227,7 +227,8 @@ def p2p_main(rank: int, address: str, port: int, out: Path) -> None:
     out.with_suffix(f".{rank}.json").write_text(json.dumps(result))
 
 
-P2P_BYTES = (16 * 2**10, 128 * 2**10, 512 * 2**10)
+P2P_BYTES = (16 * 2**10, 32 * 2**10, 64 * 2**10, 128 * 2**10, 512 * 2**10)
+"""The one-message table's sizes: 32, 64 and 128 KiB are the fixed set's hand-offs (m 8, 4, 2 at batch 256)."""
 ALLREDUCE_BYTES = 2 * 2**20
 UNIT_BYTES = (256 * 256 + 256) * 4
 """One FSDP2 unit of bench/models/mlp13.py: a Linear(256, 256)'s float32 parameters."""
