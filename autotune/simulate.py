@@ -1225,8 +1225,7 @@ def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
 def _under_ddp(candidate: Candidate) -> bool:
     """Whether the candidate's stages run under DistributedDataParallel (runtime.overlaps_gradient_sync): replicas
     of a schedule whose backwards are whole and whose steps are synchronous, without tensor parallel. (The runtime
-    also keeps a rank whose
-    stages share a parameter off it; the replay does not see that.)"""
+    also keeps a rank whose stages share a parameter off it; the replay does not see that.)"""
     info = SCHEDULES[candidate.schedule]
     return (candidate.data_parallel_degree > 1 and not candidate.sharded and candidate.tensor_parallel_degree == 1
             and not info.splits_backward and not info.asynchronous)
