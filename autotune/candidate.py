@@ -117,6 +117,19 @@ class Candidate:
         """FSDP2 shards the stages over dp replicas (data_parallel_mode shard with dp > 1)."""
         return self.data_parallel_mode == "shard" and self.data_parallel_degree > 1
 
+    @property
+    def under_ddp(self) -> bool:
+        """Whether the stages can run under DistributedDataParallel, their sync bucketed and overlapped with the last
+        backward (runtime.overlaps_gradient_sync, which also keeps a rank whose stages share a parameter off it):
+        replicas (dp > 1, not sharded), without tensor parallel (DDP over DTensor parameters is untested: the
+        replicas average after the schedule), a schedule whose backwards are whole (torch's stage prepares DDP's
+        reducer for a whole backward, not a split I / W) and whose steps are synchronous (2BW switches weight
+        versions under the reducer). Otherwise the gradients are averaged after the schedule, in one flat
+        all-reduce."""
+        info = SCHEDULES[self.schedule]
+        return (self.data_parallel_degree > 1 and not self.sharded and self.tensor_parallel_degree == 1
+                and not info.splits_backward and not info.asynchronous)
+
     def validate(self, n_layers: int) -> None:
         """Refuse a candidate that cannot run, before any process starts; the message says how to fix it."""
         b, m, dp = self.global_batch_size, self.n_microbatches, self.data_parallel_degree

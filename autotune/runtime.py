@@ -629,9 +629,7 @@ def build_pipeline(
     if load_state is not None:
         _load_state(spec, blocks.model, modules, load_state, names)
     del blocks
-    # DistributedDataParallel over DTensor parameters is untested: with tp the replicas average after the schedule
-    replicated = (overlap_gradient_sync and dp_group is not None and not candidate.sharded
-                  and candidate.tensor_parallel_degree == 1 and overlaps_gradient_sync(candidate, modules))
+    replicated = overlap_gradient_sync and dp_group is not None and overlaps_gradient_sync(candidate, modules)
     for s, module in zip(stage_indices, modules):
         submod = _replicate(module, dp_group, device) if replicated else module
         stage = compat.prepare_stage(PipelineStage(submod, s, candidate.n_stages, device, group=pp_group))
@@ -696,12 +694,10 @@ def rewired_pipeline(pipe: RankPipeline, *, wire_dtype: WireDtype, n_microbatche
 
 def overlaps_gradient_sync(candidate: Candidate, modules: list[nn.Module]) -> bool:
     """Whether the stages run under DistributedDataParallel (their data-parallel sync bucketed and overlapped with
-    the last backward): with replicas, a schedule whose backwards are whole (torch's stage prepares DDP's reducer
-    for a whole backward, not for a split I / W), and no parameter in two of this rank's stages (two reducers would
-    each average it). Otherwise the gradients are averaged after the schedule, in one flat all-reduce; so for 2BW,
-    whose stages switch weight versions under DistributedDataParallel's reducer, at each of its updates."""
-    info = SCHEDULES[candidate.schedule]
-    if candidate.data_parallel_degree == 1 or info.splits_backward or info.asynchronous:
+    the last backward): where the candidate allows it (Candidate.under_ddp) and no parameter is in two of this
+    rank's stages (two reducers would each average it). Otherwise the gradients are averaged after the schedule, in
+    one flat all-reduce."""
+    if not candidate.under_ddp:
         return False
     seen: set[int] = set()
     for module in modules:

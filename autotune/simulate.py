@@ -85,6 +85,13 @@ profiles, all AdamW). Another host's per-action cost is the constant times its o
 VM the first read 66-72 us where the second read 56-59, so the scale it gives is, if anything, short."""
 HOST_SCALE_RANGE = (0.25, 4.0)
 """How far a host's probe may move the per-action overhead (a probe off by more is a disturbed measurement)."""
+
+
+def host_scale(host_call_ms: float) -> float:
+    """What a host's probe (Profile.host_call_ms) puts on the CPU stand-in's Python-side costs: the probe over
+    HOST_CALL_REFERENCE_MS, within HOST_SCALE_RANGE (LinkModel.for_profile)."""
+    low, high = HOST_SCALE_RANGE
+    return min(high, max(low, host_call_ms / HOST_CALL_REFERENCE_MS))
 CROSSING_POST_CPU_MS = 0.6
 CROSSING_POST_WINDOW_CPU_MS = 0.2
 """A post to a rank that posts to this one at the same moment now and then waits ~3 ms, where a post takes ~0.05:
@@ -319,8 +326,7 @@ class LinkModel:
         link = cls.for_device(profile.device, **overrides)
         if profile.device != "cpu" or profile.host_call_ms <= 0:
             return link
-        low, high = HOST_SCALE_RANGE
-        scale = min(high, max(low, profile.host_call_ms / HOST_CALL_REFERENCE_MS))
+        scale = host_scale(profile.host_call_ms)
         python_side = ("per_action_overhead_ms", "replica_forward_overhead_ms", "message_overhead_ms",
                        "crossing_post_ms")
         scaled = {name: getattr(link, name) * scale for name in python_side if name not in overrides}
@@ -694,7 +700,7 @@ def simulate_costs(
     walk = _shard_walk(plan, candidate.reshard_after_forward) if candidate.sharded else None
     if walk is not None:
         gather_ms, reduce_scatter_ms = _add_shard_costs(dur, plan, stages, walk, candidate, link, n_nodes)
-    elif link.replica_forward_overhead_ms and _under_ddp(candidate):
+    elif link.replica_forward_overhead_ms and candidate.under_ddp:  # (a rank's shared parameters: not seen here)
         dur = [d + link.replica_forward_overhead_ms if k == "F" else d for d, k in zip(dur, plan.kind)]
     late = link.late_receives_wake and link.collective_wake_ms > 0
     across = crossing is not None and any(crossing)
@@ -1220,15 +1226,6 @@ def _receives_posted(plan: ActionGraph) -> tuple[int, ...]:
                 for x in receivers[y]:
                     posted[x] = last[plan.rank[x]]
     return tuple(posted)  # cached: shared by every simulation of the graph
-
-
-def _under_ddp(candidate: Candidate) -> bool:
-    """Whether the candidate's stages run under DistributedDataParallel (runtime.overlaps_gradient_sync): replicas
-    of a schedule whose backwards are whole and whose steps are synchronous, without tensor parallel. (The runtime
-    also keeps a rank whose stages share a parameter off it; the replay does not see that.)"""
-    info = SCHEDULES[candidate.schedule]
-    return (candidate.data_parallel_degree > 1 and not candidate.sharded and candidate.tensor_parallel_degree == 1
-            and not info.splits_backward and not info.asynchronous)
 
 
 DDP_FIRST_BUCKET_BYTES = 2**20

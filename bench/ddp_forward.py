@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import statistics
 import sys
 import time
@@ -28,12 +26,6 @@ import _results  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = [("bench/models/mlp13.py", 16), ("bench/models/mlp13.py", 128), ("recipes/gpt.py", 4), ("recipes/mlp.py", 16),
           ("recipes/cnn.py", 8), ("bench/models/embed_mlp.py", 16), ("bench/models/tail_heavy7.py", 16)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(path: str, micro_batch: int, repeats: int, warmup: int) -> dict[str, float]:
@@ -79,14 +71,12 @@ def main() -> None:
     import torch.distributed as dist
 
     from autotune.profiling import host_call_ms
-    from autotune.simulate import HOST_CALL_REFERENCE_MS, HOST_SCALE_RANGE, LinkModel
+    from autotune.simulate import HOST_CALL_REFERENCE_MS, LinkModel, host_scale
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     probe = statistics.median(host_call_ms() for _ in range(3))
-    low, high = HOST_SCALE_RANGE
-    scale = min(high, max(low, probe / HOST_CALL_REFERENCE_MS))
+    scale = host_scale(probe)
     rows, data = [], []
     for path, micro_batch in MODELS:
         r = measure(path, micro_batch, args.repeats, args.warmup)
