@@ -301,6 +301,15 @@ class LinkModel:
     crossing_post_jitter_ms: float = 0.0
     """How far a post's moment strays from the replay's (a normal spread), for crossing_post_ms: the share a post
     pays is the expectation over it (_crossing_share). CPU: CROSSING_POST_JITTER_CPU_MS."""
+    nodes_share_host: bool = False
+    """Whether the "nodes" are one machine (network namespaces or containers on one kernel: the inter-node probe
+    found the same boot id on both), so that ranks on different nodes still share its cores: crossing_post_ms is
+    charged across nodes as inside one. A post crossing one of its peer's costs the cores both ranks' gloo threads
+    spin on (bench/gloo_cross.py); on separate machines each node has its own. bench/internode.py's two namespaces
+    on the 2-core Xeon VM (internode_xeon, unshaped rows): VHalf m4 measured 27.7 ms across the veth, 25.0 with both
+    ranks on one node, predicted 22.2 across without the crossing posts (-20 %), 26.3 with them (-5 %); GPipe m4 with
+    checkpointing -18 -> -6 %; the unshaped rows' mean error over that run and three saved ones 10.0 / 12.9 / 8.9 /
+    9.2 -> 6.7 / 12.9 / 8.7 / 7.0 %, the shaped rows' within a point."""
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides: float) -> LinkModel:
@@ -443,12 +452,14 @@ class LinkModel:
         intra_latency_s: float | None = None,
         intra_bandwidth_bytes_per_s: float | None = None,
         inter_allreduce_bandwidth_bytes_per_s: float | None = None,
+        nodes_share_host: bool = False,
     ) -> LinkModel:
         """This link with inter-node figures from a probe (autotune.cluster). The calibrated intra-node figures
         absorb more than the wire (per-message costs of the runtime), so with an intra probe to compare, the model
         adds only the difference crossing makes: latency + (inter - intra), 1/bandwidth + (1/inter - 1/intra);
         without one, the probe's own figures. Never faster than inside a node. The all-reduce's bandwidth (where
-        the probe timed one) scales the point-to-point one by what the collective got of the probed stream's."""
+        the probe timed one) scales the point-to-point one by what the collective got of the probed stream's.
+        nodes_share_host: the probe found both nodes on one machine (LinkModel.nodes_share_host)."""
         if intra_latency_s is not None and intra_bandwidth_bytes_per_s:
             latency = self.latency_s + max(0.0, inter_latency_s - intra_latency_s)
             inverse = 1 / self.bandwidth_bytes_per_s + max(
@@ -462,7 +473,7 @@ class LinkModel:
         if inter_allreduce_bandwidth_bytes_per_s:
             collective = bandwidth * min(1.0, inter_allreduce_bandwidth_bytes_per_s / inter_bandwidth_bytes_per_s)
         return replace(self, inter_node_latency_s=latency, inter_node_bandwidth_bytes_per_s=bandwidth,
-                       inter_node_allreduce_bandwidth_bytes_per_s=collective)
+                       inter_node_allreduce_bandwidth_bytes_per_s=collective, nodes_share_host=nodes_share_host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -726,9 +737,9 @@ def simulate_costs(
         return _replay_late_receives(graph, durations, transfers, done, link.collective_wake_ms, gated=gated)
 
     finish = replay(plan, dur, xfer)
-    # Two ranks posting to each other at once (LinkModel.crossing_post_ms), inside a node, by this replay's times;
-    # not 2BW's steady state (its own two-step replay below)
-    if (link.crossing_post_ms and not across
+    # Two ranks posting to each other at once (LinkModel.crossing_post_ms), inside a node (or across nodes that are
+    # one machine: nodes_share_host), by this replay's times; not 2BW's steady state (its own two-step replay below)
+    if (link.crossing_post_ms and (not across or link.nodes_share_host)
             and not SCHEDULES[c.schedule].asynchronous):
         ahead = None if SCHEDULES[c.schedule].placement == "single" or actions is not None else _receives_posted(plan)
         extra = _crossing_posts(plan, finish, link.crossing_post_ms, link.crossing_post_window_ms, ahead,

@@ -94,9 +94,9 @@ class TuneRequest:
     gpus_per_node: int | None = None
     """Ranks per node when the trials span nodes (autotune.cluster); None: one machine. The plan then knows which
     ranks share a node, and the config records nodes and gpus_per_node."""
-    inter_node_link: tuple[float, float] | tuple[float, float, float | None] | None = None
-    """(latency s, bandwidth bytes/s[, all-reduce bandwidth bytes/s or None]) between nodes as the cluster's probe
-    measured them; None: as inside a node."""
+    inter_node_link: tuple[float, float] | tuple[float, float, float | None, bool] | None = None
+    """(latency s, bandwidth bytes/s[, all-reduce bandwidth bytes/s or None, whether the nodes are one machine])
+    between nodes as the cluster's probe measured them; None: as inside a node."""
     intra_node_link: tuple[float, float] | None = None
     """(latency s, bandwidth bytes/s) between two GPUs of a node as probed before profiling (CUDA searches of 2+
     GPUs); None: the device's default link figures."""
@@ -383,11 +383,12 @@ def tune(
 
 def probed_link(
     base: LinkModel, *, intra: tuple[float, float] | None,
-    inter: tuple[float, float] | tuple[float, float, float | None] | None
+    inter: tuple[float, float] | tuple[float, float, float | None, bool] | None
 ) -> LinkModel | None:
     """The link model of a search from its probes, each (latency s, bandwidth bytes/s), over `base` (the profile's
     default, LinkModel.for_profile): inside a node, the probe's figures replace the device's defaults (on CUDA
-    those are guesses: NVLink, PCIe and NVSwitch differ several times); between nodes, LinkModel.with_probe. None
+    those are guesses: NVLink, PCIe and NVSwitch differ several times); between nodes, LinkModel.with_probe (with
+    the inter-node probe's all-reduce bandwidth and whether the nodes are one machine, where it has them). None
     without probes: the planner's default for the profile."""
     from dataclasses import replace
 
@@ -399,6 +400,7 @@ def probed_link(
     if inter is not None:
         link = link.with_probe(inter_latency_s=inter[0], inter_bandwidth_bytes_per_s=inter[1],
                                inter_allreduce_bandwidth_bytes_per_s=inter[2] if len(inter) > 2 else None,
+                               nodes_share_host=bool(inter[3]) if len(inter) > 3 else False,
                                intra_latency_s=intra[0] if intra else None,
                                intra_bandwidth_bytes_per_s=intra[1] if intra else None)
     return link

@@ -286,9 +286,11 @@ def predictor(profile: Any | None, probed: tuple[float, ...] | None) -> Any:
 
     # the CPU defaults at this host's speed, as the search's own (None: the link's wire alone is wanted)
     link = LinkModel.for_profile(profile) if profile is not None else LinkModel.for_device("cpu")
-    if probed is not None:  # (latency, bandwidth[, all-reduce bandwidth]): runs before the probe timed one have 2
+    if probed is not None:  # (latency, bandwidth[, all-reduce bandwidth[, one machine]]): runs before the probe
+        # timed the all-reduce have 2, before it read the boot ids 3 (this bench's two namespaces: one machine)
         link = link.with_probe(inter_latency_s=probed[0], inter_bandwidth_bytes_per_s=probed[1],
-                               inter_allreduce_bandwidth_bytes_per_s=probed[2] if len(probed) > 2 else None)
+                               inter_allreduce_bandwidth_bytes_per_s=probed[2] if len(probed) > 2 else None,
+                               nodes_share_host=bool(probed[3]) if len(probed) > 3 else True)
     return Predictor(profile=profile, link=link, gpus_per_node=1)
 
 

@@ -228,7 +228,7 @@ def _join_cluster(env: Any, gpus_per_node: int) -> Any:
     return None
 
 
-def _probe(cluster: Any, device: str) -> tuple[float, float, float | None] | None:
+def _probe(cluster: Any, device: str) -> tuple[float, float, float | None, bool] | None:
     """The inter-node link, measured once before profiling (node 0 <-> node 1), and said on stderr."""
     from autotune.devices import resolve_device
 
@@ -239,10 +239,11 @@ def _probe(cluster: Any, device: str) -> tuple[float, float, float | None] | Non
     else:
         from autotune.units import format_rate
 
-        latency, bandwidth, reduced = measured
+        latency, bandwidth, reduced, same_host = measured
         collective = f" (all-reduce {format_rate(reduced)})" if reduced else ""
+        host = "; both nodes are one machine, sharing its cores" if same_host else ""
         err_console.print(f"inter-node link (node 0 <-> node 1, probed): {latency * 1e6:.0f} us, "
-                          f"{format_rate(bandwidth)}{collective}", highlight=False, soft_wrap=True)
+                          f"{format_rate(bandwidth)}{collective}{host}", highlight=False, soft_wrap=True)
     return measured
 
 

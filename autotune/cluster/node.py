@@ -245,10 +245,10 @@ class Cluster:
                                f"s; the study is kept, --resume continues it")
         return measure(candidate, options, [outcomes[n] for n in sorted(outcomes)], time.time() - started)
 
-    def probe(self, device: str, timeout_s: float = 60.0) -> tuple[float, float, float | None] | None:
-        """(latency s, bandwidth bytes/s of one send, all-reduce bandwidth bytes/s or None) from node 0 to node 1,
-        measured by two ranks (trial.probe); None when the probe failed (the planner then keeps the one-node
-        link)."""
+    def probe(self, device: str, timeout_s: float = 60.0) -> tuple[float, float, float | None, bool] | None:
+        """(latency s, bandwidth bytes/s of one send, all-reduce bandwidth bytes/s or None, whether the two nodes
+        are one machine) from node 0 to node 1, measured by two ranks (trial.probe); None when the probe failed
+        (the planner then keeps the one-node link)."""
         assert self.watch is not None, "join() first"
         watch = self.watch
         self.jobs += 1
@@ -271,7 +271,7 @@ class Cluster:
             return None
         reduced = result.get("allreduce_bandwidth_bytes_per_s")
         return (float(result["latency_s"]), float(result["bandwidth_bytes_per_s"]),
-                float(reduced) if reduced else None)
+                float(reduced) if reduced else None, bool(result.get("same_host")))
 
     def shutdown(self, code: int, reason: str) -> None:
         """Tell the agents to exit (code 0: done) and wait a little for their byes: under Slurm this process hosts

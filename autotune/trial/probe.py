@@ -32,14 +32,31 @@ def ping_pong(buf: torch.Tensor, rank: int) -> None:
         dist.send(buf, peer)
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+"""One per running kernel: two "nodes" that read the same are one machine (namespaces or containers on it)."""
+
+
+def boot_id() -> str | None:
+    """This machine's boot id (Linux), None where there is none to read."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) -> dict[str, Any]:
     """Join a 2-rank group and measure: latency = the fastest round trip of 4 bytes / 2; bandwidth = up to STREAMED
     messages of PROBE_BYTES sent one way plus a 4-byte ack, best of 3, latency removed; all-reduce bandwidth = the
     bytes one all-reduce of PROBE_BYTES moves each way (a ring of 2: PROBE_BYTES) over its time, best of 3 after a
     small one (the backend's first collective sets itself up), latency removed: what the backend's own collective
     gets out of the link (gloo's on the CPU stand-in, two namespaces over a veth pair: ~88 % of one stream's at 20
-    Mbit/s, ~40 % unshaped, where its reductions and copies take longer than the wire)."""
+    Mbit/s, ~40 % unshaped, where its reductions and copies take longer than the wire). same_host: both ranks read
+    the same boot id (LinkModel.nodes_share_host)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = boot_id()
+    store.set(f"boot_id/{rank}", mine or "")
+    theirs = store.get(f"boot_id/{1 - rank}").decode() or None
     dist.init_process_group(backend, store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
     peer = 1 - rank
@@ -90,4 +107,5 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
     reduced = min(timed(lambda: dist.all_reduce(big)) for _ in range(3)) - 2 * latency
     dist.destroy_process_group()
     return {"rank": rank, "latency_s": latency, "bandwidth_bytes_per_s": n * PROBE_BYTES / max(seconds, 1e-9),
-            "allreduce_bandwidth_bytes_per_s": PROBE_BYTES / max(reduced, 1e-9)}
+            "allreduce_bandwidth_bytes_per_s": PROBE_BYTES / max(reduced, 1e-9),
+            "same_host": mine is not None and mine == theirs}

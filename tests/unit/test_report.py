@@ -518,13 +518,14 @@ def test_a_tensor_parallel_choice_shows_tp_beside_pp_and_dp(study):
 
 
 def over_nodes(study: SearchResult, records: tuple[TrialRecord, ...], *, gpus_per_node: int | None = 1,
-               probed: bool = True, allreduce: float | None = None) -> tuple[str, str]:
+               probed: bool = True, allreduce: float | None = None, one_machine: bool = False) -> tuple[str, str]:
     """The report of `study` as if it had run over nodes of gpus_per_node ranks with (or without) a probed link
-    (allreduce: the probe's all-reduce bandwidth, where it timed one)."""
+    (allreduce: the probe's all-reduce bandwidth, where it timed one; one_machine: the probe found the nodes on one
+    machine)."""
     link = LinkModel.for_device("cpu")
     if probed:  # the probe's figures, as tune.probed_link gives them without an intra-node probe
         link = link.with_probe(inter_latency_s=5e-3, inter_bandwidth_bytes_per_s=2e7,
-                               inter_allreduce_bandwidth_bytes_per_s=allreduce)
+                               inter_allreduce_bandwidth_bytes_per_s=allreduce, nodes_share_host=one_machine)
     setup = {**study.setup, "device": "cpu", "link": dataclasses.asdict(link),
              **({"gpus_per_node": gpus_per_node} if gpus_per_node else {})}
     facts = gather_facts(dataclasses.replace(study, records=records), profile=make_profile(),
@@ -564,6 +565,7 @@ def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_
     assert "| latency | 5.00 ms | 20 us | 20 us |" in section
     assert "| bandwidth | 20 MB/s | 3.00 GB/s | 3.00 GB/s |" in section
     assert "all-reduce" not in section  # a probe that timed none (studies from before it did)
+    assert "one machine" not in section
     assert "Over the 3 measured runs of configurations spanning nodes" in section
     assert "off by **+5 %** (median" in section
     assert (f"The worst: `{spans.key}` (trial #1), predicted 65.0 ms against 50.0 ms measured, **+30 %**."
@@ -578,6 +580,10 @@ def test_a_multi_node_report_shows_the_probed_link_and_how_far_predictions_over_
     markdown, _ = over_nodes(study, records, allreduce=1.76e7)  # the probe's all-reduce got 88 % of the stream
     section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
     assert "| collectives' bandwidth (the probe's all-reduce) | 17.6 MB/s | as above | as above |" in section
+
+    markdown, _ = over_nodes(study, records, one_machine=True)  # two network namespaces on one host
+    section = markdown.split("## Link between nodes")[1].split("\n## ")[0]
+    assert "The probe found both nodes on one machine" in section
 
 
 def test_a_one_node_report_says_nothing_of_a_link_between_nodes(study):

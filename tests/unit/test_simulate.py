@@ -250,6 +250,25 @@ def test_crossing_posts_are_charged_to_every_synchronous_schedule():
     assert LinkModel.for_device("cuda").crossing_post_ms == 0.0
 
 
+def test_crossing_posts_across_nodes_are_charged_only_where_the_nodes_are_one_machine():
+    """The cost of two ranks posting to each other at once is their gloo threads spinning on shared cores: between
+    nodes that are separate machines each has its own, between network namespaces on one machine (the probe read
+    one boot id) they do not (bench/results/internode_xeon.md: VHalf m4 -20 % unshaped across the veth without it,
+    -5 % with it)."""
+    prof = profile_of(*[layer(f=1, b=1)] * 4)
+    crossing = dataclasses.replace(FREE, crossing_post_ms=1.0, crossing_post_window_ms=0.2)
+    c = candidate(Schedule.ONE_F_ONE_B, 2, 4, [2, 2])
+    apart = crossing.with_probe(inter_latency_s=FREE.latency_s, inter_bandwidth_bytes_per_s=FREE.bandwidth_bytes_per_s)
+    shared = crossing.with_probe(inter_latency_s=FREE.latency_s,
+                                 inter_bandwidth_bytes_per_s=FREE.bandwidth_bytes_per_s, nodes_share_host=True)
+    inside = simulate(prof, c, link=crossing).step_time_ms
+    assert inside > simulate(prof, c, link=FREE).step_time_ms
+    assert simulate(prof, c, link=apart, gpus_per_node=1).step_time_ms == simulate(
+        prof, c, link=FREE, gpus_per_node=1).step_time_ms
+    assert simulate(prof, c, link=shared, gpus_per_node=1).step_time_ms == pytest.approx(inside)
+    assert shared.across_nodes().nodes_share_host and not LinkModel.for_device("cpu").nodes_share_host
+
+
 def test_the_crossing_share_is_flat_about_an_exact_alignment_under_jitter():
     """The replay aligns posts to the microsecond where stages are equal; the runtime's stray by about an action's
     overhead. Taken in expectation over that jitter, a few microseconds off an exact alignment change the share by

@@ -127,6 +127,9 @@ def test_a_probed_link_replaces_the_defaults_inside_a_node_and_adds_the_crossing
     assert both.bandwidth_bytes_per_s == 150e9
     assert both.inter_node_latency_s == pytest.approx(30e-6)
     assert both.inter_node_bandwidth_bytes_per_s == pytest.approx(25e9)
+    assert not both.nodes_share_host
+    namespaces = probed_link(cuda, intra=None, inter=(30e-6, 25e9, None, True))  # the probe read one boot id
+    assert namespaces.nodes_share_host and namespaces.inter_node_allreduce_bandwidth_bytes_per_s is None
 
 
 def test_the_local_link_probe_measures_two_ranks_of_this_machine():
@@ -135,3 +138,16 @@ def test_the_local_link_probe_measures_two_ranks_of_this_machine():
 
     latency, bandwidth = probe_local_link("cpu")
     assert 0 < latency < 0.1 and bandwidth > 1e6
+
+
+def test_the_link_probe_says_when_its_two_ranks_are_one_machine():
+    """Two ranks of this machine read one boot id: the inter-node probe of two network namespaces (or containers)
+    on one host says so, and the simulator charges their crossing posts as inside a node (nodes_share_host)."""
+    from autotune.trial.launch import TrialOptions, run_ranks
+    from autotune.trial.probe import boot_id
+
+    if boot_id() is None:
+        pytest.skip("no boot id to read on this system")
+    outcome = run_ranks("", None, TrialOptions(timeout_s=60, device="cpu"), ranks=range(2), kind="probe",
+                        world_size=2)
+    assert [outcome.results[r]["same_host"] for r in range(2)] == [True, True]
