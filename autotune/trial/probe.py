@@ -54,11 +54,11 @@ def probe(rank: int, store: dist.Store, device: torch.device, timeout_s: float) 
     Mbit/s, ~40 % unshaped, where its reductions and copies take longer than the wire). same_host: both ranks read
     the same boot id (LinkModel.nodes_share_host)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    mine = boot_id()
-    store.set(f"boot_id/{rank}", mine or "")
-    theirs = store.get(f"boot_id/{1 - rank}").decode() or None
     dist.init_process_group(backend, store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    mine = boot_id()  # both ranks are up (the group formed): the peer's comes at once
+    store.set(f"boot_id/{rank}", mine or "")
+    theirs = store.get(f"boot_id/{1 - rank}").decode() or None
     peer = 1 - rank
     big = torch.empty(PROBE_BYTES // 4, device=device)
     ack = torch.empty(1, device=device)
