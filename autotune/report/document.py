@@ -235,9 +235,9 @@ def _node_link(nodes: NodeLink, device: str) -> list[Block]:
              f"the probe, never faster than inside a node). Without the probe the planner assumes the {device} "
              f"default everywhere, between nodes too.")
     if link.nodes_share_host:
-        intro += (" The probe found both nodes on one machine (the same kernel: network namespaces or containers), "
-                  "so their ranks share its cores, and two of them posting to each other at once is charged as "
-                  "inside a node.")
+        intro += (" The probe found both nodes on one machine (one kernel's boot id: launches, network namespaces "
+                  "or containers on one host), so their ranks share its cores, and two of them posting to each "
+                  "other at once is charged as inside a node.")
     table = Table(
         ("", "between nodes (probed)", "inside a node (this search)", f"{device} default"),
         (("latency", _latency(link.inter_node_latency_s or link.latency_s), _latency(link.latency_s),
