@@ -505,3 +505,24 @@ def test_the_planners_best_tp_candidate_is_seeded_and_run(spec, tmp_path):
     assert any(x.candidate.tensor_parallel_degree == 2 for x in planned)
     run_search(spec, p, planned, opts, study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}", runner=runner)
     assert any(c.tensor_parallel_degree == 2 for c in runner.calls)
+
+
+def test_the_best_so_far_is_the_fastest_median_not_one_lucky_run():
+    from types import SimpleNamespace
+
+    from autotune.records import TrialRecord
+    from autotune.search import _Engine
+
+    a, b = (p.candidate for p in plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None)[:2])
+
+    def run(number, candidate, step_ms):
+        return TrialRecord(number=number, candidate=candidate, outcome="ok", reason="", step_time_ms=step_ms,
+                           throughput_samples_per_s=32 / step_ms * 1000, launched=True)
+
+    records = [run(0, a, 10.0), run(1, b, 14.0), run(2, a, 20.0), run(3, b, 14.5),
+               TrialRecord(number=4, candidate=a, outcome="pruned", reason="")]
+    best = _Engine.best_record(SimpleNamespace(records=records))  # what the bar shows and pruning measures against
+    assert best.candidate == b and best.step_time_ms == pytest.approx(14.25)
+    assert best.throughput_samples_per_s == pytest.approx(32 / 14.25 * 1000)
+    assert _Engine.best_record(SimpleNamespace(records=records[:1])).candidate == a
+    assert _Engine.best_record(SimpleNamespace(records=records[4:])) is None
