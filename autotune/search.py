@@ -399,15 +399,16 @@ class _Engine:
         """The candidate with the fastest median over its ok runs, as its last ok record with that median's
         throughput: what the progress bar shows as best and what pruning measures against. One lucky run does not
         lead (a noisy host ran the same config at 104 and 76 samples/s), and the bar agrees with the final table."""
-        runs: dict[str, list[TrialRecord]] = {}
+        runs: dict[str, list[tuple[float, TrialRecord]]] = {}
         for r in self.records:
-            if r.outcome == "ok" and r.candidate is not None and r.step_time_ms and r.throughput_samples_per_s:
-                runs.setdefault(r.candidate.key, []).append(r)
+            if r.outcome == "ok" and r.candidate is not None and r.throughput_samples_per_s:
+                step_ms = r.step_time_ms or r.candidate.global_batch_size / r.throughput_samples_per_s * 1000
+                runs.setdefault(r.candidate.key, []).append((step_ms, r))
         if not runs:
             return None
-        best = min(runs.values(), key=lambda rs: statistics.median(r.step_time_ms or 0.0 for r in rs))
-        step_ms = statistics.median(r.step_time_ms or 0.0 for r in best)
-        last = best[-1]
+        best = min(runs.values(), key=lambda rs: statistics.median(step for step, _ in rs))
+        step_ms = statistics.median(step for step, _ in best)
+        last = best[-1][1]
         assert last.candidate is not None
         return replace(last, step_time_ms=step_ms,
                        throughput_samples_per_s=last.candidate.global_batch_size / (step_ms / 1000))

@@ -526,3 +526,5 @@ def test_the_best_so_far_is_the_fastest_median_not_one_lucky_run():
     assert best.throughput_samples_per_s == pytest.approx(32 / 14.25 * 1000)
     assert _Engine.best_record(SimpleNamespace(records=records[:1])).candidate == a
     assert _Engine.best_record(SimpleNamespace(records=records[4:])) is None
+    older = [replace(r, step_time_ms=None) for r in records]  # a study stored before step times were
+    assert _Engine.best_record(SimpleNamespace(records=older)).step_time_ms == pytest.approx(14.25)
