@@ -119,11 +119,15 @@ def test_cpu_stand_in_keeps_freed_memory_for_reuse():
 
 
 _GLOO_THREADS = """
-import os, sys, torch.distributed as dist
+import os, sys, time, torch.distributed as dist
 from autotune.devices import GLOO_DEVICE_THREAD, idle_gloo_device_threads
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-tids = [int(t) for t in os.listdir("/proc/self/task")
-        if open(f"/proc/self/task/{t}/comm").read().strip() == GLOO_DEVICE_THREAD]
+for _ in range(40):  # the thread names itself once it runs: on a busy host that came after the listing (a skip)
+    tids = [int(t) for t in os.listdir("/proc/self/task")
+            if open(f"/proc/self/task/{t}/comm").read().strip() == GLOO_DEVICE_THREAD]
+    if tids:
+        break
+    time.sleep(0.05)
 moved = idle_gloo_device_threads()
 print(len(tids), moved, sorted({os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids}),
       os.sched_getscheduler(0) == os.SCHED_IDLE)
