@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -396,22 +395,20 @@ class _Engine:
         self.fit = fit
 
     def best_record(self) -> TrialRecord | None:
-        """The candidate with the fastest median over its ok runs, as its last ok record with that median's
-        throughput: what the progress bar shows as best and what pruning measures against. One lucky run does not
-        lead (a noisy host ran the same config at 104 and 76 samples/s), and the bar agrees with the final table."""
-        runs: dict[str, list[tuple[float, TrialRecord]]] = {}
-        for r in self.records:
-            if r.outcome == "ok" and r.candidate is not None and r.throughput_samples_per_s:
-                step_ms = r.step_time_ms or r.candidate.global_batch_size / r.throughput_samples_per_s * 1000
-                runs.setdefault(r.candidate.key, []).append((step_ms, r))
-        if not runs:
+        """The leader (the fastest median over its runs: leaders_of) as its last ok record with that median's step
+        time and throughput: what the progress bar shows as best and what pruning measures against. One lucky run
+        does not lead (a noisy host ran the same config at 104 and 76 samples/s), and the bar agrees with the final
+        table."""
+        leaders = self.leaders()
+        if not leaders:
             return None
-        best = min(runs.values(), key=lambda rs: statistics.median(step for step, _ in rs))
-        step_ms = statistics.median(step for step, _ in best)
-        last = best[-1][1]
-        assert last.candidate is not None
-        return replace(last, step_time_ms=step_ms,
-                       throughput_samples_per_s=last.candidate.global_batch_size / (step_ms / 1000))
+        lead = leaders[0]
+        last = next((r for r in reversed(self.records) if r.outcome == "ok" and r.candidate is not None
+                     and r.candidate.key == lead.candidate.key), None)
+        if last is None:
+            return None
+        return replace(last, step_time_ms=lead.step_time_ms,
+                       throughput_samples_per_s=lead.candidate.global_batch_size / (lead.step_time_ms / 1000))
 
     def _budget_left(self) -> int:
         return self.options.n_trials - self.launched

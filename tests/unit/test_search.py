@@ -510,7 +510,8 @@ def test_the_planners_best_tp_candidate_is_seeded_and_run(spec, tmp_path):
 def test_the_best_so_far_is_the_fastest_median_not_one_lucky_run():
     from types import SimpleNamespace
 
-    from autotune.records import TrialRecord
+    from autotune.candidate import Measurement
+    from autotune.records import TrialRecord, leaders_of
     from autotune.search import _Engine
 
     a, b = (p.candidate for p in plan(profile(), gpus=2, batch_size=32, memory_limit_bytes=None)[:2])
@@ -519,12 +520,18 @@ def test_the_best_so_far_is_the_fastest_median_not_one_lucky_run():
         return TrialRecord(number=number, candidate=candidate, outcome="ok", reason="", step_time_ms=step_ms,
                            throughput_samples_per_s=32 / step_ms * 1000, launched=True)
 
+    def engine(records):  # the study's records and its runs, as SharedStudy derives both from the same trials
+        runs = {}
+        for r in records:
+            if r.outcome == "ok":
+                runs.setdefault(r.candidate.key, []).append(
+                    Measurement(candidate=r.candidate, status="ok", step_time_ms=r.step_time_ms))
+        return SimpleNamespace(records=records, leaders=lambda: leaders_of(runs))
+
     records = [run(0, a, 10.0), run(1, b, 14.0), run(2, a, 20.0), run(3, b, 14.5),
                TrialRecord(number=4, candidate=a, outcome="pruned", reason="")]
-    best = _Engine.best_record(SimpleNamespace(records=records))  # what the bar shows and pruning measures against
+    best = _Engine.best_record(engine(records))  # what the bar shows and pruning measures against
     assert best.candidate == b and best.step_time_ms == pytest.approx(14.25)
     assert best.throughput_samples_per_s == pytest.approx(32 / 14.25 * 1000)
-    assert _Engine.best_record(SimpleNamespace(records=records[:1])).candidate == a
-    assert _Engine.best_record(SimpleNamespace(records=records[4:])) is None
-    older = [replace(r, step_time_ms=None) for r in records]  # a study stored before step times were
-    assert _Engine.best_record(SimpleNamespace(records=older)).step_time_ms == pytest.approx(14.25)
+    assert _Engine.best_record(engine(records[:1])).candidate == a
+    assert _Engine.best_record(engine(records[4:])) is None
