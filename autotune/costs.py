@@ -383,6 +383,13 @@ class Profile:
     torch.optim.AdamW over a one-element parameter (whatever the model's own optimizer), measured by the CPU
     profiler. The simulator scales the CPU stand-in's per-action overhead by it (LinkModel.for_profile). 0 on CUDA
     and in profiles saved before it was recorded (the defaults as measured)."""
+    idle_resume_ms: tuple[tuple[float, float], ...] = ()
+    """How much longer torch's compute takes on this host right after its thread slept: (gap ms, extra ms) for a
+    small MLP's forward and backward of idle_resume_window_ms, the gaps rising (profiling.idle_resume_probe). The
+    simulator charges a rank's action what its gap before it costs (LinkModel.idle_resume_ms). () on CUDA and in
+    profiles saved before it was recorded (no such charge)."""
+    idle_resume_window_ms: float = 0.0
+    """The idle probe's workload back to back (idle_resume_ms): an action shorter than it pays its share."""
     tensor_parallel_layers: tuple[TensorParallelLayer, ...] = ()
     """Per layer, what the model's tensor-parallel plan shards and which collectives it adds (measured at tp 1, the
     profile itself knows nothing of tp); () for a model without a plan, or a profile saved before it was recorded:
@@ -613,6 +620,8 @@ class Profile:
             **({"device_workspace_bytes": self.device_workspace_bytes} if self.device_workspace_bytes else {}),
             **({"optimizer_call_ms": self.optimizer_call_ms} if self.optimizer_call_ms else {}),
             **({"host_call_ms": self.host_call_ms} if self.host_call_ms else {}),
+            **({"idle_resume_ms": [list(p) for p in self.idle_resume_ms],
+                "idle_resume_window_ms": self.idle_resume_window_ms} if self.idle_resume_ms else {}),
             **({"tensor_parallel_layers": [t.to_dict() for t in self.tensor_parallel_layers]}
                if self.tensor_parallel_layers else {}),
             "layers": [
@@ -688,6 +697,8 @@ class Profile:
                 device_workspace_bytes=int(data.get("device_workspace_bytes", 0)),
                 optimizer_call_ms=float(data.get("optimizer_call_ms", 0.0)),
                 host_call_ms=float(data.get("host_call_ms", 0.0)),
+                idle_resume_ms=tuple((float(g), float(ms)) for g, ms in data.get("idle_resume_ms", ())),
+                idle_resume_window_ms=float(data.get("idle_resume_window_ms", 0.0)),
                 tensor_parallel_layers=tuple(
                     TensorParallelLayer.from_dict(t) for t in data.get("tensor_parallel_layers", ())
                 ),

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import logging
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -149,6 +150,7 @@ def profile_model(
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_bytes / total), index)
     workspace_bytes = 0
     call_ms = host_ms = 0.0
+    idle: IdleResume | None = None
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
         measured, sizes, input_bytes, target_bytes, infeasible = _Walk(
@@ -157,6 +159,7 @@ def profile_model(
         ).results(every_block=every_block)
         call_ms = _optimizer_call_ms(spec, torch.device(device), clock, repeats)
         host_ms = 0.0 if cuda else host_call_ms(clock)
+        idle = None if cuda else idle_resume_probe()
     finally:
         # The walk (its batches and the tensors handed between blocks) is out of scope here, so what is still
         # allocated below is the libraries' workspaces alone, and the tuner keeps no model after profiling.
@@ -225,6 +228,8 @@ def profile_model(
         device_workspace_bytes=workspace_bytes,
         optimizer_call_ms=call_ms,
         host_call_ms=host_ms,
+        idle_resume_ms=idle.penalties if idle else (),
+        idle_resume_window_ms=idle.window_ms if idle else 0.0,
         precision=precision,
         tensor_parallel_layers=_tensor_parallel_layers(spec),
     )
@@ -1549,6 +1554,65 @@ def host_call_ms(clock: _Clock | None = None) -> float:
     optimizer = torch.optim.AdamW([param])
     optimizer.step()
     return _median_step_ms(optimizer, clock or _CpuClock(), HOST_CALL_REPEATS)
+
+
+IDLE_GAPS_MS = (0.5, 2.0, 5.0, 20.0)
+"""The idle gaps idle_resume_probe sleeps before its workload."""
+IDLE_PROBE_ROUNDS = 10
+"""Rounds of idle_resume_probe, each one back-to-back pair and one run after each gap (about 0.4 s in all)."""
+
+
+@dataclass(frozen=True)
+class IdleResume:
+    """What idle_resume_probe measured (Profile.idle_resume_ms, Profile.idle_resume_window_ms)."""
+
+    penalties: tuple[tuple[float, float], ...]
+    """(gap ms, ms the workload took beyond back to back after sleeping that long), the gaps rising."""
+    window_ms: float
+    """The workload's own time back to back."""
+
+
+def idle_resume_probe(rounds: int = IDLE_PROBE_ROUNDS) -> IdleResume:
+    """How much slower torch's compute runs on this host right after its thread slept (Profile.idle_resume_ms): a
+    small MLP's forward and backward (four 256-wide layers, batch 64: a millisecond or two, one thread) timed back
+    to back and after sleeping each of IDLE_GAPS_MS, the gaps shuffled within each round so that the host's drift
+    falls on all of them alike; per gap the median over the rounds less the back-to-back median.
+
+    A pipeline's rank sleeps in its waits for the other ranks, and its next action pays for it: on a 2-core Xeon
+    VM the same stage's forward and backward took 3.0 ms back to back and 4.1 ms after a 10 ms sleep (x1.26-1.30
+    paired, 20 tiny linear forwards x1.75, a pure-Python loop of the same length x1.00-1.03: the caches and the
+    host's scheduling, not the clock rate), and inside real trials the stage modules' compute over the profile's
+    rose with the gap before the action (bench/action_trace.py's "after idle" table: 1F1B m8's last stage 1.34 x
+    within 0.5 ms of its previous action, 1.94 x after over 5 ms)."""
+    layers = [nn.Linear(256, 256) for _ in range(4)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.GELU())])
+    inputs = torch.randn(64, 256)
+
+    def work() -> None:
+        model(inputs).sum().backward()
+
+    def timed() -> float:
+        start = time.perf_counter()
+        work()
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(5):
+        work()
+    gaps = [0.0, *IDLE_GAPS_MS]
+    times: dict[float, list[float]] = {g: [] for g in gaps}
+    order = list(gaps)
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for gap in order:
+            if gap:
+                time.sleep(gap / 1e3)
+            else:
+                work()
+            times[gap].append(timed())
+    base = statistics.median(times[0.0])
+    penalties = tuple((g, round(max(0.0, statistics.median(times[g]) - base), 4)) for g in IDLE_GAPS_MS)
+    return IdleResume(penalties=penalties, window_ms=round(base, 4))
 
 
 def _median_step_ms(optimizer: torch.optim.Optimizer, clock: _Clock, repeats: int) -> float:

@@ -301,6 +301,14 @@ class LinkModel:
     crossing_post_jitter_ms: float = 0.0
     """How far a post's moment strays from the replay's (a normal spread), for crossing_post_ms: the share a post
     pays is the expectation over it (_crossing_share). CPU: CROSSING_POST_JITTER_CPU_MS."""
+    idle_resume_ms: tuple[tuple[float, float], ...] = ()
+    """What a compute action costs beyond its own time right after its rank was idle: (gap ms, extra ms) points,
+    the gaps rising, linear between them (from (0, 0)) and flat beyond the last, for an action of
+    idle_resume_window_ms or longer; a shorter one pays its share. The gap runs from the end of the rank's previous
+    action (the step's start for its first) to the action's start by the replay's times. () : no charge (cuda, and
+    profiles without the host's probe: Profile.idle_resume_ms, which for_profile takes)."""
+    idle_resume_window_ms: float = 0.0
+    """The length of action that pays all of idle_resume_ms (the probe's workload)."""
     nodes_share_host: bool = False
     """Whether the "nodes" are one machine (network namespaces or containers on one kernel: the inter-node probe
     found the same boot id on both), so that ranks on different nodes still share its cores: crossing_post_ms is
@@ -310,6 +318,10 @@ class LinkModel:
     ranks on one node, predicted 22.2 across without the crossing posts (-20 %), 26.3 with them (-5 %); GPipe m4 with
     checkpointing -18 -> -6 %; the unshaped rows' mean error over that run and three saved ones 10.0 / 12.9 / 8.9 /
     9.2 -> 6.7 / 12.9 / 8.7 / 7.0 %, the shaped rows' within a point."""
+
+    def __post_init__(self) -> None:
+        # a study's stored link comes back from JSON with lists: keep the points a tuple of pairs (hashable)
+        object.__setattr__(self, "idle_resume_ms", tuple((float(g), float(ms)) for g, ms in self.idle_resume_ms))
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides: float) -> LinkModel:
@@ -331,8 +343,13 @@ class LinkModel:
         internode_stage_ckpt's unshaped rows 11.3 -> 10.6 %, internode_host's no worse (6.0 %). Scaling the
         collectives' wake (collective_wake_ms, the scheduler's, not Python's) as well moved neither (7.51, 6.82 %).
         A field given in overrides is kept as given. Profiles without the probe (0: every development-machine
-        calibration's), and CUDA's, keep the defaults."""
+        calibration's), and CUDA's, keep the defaults.
+
+        The profile's idle probe (Profile.idle_resume_ms, on the CPU) becomes idle_resume_ms as measured."""
         link = cls.for_device(profile.device, **overrides)
+        if profile.device == "cpu" and profile.idle_resume_ms and "idle_resume_ms" not in overrides:
+            link = replace(link, idle_resume_ms=profile.idle_resume_ms,
+                           idle_resume_window_ms=profile.idle_resume_window_ms)
         if profile.device != "cpu" or profile.host_call_ms <= 0:
             return link
         scale = host_scale(profile.host_call_ms)
@@ -385,7 +402,8 @@ class LinkModel:
         else:
             raise UsageError(f"no link model for device {device!r}; use cpu or cuda")
         unknown = set(overrides) - set(base) - {"inter_node_bandwidth_bytes_per_s", "inter_node_latency_s",
-                                                "inter_node_allreduce_bandwidth_bytes_per_s"}
+                                                "inter_node_allreduce_bandwidth_bytes_per_s", "idle_resume_ms",
+                                                "idle_resume_window_ms"}
         if unknown:
             raise UsageError(f"unknown link model field(s) {sorted(unknown)}; known: {sorted(base)}")
         return cls(**{**base, **overrides})
@@ -747,6 +765,12 @@ def simulate_costs(
         if extra is not None:
             dur = [d + e for d, e in zip(dur, extra)]
             finish = replay(plan, dur, xfer)
+    # A rank's action right after it sat idle runs slower (LinkModel.idle_resume_ms), by this replay's gaps
+    if link.idle_resume_ms and not SCHEDULES[c.schedule].asynchronous:
+        resumed = _idle_resume(plan, finish, dur, link)
+        if resumed is not None:
+            dur = [d + e for d, e in zip(dur, resumed)]
+            finish = replay(plan, dur, xfer)
 
     pp = candidate.pipeline_degree
     rank_end = [max(map(finish.__getitem__, ids), default=0.0) for ids in plan.rank_actions]
@@ -827,6 +851,35 @@ def simulate_costs(
         memory_limit_bytes=memory_limit_bytes,
         timeline=timeline,
     )
+
+
+def idle_resume_extra_ms(link: LinkModel, gap_ms: float, action_ms: float) -> float:
+    """What an action of action_ms costs beyond it after its rank sat idle for gap_ms (LinkModel.idle_resume_ms)."""
+    points = link.idle_resume_ms
+    if not points or gap_ms <= 0.0:
+        return 0.0
+    k = bisect.bisect_left([g for g, _ in points], gap_ms)
+    if k == len(points):
+        penalty = points[-1][1]
+    else:
+        (g0, p0), (g1, p1) = ((0.0, 0.0) if k == 0 else points[k - 1]), points[k]
+        penalty = p0 + (p1 - p0) * (gap_ms - g0) / (g1 - g0) if g1 > g0 else p1
+    window = link.idle_resume_window_ms
+    return penalty * min(1.0, action_ms / window) if window > 0.0 else penalty
+
+
+def _idle_resume(plan: ActionGraph, finish: list[float], dur: list[float], link: LinkModel) -> list[float] | None:
+    """Per action, what it costs beyond its duration because its rank was idle before it (idle_resume_extra_ms), by
+    the replay's times (finish): the gap from the rank's previous action's end (the step's start for its first).
+    None: no action waited."""
+    extra = [0.0] * len(plan.kind)
+    waited = False
+    for a, p in enumerate(plan.prev):
+        gap = finish[a] - dur[a] - (finish[p] if p >= 0 else 0.0)
+        if gap > 1e-9:
+            extra[a] = idle_resume_extra_ms(link, gap, dur[a])
+            waited = waited or extra[a] > 0.0
+    return extra if waited else None
 
 
 def _crossing_posts(

@@ -112,6 +112,42 @@ def crossing_posts(mine: list[list], other: list[list]) -> tuple[list[float], li
     return near, far
 
 
+IDLE_BUCKETS_MS = (0.5, 2.0, 5.0)
+"""Edges of the idle-gap buckets of after_idle: an action begun within 0.5 ms of the rank's previous busy end, 0.5-2,
+2-5, over 5 ms."""
+
+
+def after_idle(events: list[list], profiled: dict[tuple[int, str], float]) -> list[tuple[float, float]]:
+    """One rank's step: (idle gap ms, the module's time / the profile's) for each compute action, the gap from the
+    end of the rank's previous action or optimizer step (waits and posts between count as idle) to its start
+    (LinkModel.idle_resume_ms charges what such a gap costs); profiled[(stage, kind)] is the bare replay's duration
+    of one such action."""
+    busy_end, out = None, []
+    modules = [e for e in events if e[0].startswith("module_")]
+    for kind, start, end, stage, _ in events:
+        if kind == "opt":
+            busy_end = end
+        if kind not in ("F", "B", "I", "W"):
+            continue
+        base = profiled.get((stage, kind))
+        if busy_end is not None and base:
+            inside = sum(m[2] - m[1] for m in modules if start <= m[1] and m[2] <= end)
+            out.append(((start - busy_end) * 1e3, inside * 1e3 / base))
+        busy_end = end
+    return out
+
+
+def idle_buckets(pairs: list[tuple[float, float]]) -> list[dict]:
+    """after_idle's pairs by IDLE_BUCKETS_MS: each bucket's action count and median compute / profile."""
+    edges = (0.0, *IDLE_BUCKETS_MS, float("inf"))
+    out = []
+    for low, high in zip(edges, edges[1:]):
+        ratios = [r for gap, r in pairs if low <= gap < high]
+        out.append({"from_ms": low, "to_ms": high, "actions": len(ratios),
+                    "compute_over_profile": statistics.median(ratios) if ratios else None})
+    return out
+
+
 def split_step(events: list[list]) -> dict[str, float]:
     """One rank's step in ms per term."""
     total = collections.defaultdict(float)
@@ -140,7 +176,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
     from autotune.simulate import LinkModel, simulate
     from autotune.trial import TrialOptions, run_trial
 
-    link = LinkModel.for_device("cpu")
+    link = LinkModel.for_profile(profile)  # as the search predicts: the host's probes applied
     estimate = simulate(profile, candidate, link=link)
     gates = simulator._send_gates  # beside: the replay before GPipe and 1F1B waited for their sends (2026-11-28)
     simulator._send_gates = lambda *args: None
@@ -149,14 +185,19 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
     finally:
         simulator._send_gates = gates
     uncrossed = simulate(profile, candidate, link=replace(link, crossing_post_ms=0.0))
+    unresumed = simulate(profile, candidate, link=replace(link, idle_resume_ms=()))
     # the profile's compute alone: no overheads, no slowdown, sends not on the rank, no crossing posts (the replay
     # adds their charge to the action's duration)
     bare = simulate(profile, candidate, link=replace(link, per_action_overhead_ms=0.0, message_overhead_ms=0.0,
                                                      held_activation_ms_per_mib=0.0, compute_slowdown=0.0,
-                                                     sends_on_rank=False, crossing_post_ms=0.0))
+                                                     sends_on_rank=False, crossing_post_ms=0.0,
+                                                     idle_resume_ms=()))
     sim_compute = collections.defaultdict(float)
+    profiled: dict[tuple[int, str], float] = {}
     for event in bare.timeline:
         sim_compute[event.rank] += event.end_ms - event.start_ms
+        profiled[(event.stage, event.kind)] = event.end_ms - event.start_ms
+    idle: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     measured, per_rank, hands = [], collections.defaultdict(list), []
     crossing: list[float] = []
     apart: list[float] = []
@@ -173,6 +214,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
         for rank, rank_steps in enumerate(ranks):
             for step_events in rank_steps:
                 per_rank[rank].append(split_step(step_events))
+                idle[rank] += after_idle(step_events, profiled)
         for s in range(min(len(ranks[0]), len(ranks[1]))):
             hands += handoffs(ranks[0][s], ranks[1][s]) + handoffs(ranks[1][s], ranks[0][s])
             for mine, other in ((ranks[0][s], ranks[1][s]), (ranks[1][s], ranks[0][s])):
@@ -193,7 +235,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
             "post_ms_per_post": median(rank, "post") / max(posts, 1), "posts": posts,
             "wait_ms": median(rank, "wait"), "optimizer_ms": median(rank, "optimizer"), "rest_ms": median(rank, "rest"),
             "slow_posts": median(rank, "slow_posts"), "slow_post_ms": median(rank, "slow_post_ms"),
-            "actions": actions,
+            "actions": actions, "after_idle": idle_buckets(idle[rank]),
         })
     return {"candidate": candidate.key, "candidate_dict": candidate.to_dict(),
             "measured_ms": statistics.median(measured), "measured_runs_ms": measured,
@@ -201,6 +243,7 @@ def trace_config(spec, profile, candidate, *, steps: int, warmup: int, repeats: 
             "predicted_optimizer_ms": estimate.optimizer_ms,
             "handoff_ms_median": statistics.median(hands) if hands else None, "handoffs": len(hands),
             "predicted_uncrossed_ms": uncrossed.step_time_ms,
+            "predicted_unresumed_ms": unresumed.step_time_ms,
             "crossing_posts": len(crossing), "crossing_slow": sum(x > SLOW_POST_MS for x in crossing),
             "crossing_slow_ms": [x for x in crossing if x > SLOW_POST_MS],
             "apart_posts": len(apart), "apart_slow": sum(x > SLOW_POST_MS for x in apart),
@@ -269,6 +312,16 @@ def main() -> None:
                           f"{statistics.median(row['crossing_slow_ms']):.2f}" if slow else "-",
                           f"{sum(row['crossing_slow_ms']) / n:.2f}" if n else "-",
                           f"{apart_slow} of {apart}" + (f" ({apart_slow / apart:.0%})" if apart else "")])
+    resumed = []
+    for row in rows:
+        for r in row["ranks"]:
+            resumed.append([row["candidate"] if r["rank"] == 0 else "",
+                            f"{row['measured_ms']:.1f}" if r["rank"] == 0 else "",
+                            f"{row['predicted_ms']:.1f}" if r["rank"] == 0 else "",
+                            f"{row['predicted_unresumed_ms']:.1f}" if r["rank"] == 0 else "", r["rank"],
+                            *(f"{b['compute_over_profile']:.2f} ({b['actions']})" if b["actions"] else "-"
+                              for b in r["after_idle"])])
+    edges = (0, *IDLE_BUCKETS_MS)
     idle = "AUTOTUNE_GLOO_LOOP_IDLE=1 " if os.environ.get("AUTOTUNE_GLOO_LOOP_IDLE") == "1" else ""
     command = idle + "python bench/action_trace.py " + " ".join(sys.argv[1:])
     _results.write(
@@ -283,9 +336,16 @@ def main() -> None:
             "both ranks)": _results.markdown_table(
                 ["candidate", "measured step", "predicted step", "predicted without crossing posts",
                  f"crossing posts over {SLOW_POST_MS:g} ms", "their median ms", "their ms per crossing post",
-                 f"other posts over {SLOW_POST_MS:g} ms"], crossings)},
+                 f"other posts over {SLOW_POST_MS:g} ms"], crossings),
+            "after idle: each compute action's module time over the profile's, by the gap since the rank's "
+            "previous action or optimizer step ended (median, actions)": _results.markdown_table(
+                ["candidate", "measured step", "predicted step", "predicted without the idle term (LinkModel."
+                 "idle_resume_ms)", "rank",
+                 *(f"gap {low:g}-{high:g} ms" for low, high in zip(edges, edges[1:])),
+                 f"gap over {edges[-1]:g} ms"], resumed)},
         data={"command": command, "model": args.model, "batch_size": args.batch_size, "rows": rows,
-              "profile": profile.to_dict(),
+              "profile": profile.to_dict(), "idle_resume_ms": profile.idle_resume_ms,
+              "idle_resume_window_ms": profile.idle_resume_window_ms,
               "wall_s": time.time() - started},
         notes=f"command: `{command}`\n\n" + __doc__.split("\n\n")[1])
 

@@ -348,6 +348,7 @@ def _trials(facts: ReportFacts) -> list[Block]:
            f"into its row; the study in `{mask_password(result.storage)}` keeps every trial." if n_folded else "")
         + (" Rows of the chosen configuration are marked ★." if chosen is not None else "")
         + _host(facts.host_probe)
+        + _idle(facts.idle_resume)
         + _fitted(facts.link_fit)
     )
     header: tuple[str, ...] = ("#", "phase", "configuration", "status", "samples/s", "step ms", "peak memory",
@@ -367,6 +368,18 @@ def _host(probe: tuple[float, float] | None) -> str:
             f"({HOST_CALL_REFERENCE_MS * 1e3:.1f} on the machine the CPU stand-in's costs were measured on), so the "
             f"simulator took each action's runtime overhead and each send's or receive's post {scale:.2f} x their "
             f"defaults.")
+
+
+def _idle(idle: tuple[tuple[tuple[float, float], ...], float] | None) -> str:
+    """The report's sentence on what the simulator charges an action for its rank's wait before it
+    (LinkModel.idle_resume_ms)."""
+    if idle is None:
+        return ""
+    points, window_ms = idle
+    gap_ms, extra_ms = points[-1]
+    return (f" The profile found this host's compute slower right after a wait: a {window_ms:.1f} ms forward and "
+            f"backward took {extra_ms:.2f} ms more after {gap_ms:g} ms idle, so the simulator charged each action "
+            f"for its rank's wait before it.")
 
 
 def _fitted(fit: LinkFit | None) -> str:

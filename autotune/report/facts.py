@@ -91,6 +91,9 @@ class ReportFacts:
     """The compute slowdown the study's runs support (SearchResult.link_fit: as the search fitted it, and what the
     report's predictions use); None before enough candidates ran."""
     host_probe: tuple[float, float] | None = None
+    idle_resume: tuple[tuple[tuple[float, float], ...], float] | None = None
+    """The study link's charge for compute right after a rank's wait (LinkModel.idle_resume_ms, the profile's idle
+    probe) and the probe's workload in ms; None where it charges none (CUDA, profiles without the probe)."""
     """The CPU stand-in's host probe (Profile.host_call_ms) and the factor it put on the per-action overhead of the
     study's link over the device default (LinkModel.for_profile); None on CUDA, without a probe, or at 1."""
 
@@ -177,6 +180,8 @@ def gather_facts(
         node_link=node_link(result, predict, device),
         link_fit=result.link_fit,
         host_probe=_host_probe(profile, given.link, device),  # the probe's factor, not the fit's
+        idle_resume=(given.link.idle_resume_ms, given.link.idle_resume_window_ms) if given.link.idle_resume_ms
+        else None,
     )
 
 

@@ -44,6 +44,10 @@ def test_profile_of_the_mlp_recipe(mlp_profile):
     # a step over one element: what every one of the 10 per-block steps paid on top of its bytes
     assert 0 < profile.optimizer_call_ms < profile.optimizer_step_ms
     assert 0 < profile.host_call_ms < 1.0  # the host's probe: a plain AdamW step over one element, tens of us
+    # the idle probe: its workload's time back to back, and what each rising gap before it added (>= 0)
+    gaps = [g for g, _ in profile.idle_resume_ms]
+    assert gaps == sorted(gaps) and len(gaps) >= 3 and all(ms >= 0 for _, ms in profile.idle_resume_ms)
+    assert 0 < profile.idle_resume_window_ms < 100
     assert profile.optimizer_state_bytes == pytest.approx(2 * profile.parameter_bytes, rel=0.01)  # AdamW
     assert 0 < profile.optimizer_peak_bytes <= 3 * profile.parameter_bytes  # foreach temporaries
     assert profile.loss_forward_ms[0] > 0 and profile.loss_backward_ms[0] > 0

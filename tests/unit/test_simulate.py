@@ -419,6 +419,40 @@ def test_a_ranks_optimizer_step_pays_the_fixed_call_cost_once_whatever_its_block
 
 
 
+def test_an_action_after_its_rank_sat_idle_pays_the_hosts_probed_resume_cost():
+    """Compute right after a rank's wait runs slower on the CPU stand-in (LinkModel.idle_resume_ms, from the
+    profile's probe): linear between the probed gaps, flat beyond the last, a short action its share of the
+    window. In GPipe m1 over 2 ranks the second rank waits for the first's forward and the first for the second's
+    backward: each of those two actions pays for its gap, and nothing else moves."""
+    from autotune.simulate import idle_resume_extra_ms
+
+    points = ((1.0, 0.2), (4.0, 0.8))
+    link = dataclasses.replace(FREE, idle_resume_ms=points, idle_resume_window_ms=2.0)
+    assert idle_resume_extra_ms(link, 0.0, 5.0) == 0.0  # back to back
+    assert idle_resume_extra_ms(link, 0.5, 5.0) == pytest.approx(0.1)  # from (0, 0) to the first point
+    assert idle_resume_extra_ms(link, 2.5, 5.0) == pytest.approx(0.5)
+    assert idle_resume_extra_ms(link, 40.0, 5.0) == pytest.approx(0.8)  # flat beyond the last
+    assert idle_resume_extra_ms(link, 40.0, 0.5) == pytest.approx(0.2)  # a quarter of the window: a quarter
+    assert idle_resume_extra_ms(FREE, 40.0, 5.0) == 0.0  # not probed (cuda, older profiles): nothing
+
+    prof = profile_of(layer(f=3.0, b=5.0), layer(f=3.0, b=5.0))
+    gpipe = candidate(Schedule.GPIPE, 2, 1, [1, 1])
+    plain = simulate(prof, gpipe, link=FREE)
+    resumed = simulate(prof, gpipe, link=link)
+    # rank 1's forward waited 3 ms (0.6 extra), rank 0's backward waited 3 + 0.6 + 3 + 5 ms (0.8 extra)
+    assert plain.step_time_ms == pytest.approx(16.0)
+    assert resumed.step_time_ms == pytest.approx(16.0 + 0.6 + 0.8)
+    # a stored study's link comes back from JSON with lists: the same link, still hashable
+    again = LinkModel(**json.loads(json.dumps(dataclasses.asdict(link))))
+    assert again == link and hash(again) == hash(link)
+    # the profile's probe reaches the link simulate uses by default on the CPU, and not on CUDA
+    probed = dataclasses.replace(prof, idle_resume_ms=points, idle_resume_window_ms=2.0)
+    assert Profile.from_dict(probed.to_dict()) == probed
+    assert LinkModel.for_profile(probed).idle_resume_ms == points
+    assert LinkModel.for_profile(prof).idle_resume_ms == ()
+    assert LinkModel.for_profile(dataclasses.replace(probed, device="cuda")).idle_resume_ms == ()
+
+
 def test_the_cpu_per_action_overhead_moves_with_the_profiled_hosts_speed():
     """A rank's time around each action is Python and dispatch: a host whose probe (Profile.host_call_ms) is twice
     the development machine's pays twice the per-action overhead, twice DistributedDataParallel's forward (Python
