@@ -3,9 +3,11 @@ its field's type), written as YAML in schema order under a header that says how 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
+import sqlite3
 import types
 import typing
 from collections.abc import Mapping
@@ -279,9 +281,35 @@ def load_config(path: str | Path) -> TunedConfig:
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory; pass the YAML file written by `autotune search --output`") from None
     except (OSError, UnicodeDecodeError) as exc:
+        if _is_sqlite(path):  # the study's database beside it (.autotune/*.db), passed for the config
+            names = _study_names(path)
+            name = names[0] if len(names) == 1 else "<" + "|".join(names[:3]) + ("|..." if len(names) > 3 else "") + ">"
+            raise ConfigError(
+                f"{path}: is a search's study database, not a tuned config; pass the YAML file that search wrote "
+                f"(autotune.yaml unless --output said otherwise), or to `autotune report` "
+                f"--storage sqlite:///{path.as_posix()} --study-name {name if names else '<name>'}"
+            ) from None
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{path}: cannot be read ({reason}); pass a readable tuned config") from None
     return parse_config(text, source=str(path))
+
+
+def _is_sqlite(path: Path) -> bool:
+    """Whether the file starts as an SQLite database does."""
+    try:
+        with path.open("rb") as file:
+            return file.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
+def _study_names(path: Path) -> list[str]:
+    """The Optuna studies in an SQLite study database, read-only; [] where it cannot say."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return [row[0] for row in db.execute("SELECT study_name FROM studies ORDER BY study_id")]
+    except sqlite3.Error:
+        return []
 
 
 def parse_config(text: str, *, source: str = "<config>") -> TunedConfig:

@@ -339,6 +339,23 @@ def test_directory(tmp_path: Path) -> None:
         load_config(tmp_path)
 
 
+def test_a_study_database_for_the_config_names_the_yaml_and_the_report_flags(tmp_path: Path) -> None:
+    """A user passes the search's .autotune/*.db for its config: the line says what it is and what to pass instead,
+    with the study's own name where the database holds one."""
+    import optuna
+
+    path = tmp_path / "m-cpu-g2-b16.db"
+    optuna.create_study(storage=f"sqlite:///{path}", study_name="m-cpu-g2-b16")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert "is a search's study database, not a tuned config" in message
+    assert f"--storage sqlite:///{path.as_posix()} --study-name m-cpu-g2-b16" in message
+    optuna.create_study(storage=f"sqlite:///{path}", study_name="other")
+    with pytest.raises(ConfigError, match=r"--study-name <m-cpu-g2-b16\|other>"):
+        load_config(path)
+
+
 def test_not_yaml(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("version: 1\nmodel: [unclosed\n")
