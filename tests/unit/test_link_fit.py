@@ -153,26 +153,32 @@ def test_the_report_says_when_the_fit_scaled_the_rank_side_costs():
     assert "per-action and per-message costs" in text and "2.00 x the defaults'" in text and "12% to 5%" in text
 
 
-def test_a_search_on_a_slower_host_predicts_and_reports_its_per_action_cost(tmp_path):
-    """The profile's host probe at twice the development machine's: the study's stored link charges each action
-    twice the default overhead, and the report says so."""
+def _searched_and_reported(profile, tmp_path):
+    """A short simulated search of the gpt recipe on this profile: its stored setup, its report's facts and the
+    report's paragraphs as one text."""
     from autotune.report.document import Paragraph, build_document
     from autotune.report.facts import gather_facts
-    from autotune.simulate import HOST_CALL_REFERENCE_MS
 
-    profile = replace(synthetic_profile(), host_call_ms=2 * HOST_CALL_REFERENCE_MS)
     options = SearchOptions(gpus=2, batch_size=32, n_trials=4, seed=1)
     storage = f"sqlite:///{tmp_path / 's.db'}"
     result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
                         memory_limit_bytes=None), options, study_name="s", storage=storage,
                         runner=SimulatedRunner(link=LinkModel.for_profile(profile)))
     stored, _ = load_search(storage, "s")
-    setup = stored.setup
+    facts = gather_facts(result, profile=profile, memory_limit_bytes=None, setup=stored.setup)
+    return stored.setup, facts, " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
+
+
+def test_a_search_on_a_slower_host_predicts_and_reports_its_per_action_cost(tmp_path):
+    """The profile's host probe at twice the development machine's: the study's stored link charges each action
+    twice the default overhead, and the report says so."""
+    from autotune.simulate import HOST_CALL_REFERENCE_MS
+
+    profile = replace(synthetic_profile(), host_call_ms=2 * HOST_CALL_REFERENCE_MS)
+    setup, facts, text = _searched_and_reported(profile, tmp_path)
     assert setup["link"]["per_action_overhead_ms"] == pytest.approx(
         2 * LinkModel.for_device("cpu").per_action_overhead_ms)
-    facts = gather_facts(result, profile=profile, memory_limit_bytes=None, setup=setup)
     assert facts.host_probe == pytest.approx((2 * HOST_CALL_REFERENCE_MS, 2.0))
-    text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
     assert "at 77 us a call (38.5 on the machine" in text and "2.00 x their defaults" in text
     assert "slower right after a wait" not in text  # the profile has no idle probe: no such charge, no sentence
 
@@ -180,18 +186,8 @@ def test_a_search_on_a_slower_host_predicts_and_reports_its_per_action_cost(tmp_
 def test_a_search_on_a_host_that_resumes_slowly_stores_and_reports_the_idle_charge(tmp_path):
     """The profile's idle probe (Profile.idle_resume_ms) goes into the study's stored link, comes back from the
     storage as it went in, and the report says what it charged."""
-    from autotune.report.document import Paragraph, build_document
-    from autotune.report.facts import gather_facts
-
     points = ((0.5, 0.2), (20.0, 1.25))
     profile = replace(synthetic_profile(), idle_resume_ms=points, idle_resume_window_ms=1.8)
-    options = SearchOptions(gpus=2, batch_size=32, n_trials=4, seed=1)
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    result = run_search(load_model_file(RECIPES / "gpt.py"), profile, plan(profile, gpus=2, batch_size=32,
-                        memory_limit_bytes=None), options, study_name="s", storage=storage,
-                        runner=SimulatedRunner(link=LinkModel.for_profile(profile)))
-    stored, _ = load_search(storage, "s")
-    assert Predictor.of_setup(profile, stored.setup).link.idle_resume_ms == points
-    facts = gather_facts(result, profile=profile, memory_limit_bytes=None, setup=stored.setup)
-    text = " ".join(b.text for b in build_document(facts, []) if isinstance(b, Paragraph))
+    setup, _, text = _searched_and_reported(profile, tmp_path)
+    assert Predictor.of_setup(profile, setup).link.idle_resume_ms == points
     assert "a 1.8 ms forward and backward took 1.25 ms more after 20 ms idle" in text
