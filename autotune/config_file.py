@@ -283,11 +283,12 @@ def load_config(path: str | Path) -> TunedConfig:
     except (OSError, UnicodeDecodeError) as exc:
         if _is_sqlite(path):  # the study's database beside it (.autotune/*.db), passed for the config
             names = _study_names(path)
-            name = names[0] if len(names) == 1 else "<" + "|".join(names[:3]) + ("|..." if len(names) > 3 else "") + ">"
+            shown = names if len(names) <= 3 else [*names[:3], "..."]
+            name = names[0] if len(names) == 1 else f"<{'|'.join(shown) or 'name'}>"
             raise ConfigError(
                 f"{path}: is a search's study database, not a tuned config; pass the YAML file that search wrote "
                 f"(autotune.yaml unless --output said otherwise), or to `autotune report` "
-                f"--storage sqlite:///{path.as_posix()} --study-name {name if names else '<name>'}"
+                f"--storage sqlite:///{path.as_posix()} --study-name {name}"
             ) from None
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{path}: cannot be read ({reason}); pass a readable tuned config") from None

@@ -855,15 +855,14 @@ def simulate_costs(
 
 def idle_resume_extra_ms(link: LinkModel, gap_ms: float, action_ms: float) -> float:
     """What an action of action_ms costs beyond it after its rank sat idle for gap_ms (LinkModel.idle_resume_ms)."""
-    points = link.idle_resume_ms
-    if not points or gap_ms <= 0.0:
+    if not link.idle_resume_ms or gap_ms <= 0.0:
         return 0.0
-    k = bisect.bisect_left([g for g, _ in points], gap_ms)
-    if k == len(points):
-        penalty = points[-1][1]
-    else:
-        (g0, p0), (g1, p1) = ((0.0, 0.0) if k == 0 else points[k - 1]), points[k]
-        penalty = p0 + (p1 - p0) * (gap_ms - g0) / (g1 - g0) if g1 > g0 else p1
+    g0 = penalty = 0.0  # from (0, 0), linear to the first point at or past the gap, flat past the last
+    for g1, p1 in link.idle_resume_ms:
+        if gap_ms <= g1:
+            penalty = penalty + (p1 - penalty) * (gap_ms - g0) / (g1 - g0) if g1 > g0 else p1
+            break
+        g0, penalty = g1, p1
     window = link.idle_resume_window_ms
     return penalty * min(1.0, action_ms / window) if window > 0.0 else penalty
 
