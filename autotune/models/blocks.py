@@ -17,7 +17,7 @@ from autotune.errors import ModelFileError
 from autotune.models.shared import SharedParameter
 
 Role = Literal["embedding", "block", "head", "other"]
-Family = Literal["sequential", "hf-decoder", "hf-gpt2", "timm-vit", "tv-resnet", "traced"]
+Family = Literal["sequential", "hf-decoder", "hf-gpt2", "hf-encoder", "timm-vit", "tv-resnet", "traced"]
 
 StageInputs = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
 """(positional arguments of the first stage, keyword side inputs of every stage)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from autotune.errors import ModelFileError
 from autotune.models.blocks import BlockModel, StageInputs, bind_inputs, describe
-from autotune.models.hf import cut_hf, is_transformers_model
+from autotune.models.hf import cut_hf, cut_hf_encoder, is_transformers_model, recognise_encoder
 from autotune.models.hf import recognise as recognise_hf
 from autotune.models.traced import cut_traced
 from autotune.models.vision import recognise_vision
@@ -25,8 +25,9 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
     """Cut a model into blocks.
 
     - An nn.Sequential (or a list of modules) keeps today's behaviour: its children are the blocks.
-    - Hugging Face decoder LMs (Llama, Qwen2, Mistral, GPT-2, ...), timm VisionTransformer and torchvision ResNet
-      are cut at their repeated blocks, embedding and head as blocks of their own; no flag needed.
+    - Hugging Face decoder LMs (Llama, Qwen2, Mistral, GPT-2, ...), Hugging Face BERT-style encoders (BERT,
+      RoBERTa, DistilBERT, ...), timm VisionTransformer and torchvision ResNet are cut at their repeated blocks,
+      embedding and head as blocks of their own; no flag needed.
     - `split_at`: glob patterns over module names ("model.layers.*"); each outermost matching module is a block.
     - Otherwise the repeated blocks found in the model (modules of one class in nn.ModuleList / nn.Sequential).
 
@@ -38,19 +39,26 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
         raise ModelFileError(
             f"build_model() returned {describe(model)}; return an nn.Module (a Hugging Face, timm or torchvision "
             f"model as it is, your own module, or an nn.Sequential) — see recipes/hf_llama.py, recipes/hf_gpt2.py, "
-            f"recipes/timm_vit.py, recipes/tv_resnet.py"
+            f"recipes/hf_bert.py, recipes/timm_vit.py, recipes/tv_resnet.py"
         )
     patterns = [p for p in (split_at or []) if p.strip()]
     if isinstance(model, nn.Sequential) and not patterns:
         return cut_sequential(model)
     hf = recognise_hf(model)
+    encoder = recognise_encoder(model) if hf is None else None
     if patterns:
         leaves = match_split_at(model, patterns)
         if hf is not None and [f"{hf.base_name}.{hf.layers_name}.{i}" for i in range(len(hf.layers))] == leaves:
             return cut_hf(hf)
-        return _traced_or_why(model, leaves, inputs, hf_family=hf is not None)
+        if encoder is not None and leaves == [
+            f"{encoder.prefix}.{encoder.container_name}.{encoder.layers_name}.{i}" for i in range(len(encoder.layers))
+        ]:
+            return cut_hf_encoder(encoder)
+        return _traced_or_why(model, leaves, inputs, hf_family=hf is not None or encoder is not None)
     if hf is not None:
         return cut_hf(hf)
+    if encoder is not None:
+        return cut_hf_encoder(encoder)
     vision = recognise_vision(model)
     if vision is not None:
         family, leaves = vision
@@ -69,10 +77,12 @@ def _traced_or_why(model: nn.Module, leaves: list[str], inputs: Any, *, hf_famil
     if is_transformers_model(model):  # its forward takes **kwargs: no --split-at makes it traceable
         name = type(model).__name__
         known = (
-            f"leave out --split-at: autotune cuts {name} at its decoder layers by itself"
+            f"leave out --split-at: autotune cuts {name} at its layers by itself"
             if hf_family
             else "autotune cuts Hugging Face decoder-only *ForCausalLM models (embeddings, a list of layers and a "
-            "final norm in the base model, then an LM head); for another kind, wrap its parts in modules of your own"
+            "final norm in the base model, then an LM head) and BERT-style encoders (embeddings, then an encoder's "
+            "list of layers, then a pooler or head; the base model takes inputs_embeds); for another kind, wrap its "
+            "parts in modules of your own"
         )
         fix = f"{name} is a Hugging Face model, whose forward torch.fx cannot trace: {known}"
     try:

@@ -16,11 +16,22 @@ views.py) to get what its layers need:
                       state: logits (with any slicing or soft-capping the model does)
 
 Side inputs (attention_mask, position_ids, token_type_ids) reach every stage as keyword arguments.
+
+BERT-style encoders (BertForSequenceClassification, RobertaForMaskedLM, DistilBERT, ...; recognise_encoder) are cut
+the same way, their layers one level down (`bert.encoder.layer`) and no final norm. Their base model makes the
+attention mask from its embeddings' output and pools the last hidden state, so the context and the head run it
+with `inputs_embeds` = the stage's hidden state and the embeddings standing aside (EmbeddedInput):
+
+    embedding block   base.forward(input_ids, **side), stopped at layer 0
+    context           base.forward(inputs_embeds=hidden, **side), layers recorded, stopped after the stage's last
+    head block        top.forward(inputs_embeds=hidden, **side) with every layer passing the state through: the
+                      pooler, classifier or MLM head as the model runs them, its logits
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +124,8 @@ def _layer_list(base: nn.Module, plan: list[str]) -> str | None:
 
 
 def cut_hf(anatomy: Anatomy) -> BlockModel:
-    cutter = HFCutter(anatomy)
+    blocks = (Embedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)), Head(anatomy))
+    cutter = HFCutter(anatomy.top, blocks, context=lambda: Context(anatomy))
     base, n = anatomy.base_name, len(anatomy.layers)
     embedding_names = "+".join(
         f"{base}.{name}" for name, child in anatomy.base.named_children()
@@ -137,20 +149,17 @@ def cut_hf(anatomy: Anatomy) -> BlockModel:
 
 
 class HFCutter:
-    """Blocks and stages of one Hugging Face decoder-only LM."""
+    """Blocks and stages of one Hugging Face model: its embedding block, one block per layer, its head block, and
+    for each stage with layers a context (what those layers are called with, from the model's own forward)."""
 
-    def __init__(self, anatomy: Anatomy) -> None:
-        self.anatomy = anatomy
-        n = len(anatomy.layers)
-        self.blocks: tuple[nn.Module, ...] = (
-            Embedding(anatomy),
-            *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)),
-            Head(anatomy),
-        )
-        self.n_layers = n
+    def __init__(self, top: nn.Module, blocks: tuple[nn.Module, ...], *, context: Callable[[], nn.Module]) -> None:
+        self.top = top
+        self.blocks = blocks
+        self.n_layers = len(blocks) - 2
+        self.context = context
 
     def split_inputs(self, inputs: Any) -> StageInputs:
-        bound = bind_inputs(self.anatomy.top.forward, inputs, what=type(self.anatomy.top).__name__)
+        bound = bind_inputs(self.top.forward, inputs, what=type(self.top).__name__)
         if "labels" in bound:
             raise ModelFileError(
                 "make_batch's inputs hold 'labels': return them as the targets (make_batch returns (inputs, "
@@ -158,7 +167,7 @@ class HFCutter:
             )
         if "input_ids" not in bound:
             raise ModelFileError(
-                f"make_batch's inputs for {type(self.anatomy.top).__name__} need 'input_ids' (got "
+                f"make_batch's inputs for {type(self.top).__name__} need 'input_ids' (got "
                 f"{', '.join(bound) or 'nothing'}); return a dict {{'input_ids': ..., 'attention_mask': ...}}"
             )
         ids = bound.pop("input_ids")
@@ -166,19 +175,19 @@ class HFCutter:
 
     def stage(self, start: int, stop: int) -> nn.Module:
         first_layer, last_layer = max(start, 1) - 1, min(stop - 1, self.n_layers) - 1
-        context = Context(self.anatomy) if first_layer <= last_layer else None
+        context = self.context() if first_layer <= last_layer else None
         module = Stage(self.blocks[start:stop], context=context, layers=(first_layer, last_layer))
-        return module.train(self.anatomy.top.training)
+        return module.train(self.top.training)
 
     def reference(self, inputs: Any) -> torch.Tensor:
-        bound = bind_inputs(self.anatomy.top.forward, inputs, what=type(self.anatomy.top).__name__)
-        return self.anatomy.top(**bound).logits
+        bound = bind_inputs(self.top.forward, inputs, what=type(self.top).__name__)
+        return self.top(**bound).logits
 
 
 class StageContext:
     """One forward of one stage: its side inputs and, computed once on first use, what its layers are called with."""
 
-    def __init__(self, provider: Context | None, side: dict[str, Any], layers: tuple[int, int]) -> None:
+    def __init__(self, provider: nn.Module | None, side: dict[str, Any], layers: tuple[int, int]) -> None:
         self.provider, self.side, self.layers = provider, side, layers
         self.calls: dict[int, Any] | None = None
 
@@ -193,7 +202,7 @@ class StageContext:
 class Stage(nn.Module):
     """blocks[start:stop] of a Hugging Face decoder LM, run in turn on one hidden state."""
 
-    def __init__(self, blocks: tuple[nn.Module, ...], *, context: Context | None, layers: tuple[int, int]) -> None:
+    def __init__(self, blocks: tuple[nn.Module, ...], *, context: nn.Module | None, layers: tuple[int, int]) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.context = context
@@ -339,3 +348,192 @@ def _with_stand_in(top: nn.Module, path: tuple[str, ...], stand_in: nn.Module) -
     inner = view(middle, replace=replace, keep_parameters=False) if len(path) == 2 else _with_stand_in(
         middle, path[1:], stand_in)
     return view(top, replace={path[0]: inner}, keep_parameters=True)
+
+
+# --- encoders: BERT-style models ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderAnatomy:
+    """Where the parts of a Hugging Face encoder model sit (BertForSequenceClassification, RobertaForMaskedLM,
+    DistilBertForTokenClassification, ...): the base model's embeddings, then a container of layers (BERT's
+    `encoder.layer`, DistilBERT's `transformer.layer`), then what the base model and the top model do with the last
+    hidden state (a pooler, a classifier, an LM head)."""
+
+    top: nn.Module
+    """The model build_model() returned."""
+    prefix: str
+    """Attribute of the base model in top ("bert")."""
+    embeddings_name: str
+    """Attribute of the embeddings in the base model: its one child with parameters before the layers."""
+    container_name: str
+    """Attribute of the module holding the layers in the base model ("encoder")."""
+    layers_name: str
+    """Attribute of the layers' ModuleList in the container ("layer")."""
+    after: tuple[str, ...]
+    """Module names (in top) of the parts with parameters after the layers: the head block ("bert.pooler",
+    "classifier")."""
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self.top, self.prefix)
+
+    @property
+    def container(self) -> nn.Module:
+        return getattr(self.base, self.container_name)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.container, self.layers_name)
+
+
+def recognise_encoder(model: nn.Module) -> EncoderAnatomy | None:
+    """The anatomy of a Hugging Face encoder model whose base model takes `inputs_embeds`, found by attribute shape;
+    None when the model is not one (or has parameters where the stages could not hold them: outside the embeddings,
+    the layers and the parts after them)."""
+    if not is_transformers_model(model):
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        return None
+    for forward in (model.forward, base.forward):
+        accepted = inspect.signature(forward).parameters
+        if "inputs_embeds" not in accepted or "input_ids" not in accepted:
+            return None
+    children = list(base.named_children())
+    holding = [i for i, (_, child) in enumerate(children) if _layer_list(child, []) is not None]
+    if len(holding) != 1:
+        return None
+    at = holding[0]
+    container_name, container = children[at]
+    layers_name = _layer_list(container, [])
+    assert layers_name is not None
+    if _holds_parameters(container, besides=layers_name):
+        return None  # parameters the layers share (DeBERTa's relative embeddings): not cut here
+    before = [name for name, child in children[:at] if _has_parameters(child)]
+    if len(before) != 1:
+        return None
+    embeddings_name = before[0]
+    if "inputs_embeds" not in inspect.signature(getattr(base, embeddings_name).forward).parameters:
+        return None
+    if any(True for _ in base.parameters(recurse=False)) or any(True for _ in model.parameters(recurse=False)):
+        return None
+    after = (
+        *(f"{prefix}.{name}" for name, child in children[at + 1 :] if _has_parameters(child)),
+        *(name for name, child in model.named_children() if name != prefix and _has_parameters(child)),
+    )
+    if not after:
+        return None
+    return EncoderAnatomy(top=model, prefix=prefix, embeddings_name=embeddings_name, container_name=container_name,
+                          layers_name=layers_name, after=after)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _holds_parameters(module: nn.Module, *, besides: str) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        _has_parameters(child) for name, child in module.named_children() if name != besides)
+
+
+def cut_hf_encoder(anatomy: EncoderAnatomy) -> BlockModel:
+    blocks = (EncoderEmbedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)),
+              EncoderHead(anatomy))
+    cutter = HFCutter(anatomy.top, blocks, context=lambda: EncoderContext(anatomy))
+    n = len(anatomy.layers)
+    layers = f"{anatomy.prefix}.{anatomy.container_name}.{anatomy.layers_name}"
+    block: Role = "block"
+    return BlockModel(
+        family="hf-encoder",
+        model=anatomy.top,
+        blocks=cutter.blocks,
+        names=(f"{anatomy.prefix}.{anatomy.embeddings_name}", *(f"{layers}.{i}" for i in range(n)),
+               "+".join(anatomy.after)),
+        roles=("embedding", *((block,) * n), "head"),
+        cutter=cutter,
+    )
+
+
+class EmbeddedInput(nn.Module):
+    """Stands for the embeddings where the base model is given `inputs_embeds`: returns them as they are (the hidden
+    state a stage starts from), so the masks the base model makes from them have the right shape."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        given = kwargs.get("inputs_embeds")
+        if given is None:
+            given = next((a for a in reversed(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if given is None:
+            raise ModelFileError("the base model's forward did not pass inputs_embeds to its embeddings")
+        return given
+
+
+def _encoder_view(anatomy: EncoderAnatomy, *, embeddings: nn.Module, layers: nn.ModuleList, after: nn.Module | None,
+                  keep_parameters: bool) -> nn.Module:
+    """The base model with its embeddings and layers swapped (and its parts after the layers, unless None)."""
+    container = view(anatomy.container, replace={anatomy.layers_name: layers}, keep_parameters=False)
+    replace: dict[str, nn.Module] = {anatomy.embeddings_name: embeddings, anatomy.container_name: container}
+    if after is not None:
+        for name in anatomy.after:
+            if name.startswith(f"{anatomy.prefix}."):
+                replace[name.removeprefix(f"{anatomy.prefix}.")] = after
+    return view(anatomy.base, replace=replace, keep_parameters=keep_parameters)
+
+
+class EncoderEmbedding(nn.Module):
+    """The base model's forward up to its first layer: the embeddings' output, as layer 0 gets it."""
+
+    def __init__(self, anatomy: EncoderAnatomy) -> None:
+        super().__init__()
+        self.recorder = Recorder()
+        self.base = _encoder_view(anatomy, embeddings=getattr(anatomy.base, anatomy.embeddings_name),
+                                  layers=stand_in_layers(anatomy.layers, self.recorder),
+                                  after=Absent("the base model's head", "the embedding stops at the first layer"),
+                                  keep_parameters=False)
+        self.fixed = _fixed_kwargs(anatomy.base)
+
+    def forward(self, input_ids: torch.Tensor, *, context: StageContext) -> torch.Tensor:
+        self.recorder.reset(stop_at=0)
+        try:
+            self.base(input_ids=input_ids, **context.side, **self.fixed)
+        except Stop as stop:
+            return stop.value
+        raise ModelFileError(f"{type(self.base).__name__}.forward never called its first layer")
+
+
+class EncoderContext(nn.Module):
+    """What each layer is called with (the attention mask as the model makes it), recorded from the base model's
+    forward on the stage's first hidden state given as inputs_embeds; no parameters, no gradients."""
+
+    def __init__(self, anatomy: EncoderAnatomy) -> None:
+        super().__init__()
+        self.recorder = Recorder()
+        self.base = _encoder_view(anatomy, embeddings=EmbeddedInput(),
+                                  layers=stand_in_layers(anatomy.layers, self.recorder),
+                                  after=Absent("the base model's head", "the context stops after the last layer"),
+                                  keep_parameters=False)
+        self.fixed = _fixed_kwargs(anatomy.base)
+
+    def forward(self, hidden: torch.Tensor, side: dict[str, Any], *, first: int, last: int) -> dict[int, Any]:
+        self.recorder.reset(first=first, last=last)
+        with torch.no_grad():
+            try:
+                self.base(inputs_embeds=hidden.detach(), **side, **self.fixed)
+            except Stop:
+                return self.recorder.calls
+        raise ModelFileError(f"{type(self.base).__name__}.forward never called layer {last}")
+
+
+class EncoderHead(nn.Module):
+    """The top model's own forward from the last hidden state on (the base model's pooler, the classifier or LM
+    head): the model run on that state as inputs_embeds, its embeddings and layers passing it through."""
+
+    def __init__(self, anatomy: EncoderAnatomy) -> None:
+        super().__init__()
+        base = _encoder_view(anatomy, embeddings=EmbeddedInput(), layers=stand_in_layers(anatomy.layers, Recorder()),
+                             after=None, keep_parameters=False)
+        self.top = view(anatomy.top, replace={anatomy.prefix: base}, keep_parameters=False)
+        self.fixed = _fixed_kwargs(anatomy.top)
+
+    def forward(self, hidden: torch.Tensor, *, context: StageContext) -> torch.Tensor:
+        return self.top(inputs_embeds=hidden, **context.side, **self.fixed).logits

@@ -9,6 +9,7 @@ forward, record what a layer was called with, or stand for a module the part mus
 from __future__ import annotations
 
 import copy
+import typing
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -75,7 +76,9 @@ class Recorder:
 
 
 class StandInLayer(nn.Module):
-    """Stands for layer `index` of a ModuleList: records its call or stops the forward; returns the hidden state."""
+    """Stands for layer `index` of a ModuleList: records its call or stops the forward; returns the hidden state,
+    in a tuple (the rest None) where the layer's forward is annotated to return one (DeBERTa's layers return their
+    output with the attention weights, and the encoder unpacks both)."""
 
     def __init__(self, index: int, recorder: Recorder, like: nn.Module | None = None) -> None:
         super().__init__()
@@ -85,6 +88,7 @@ class StandInLayer(nn.Module):
                     setattr(self, name, value)
         self.index = index
         self.recorder = recorder
+        self.tuple_size = _returned_tuple_size(like) if like is not None else 0
 
     def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         rec = self.recorder
@@ -94,7 +98,20 @@ class StandInLayer(nn.Module):
             rec.calls[self.index] = LayerCall(args, kwargs)
             if self.index == rec.last:
                 raise Stop(hidden)
-        return hidden
+        return (hidden, *(None,) * (self.tuple_size - 1)) if self.tuple_size > 1 else hidden
+
+
+def _returned_tuple_size(layer: nn.Module) -> int:
+    """How many values the layer's forward is annotated to return in a tuple of fixed length (0: not a tuple, or
+    no annotation to tell)."""
+    try:
+        annotation = typing.get_type_hints(type(layer).forward).get("return")
+    except Exception:  # noqa: BLE001 - an annotation naming what cannot be imported here: nothing to tell
+        return 0
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and args and Ellipsis not in args:
+        return len(args)
+    return 0
 
 
 def stand_in_layers(layers: nn.ModuleList, recorder: Recorder) -> nn.ModuleList:

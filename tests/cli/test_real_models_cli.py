@@ -26,6 +26,7 @@ runner = CliRunner()
 RECIPE_BLOCKS = {
     "hf_llama": ("transformers", 6),  # embed_tokens, 4 decoder layers, norm + lm_head
     "hf_gpt2": ("transformers", 6),  # wte + wpe, 4 blocks, ln_f + lm_head (tied to wte)
+    "hf_bert": ("transformers", 6),  # embeddings, 4 encoder layers, the MLM head (its decoder tied to the embedding)
     "timm_vit": ("timm", 14),  # patch embedding + cls token + position embedding, 12 blocks, norm + head
     "tv_resnet": ("torchvision", 10),  # conv1 + bn1, 8 basic blocks, pooling + fc
 }

@@ -1,7 +1,8 @@
 """Real models as they are (issue 12), on 2 CPU ranks (gloo): a tied GPT-2 (recipes/hf_gpt2.py) pipelined under every
 schedule family and with data parallelism gets the gradients of the model's own forward, its tied weight stays one
 parameter (one optimizer entry per rank, equal copies on the ranks holding it) and 8 optimizer steps end at the
-data-parallel layout's loss; a Llama whose batch pads some sequences (recipes/hf_llama.py) gets exact gradients."""
+data-parallel layout's loss; a Llama whose batch pads some sequences (recipes/hf_llama.py) and a BERT with its MLM
+decoder tied to its embedding (recipes/hf_bert.py) get exact gradients."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def llama() -> ModelSpec:
     return load_model_file(RECIPES / "hf_llama.py")
 
 
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    path = tmp_path_factory.mktemp("bert") / "bert.py"
+    path.write_text(NO_DROPOUT.format(name="hf_bert", recipe=str(RECIPES / "hf_bert.py")))
+    return load_model_file(path)
+
+
+# the embeddings and layer 0 on rank 0; layers 1-3 and the MLM head, whose decoder is the word embedding, on rank 1
+BERT_1F1B = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_batch_size=8, n_microbatches=4,
+                      layers_per_stage=(2, 4))
 LLAMA_1F1B = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=2, global_batch_size=8, n_microbatches=4,
                        layers_per_stage=(2, 4))
 
@@ -122,9 +133,10 @@ def reference_grads(spec: ModelSpec, c: Candidate) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt2: ModelSpec, llama: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(gpt2: ModelSpec, llama: ModelSpec, bert: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     jobs = {name: (gpt2, candidate(gpt2, **layout), STEPS) for name, layout in GPT2_LAYOUTS.items()}
     jobs["llama"] = (llama, LLAMA_1F1B, 0)
+    jobs["bert"] = (bert, BERT_1F1B, 0)
     return Runs(jobs, tmp_path_factory.mktemp("runs"))
 
 
@@ -214,6 +226,20 @@ def test_llama_with_padded_sequences_gets_its_own_gradients(llama, runs):
     assert llama.family == "hf-decoder" and llama.n_layers == 6
     got = gathered(runs["llama"], "grads")
     want = reference_grads(llama, LLAMA_1F1B)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bert_with_its_tied_mlm_decoder_across_ranks_gets_its_own_gradients(bert, runs):
+    """recipes/hf_bert.py (masked-language modelling, some sequences padded) under 1F1B: every stage gets the
+    attention mask, the tied word embedding's gradient is summed over the two ranks holding it, and every gradient
+    equals the model's own forward's."""
+    assert bert.family == "hf-encoder" and bert.n_layers == 6
+    assert [p.names for p in bert.shared] == [("bert.embeddings.word_embeddings.weight",
+                                                "cls.predictions.decoder.weight")]
+    got = gathered(runs["bert"], "grads")
+    want = reference_grads(bert, BERT_1F1B)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,4 +1,5 @@
-"""Hugging Face decoder LMs cut at their layers: every cut equals the model's own forward and backward."""
+"""Hugging Face decoder LMs and BERT-style encoders cut at their layers: every cut equals the model's own forward and
+backward."""
 
 from __future__ import annotations
 
@@ -184,10 +185,99 @@ def test_split_at_elsewhere_on_a_hf_model_says_why_it_cannot_trace() -> None:
 
 
 def test_a_hf_model_of_another_kind_is_refused_with_the_reason() -> None:
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64)
-    with pytest.raises(ModelFileError, match=r"BertForMaskedLM is a Hugging Face model.*decoder-only \*ForCausalLM"):
-        cut_model(transformers.BertForMaskedLM(config))
+    """DeBERTa-v3's relative position embeddings sit in its encoder beside the layers, which all read them: no
+    stage could hold them, and the one line says which models autotune cuts."""
+    config = transformers.DebertaV2Config(**ENCODER, relative_attention=True, position_buckets=8,
+                                          norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"])
+    with pytest.raises(ModelFileError, match=r"DebertaV2ForMaskedLM is a Hugging Face model.*decoder-only "
+                                             r"\*ForCausalLM.*BERT-style encoders"):
+        cut_model(transformers.DebertaV2ForMaskedLM(config))
+
+
+ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=64)
+ENCODERS = {  # encoder models: model class -> (config, what the model predicts, the head block's name)
+    "BertForSequenceClassification": (lambda: transformers.BertConfig(**ENCODER, num_labels=3), 3,
+                                      "bert.pooler+classifier"),
+    "BertForMaskedLM": (lambda: transformers.BertConfig(**ENCODER), 0, "cls"),  # the decoder tied to the embedding
+    "BertForTokenClassification": (lambda: transformers.BertConfig(**ENCODER, num_labels=5), -5, "classifier"),
+    "RobertaForMaskedLM": (lambda: transformers.RobertaConfig(**ENCODER, pad_token_id=1), 0, "lm_head"),
+    "ElectraForSequenceClassification": (lambda: transformers.ElectraConfig(**ENCODER, embedding_size=32,
+                                                                            num_labels=3), 3, "classifier"),
+    # embeddings called with positional arguments; the head after the base model: pre_classifier + classifier
+    "DistilBertForSequenceClassification": (lambda: transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, hidden_dim=64, num_labels=3), 3,
+        "pre_classifier+classifier"),
+    # layers return (hidden, attention) and the encoder unpacks both; a pooler of the top model's own
+    "DebertaV2ForSequenceClassification": (lambda: transformers.DebertaV2Config(**ENCODER, num_labels=3), 3,
+                                           "pooler+classifier"),
+}
+
+
+def encoder(name: str) -> tuple[nn.Module, int]:
+    make_config, labels, _ = ENCODERS[name]
+    torch.manual_seed(0)
+    net = getattr(transformers, name)(make_config()).train()
+    for module in net.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return net, labels
+
+
+def encoder_batch(labels: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Padded inputs; targets per sequence (labels > 0), per token (< 0: that many classes) or tokens (0)."""
+    inputs, tokens = batch(padded=True)
+    g = torch.Generator().manual_seed(2)
+    if labels > 0:
+        return inputs, torch.randint(0, labels, (3,), generator=g)
+    if labels < 0:
+        return inputs, torch.randint(0, -labels, (3, SEQ), generator=g)
+    return inputs, tokens
+
+
+def encoder_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if targets.dim() == 1:
+        return nn.functional.cross_entropy(logits, targets)
+    return lm_loss(logits, targets)
+
+
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_every_cut_of_an_encoder_equals_the_model(name: str) -> None:
+    """BERT-style encoders: the embeddings, each layer and the head (pooler, classifier or MLM head) are blocks;
+    every cut computes the model's own forward and backward with a padding mask, and the check passes."""
+    net, labels = encoder(name)
+    model = cut_model(net)
+    layers = "distilbert.transformer.layer" if name.startswith("Distil") else (
+        f"{net.base_model_prefix}.encoder.layer")
+    assert model.family == "hf-encoder"
+    assert model.roles == ("embedding", "block", "block", "block", "head")
+    assert model.names[1:-1] == tuple(f"{layers}.{i}" for i in range(3))
+    assert model.names[-1] == ENCODERS[name][2]
+    inputs, targets = encoder_batch(labels)
+    assert_cuts_match(model, inputs, encoder_loss, targets, three_way=False)
+    every_parameter_in_a_block(model)
+    stage_parameters_are_blocks(model)
+    check_cut(model, inputs)
+
+
+def test_an_encoders_padding_mask_reaches_every_layer() -> None:
+    model = cut_model(encoder("BertForSequenceClassification")[0])
+    inputs, targets = encoder_batch(3)
+    unpadded = model.reference({"input_ids": inputs["input_ids"]})
+    assert not torch.allclose(model.reference(inputs), unpadded), "the mask must change the output"
+    assert_cuts_match(model, inputs, encoder_loss, targets)
+
+
+def test_an_mlm_heads_tied_decoder_is_shared_with_the_embedding() -> None:
+    model = cut_model(encoder("BertForMaskedLM")[0])
+    (shared,) = model.shared_parameters()
+    assert shared.blocks == (0, 4)
+    assert set(shared.names) == {"bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"}
+
+
+def test_split_at_an_encoders_layers_keeps_the_family() -> None:
+    net, _ = encoder("BertForSequenceClassification")
+    assert cut_model(net, split_at=["bert.encoder.layer.*"]).family == "hf-encoder"
 
 
 def test_check_cut_refuses_a_model_its_adapter_cuts_wrongly() -> None:

@@ -45,7 +45,7 @@ def named(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters(remove_duplicate=False))
 
 
-@pytest.mark.parametrize("recipe", ["mlp", "hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize("recipe", ["mlp", "hf_gpt2", "hf_llama", "hf_bert"])
 def test_a_block_alone_gets_its_values_in_the_whole_model(recipe):
     pytest.importorskip("transformers")
     spec = load_model_file(RECIPES / f"{recipe}.py")

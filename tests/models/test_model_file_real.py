@@ -143,6 +143,22 @@ def test_a_large_hf_llama_with_a_padding_mask_is_checked_without_building_it(mon
     model_file.check_model(spec, 4)
 
 
+def test_a_large_bert_is_checked_without_building_it(monkeypatch):
+    """An encoder's masks come from its base model's forward on fake tensors too: recipes/hf_bert.py, padded."""
+    from tests.conftest import RECIPES
+
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", 0)
+    spec = model_file.load_model_file(RECIPES / "hf_bert.py")
+    assert spec.family == "hf-encoder" and spec.layer_roles[0] == "embedding" and spec.layer_roles[-1] == "head"
+
+    def no_real_build(*args, **kwargs):
+        raise AssertionError("the check built the model's parameters for real")
+
+    monkeypatch.setattr(model_file, "build_blocks", no_real_build)
+    monkeypatch.setattr(model_file, "build_skeleton", no_real_build)
+    model_file.check_model(spec, 4)
+
+
 def test_a_large_model_neither_meta_nor_fake_tensors_run_is_checked_one_real_block_at_a_time(tmp_path, monkeypatch):
     """Python control flow on a value inside a block runs on neither: the check runs the model for real, with only
     the running block's parameters materialised."""
