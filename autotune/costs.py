@@ -365,6 +365,10 @@ class Profile:
     infeasible_micro_batch_sizes: tuple[int, ...] = ()
     """Sizes the profiler was asked for that ran out of device memory (or past --memory-limit) for a block on its
     own, increasing: no candidate can use them or anything larger. Not in micro_batch_sizes."""
+    too_small_micro_batch_sizes: tuple[int, ...] = ()
+    """Sizes the profiler was asked for at which a block's training step failed, for another reason than memory,
+    while larger sizes ran (BatchNorm needs more than one value per channel: a batch of 1 reaching a 1 x 1 feature
+    map), increasing: no candidate can use them or anything smaller. Not in micro_batch_sizes."""
     precision: Precision = "fp32"
     """What it was measured in (Precision): times, saved-activation and output bytes are bf16's in a bf16 profile.
     parameter_bytes stay the float32 master weights' either way. Profiles saved before it was recorded: fp32."""
@@ -419,12 +423,17 @@ class Profile:
             raise UsageError(f"every per-size series of a profile needs {len(sizes)} entries, one per micro-batch size")
         if set(self.infeasible_micro_batch_sizes) & set(sizes):
             raise UsageError("a micro-batch size cannot be both profiled and infeasible")
+        if self.too_small_micro_batch_sizes and self.too_small_micro_batch_sizes[-1] >= sizes[0]:
+            raise UsageError("a micro-batch size that failed as too small must be below every profiled size")
         if self.tensor_parallel_layers and len(self.tensor_parallel_layers) != len(self.layers):
             raise UsageError(f"a profile's tensor-parallel terms need one entry per layer ({len(self.layers)}), got "
                              f"{len(self.tensor_parallel_layers)}; profile the model again")
 
     def fits_micro_batch(self, micro_batch_size: float) -> bool:
-        """False when the profiler found micro-batches this large run out of memory on one block."""
+        """False when the profiler found micro-batches this large run out of memory on one block, or this small fail
+        to train (too_small_micro_batch_sizes)."""
+        if self.too_small_micro_batch_sizes and micro_batch_size <= self.too_small_micro_batch_sizes[-1]:
+            return False
         return not self.infeasible_micro_batch_sizes or micro_batch_size < self.infeasible_micro_batch_sizes[0]
 
     @property
@@ -617,6 +626,7 @@ class Profile:
                 {"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.shared_parameters
             ],
             "infeasible_micro_batch_sizes": list(self.infeasible_micro_batch_sizes),
+            "too_small_micro_batch_sizes": list(self.too_small_micro_batch_sizes),
             **({"device_workspace_bytes": self.device_workspace_bytes} if self.device_workspace_bytes else {}),
             **({"optimizer_call_ms": self.optimizer_call_ms} if self.optimizer_call_ms else {}),
             **({"host_call_ms": self.host_call_ms} if self.host_call_ms else {}),
@@ -694,6 +704,7 @@ class Profile:
                 repeats=int(data.get("repeats", 0)),
                 torch_version=str(data.get("torch_version", "")),
                 infeasible_micro_batch_sizes=tuple(int(m) for m in data.get("infeasible_micro_batch_sizes", ())),
+                too_small_micro_batch_sizes=tuple(int(m) for m in data.get("too_small_micro_batch_sizes", ())),
                 device_workspace_bytes=int(data.get("device_workspace_bytes", 0)),
                 optimizer_call_ms=float(data.get("optimizer_call_ms", 0.0)),
                 host_call_ms=float(data.get("host_call_ms", 0.0)),

@@ -191,7 +191,7 @@ def _points(
             for m in counts:
                 micro = batch_size // (m * dp)
                 if not profile.fits_micro_batch(micro):
-                    continue  # a block alone ran out of memory at this micro-batch size while profiling
+                    continue  # a block alone ran out of memory (or failed as too small) at this size while profiling
                 costs = costs_at.get((micro, tp)) or costs_at.setdefault(
                     (micro, tp), _Costs(profile, micro, link, splits, gpus_per_node=gpus_per_node, tp=tp)
                 )
@@ -206,6 +206,12 @@ def _points(
                         points.append(point)
     if points:
         return points
+    if profile.too_small_micro_batch_sizes:
+        raise InvalidCandidateError(
+            f"every candidate over {gpus} ranks needs micro-batches of {profile.too_small_micro_batch_sizes[-1]} or "
+            f"fewer samples, which the model failed to train while profiling (a BatchNorm over one value per "
+            f"channel, say); use a larger batch size or fewer GPUs"
+        )
     if profile.infeasible_micro_batch_sizes:
         raise InfeasibleError(
             f"every candidate over {gpus} ranks needs micro-batches of {profile.infeasible_micro_batch_sizes[0]} "

@@ -153,7 +153,7 @@ def profile_model(
     idle: IdleResume | None = None
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
-        measured, sizes, input_bytes, target_bytes, infeasible = _Walk(
+        measured, sizes, input_bytes, target_bytes, infeasible, too_small = _Walk(
             spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
@@ -225,6 +225,7 @@ def profile_model(
         torch_version=torch.__version__,
         shared_parameters=tuple((p.blocks, p.nbytes) for p in spec.shared),
         infeasible_micro_batch_sizes=tuple(infeasible),
+        too_small_micro_batch_sizes=tuple(too_small),
         device_workspace_bytes=workspace_bytes,
         optimizer_call_ms=call_ms,
         host_call_ms=host_ms,
@@ -393,6 +394,7 @@ class _Walk:
         self.limit = memory_limit_bytes
         self.progress = progress
         self.infeasible: list[int] = []
+        self.too_small: list[int] = []
         self._reported = 0  # the blocks whose figures are final and said to `progress`
         self.skeleton = build_skeleton(spec)
         self.home = home_blocks(self.skeleton.blocks)
@@ -408,12 +410,14 @@ class _Walk:
 
     def results(
         self, *, every_block: bool
-    ) -> tuple[list[_BlockResult], list[int], dict[int, int], dict[int, int], list[int]]:
+    ) -> tuple[list[_BlockResult], list[int], dict[int, int], dict[int, int], list[int], list[int]]:
         """run()'s measurements with what profile_model needs of the walk, none of it a tensor or module: (per-block
-        results, the sizes that fit, input and target bytes per size, the sizes that did not fit)."""
+        results, the sizes that fit, input and target bytes per size, the sizes that did not fit, the sizes too small
+        to train)."""
         measured = self.run(every_block=every_block)
         targets = {m: _nbytes(t) for m, t in self.targets.items()}
-        return measured, list(self.sizes), dict(self.input_bytes), targets, list(self.infeasible)
+        return (measured, list(self.sizes), dict(self.input_bytes), targets, list(self.infeasible),
+                list(self.too_small))
 
     def run(self, *, every_block: bool) -> list[_BlockResult]:
         n = self.skeleton.n_blocks
@@ -513,6 +517,7 @@ class _Walk:
             own = [p for p in _unique(block.parameters()) if self.home[id(p)] == index and p.requires_grad]
             optimizer = self._optimizer(index, own, unit, held, lambda: self._gradients(index, unit, inputs))
             samples: dict[int, _SizeSamples] = {}
+            failures: list[tuple[int, BaseException]] = []  # (size, error) of this block's failed training steps
             for m in list(self.sizes):
                 try:
                     samples[m] = _SizeSamples(unit, self._inputs(index, inputs[m], m), self._loss(unit, m),
@@ -521,10 +526,13 @@ class _Walk:
                 except (ModelFileError, UsageError):
                     raise
                 except Exception as exc:  # the user's model can raise anything
-                    if not is_out_of_memory(exc):
-                        raise self._failed(index, m, exc) from exc
-                    self._drop_from(m, index, exc)
-                    break
+                    if is_out_of_memory(exc):
+                        self._drop_from(m, index, exc)
+                        break
+                    failures.append((m, exc))
+                    if m != self.sizes[0] or m == self.sizes[-1]:  # not a size too small: the model fails
+                        raise self._failed(index, failures) from exc
+                    self._drop_to(m, index, exc)
             unit.zero_grad(set_to_none=True)
         except BaseException:
             self._free([block])
@@ -655,12 +663,25 @@ class _Walk:
         self.infeasible = sorted({*self.infeasible, *dropped})
         self.sizes = [s for s in self.sizes if s < m]
 
-    def _failed(self, index: int, m: int, exc: BaseException) -> ModelFileError:
+    def _drop_to(self, m: int, index: int, exc: BaseException) -> None:
+        """Size m (the smallest left) failed to train for block `index`, for another reason than memory: leave it
+        and the smaller ones out if a larger one runs (BatchNorm over one value per channel); _open goes on."""
+        logger.info("micro-batch size %s fails to train block %s (trying larger ones): %s", m, index, exc)
+        self.too_small = sorted({*self.too_small, *(s for s in self.sizes if s <= m)})
+        self.sizes = [s for s in self.sizes if s > m]
+
+    def _failed(self, index: int, failures: list[tuple[int, BaseException]]) -> ModelFileError:
+        """The one line for a block whose training step fails: at one size, or at each size tried (the first
+        size's error: the larger ones were tried in case it was too small)."""
+        m, exc = failures[0]
+        if len(failures) == 1:
+            where = f"at micro-batch size {m}"
+        else:
+            where = f"at every micro-batch size tried ({', '.join(str(size) for size, _ in failures)}), first at {m}"
         text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return ModelFileError(
-            f"{self.spec.path}: a training step of block {self.spec.describe_layer(index)} at micro-batch size {m} "
-            f"failed ({text}); profile sizes the model can run, e.g. --micro-batch-size "
-            f"{','.join(str(x) for x in self.sizes if x != m) or 'N'}"
+            f"{self.spec.path}: a training step of block {self.spec.describe_layer(index)} failed {where} ({text}); "
+            f"run the model's own forward and backward on make_batch's inputs to see it fail"
         )
 
 

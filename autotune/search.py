@@ -512,6 +512,10 @@ class _Engine:
     def _prune_reason(self, candidate: Candidate, estimate: Estimate, phase: str) -> str | None:
         limit = self.options.memory_limit_bytes
         if not self.profile.fits_micro_batch(candidate.micro_batch_size):
+            too_small = self.profile.too_small_micro_batch_sizes
+            if too_small and candidate.micro_batch_size <= too_small[-1]:
+                return (f"micro-batch size {candidate.micro_batch_size}: the model failed to train at "
+                        f"{too_small[-1]} while profiling")
             return (
                 f"micro-batch size {candidate.micro_batch_size}: a single block ran out of memory at "
                 f"{self.profile.infeasible_micro_batch_sizes[0]} while profiling"

@@ -229,6 +229,8 @@ def load_and_profile(
         )
     if profile.infeasible_micro_batch_sizes:
         reporter.warning(infeasible_sizes_warning(profile))
+    if profile.too_small_micro_batch_sizes:
+        reporter.warning(too_small_sizes_warning(profile))
     return spec, profile
 
 
@@ -238,6 +240,16 @@ def infeasible_sizes_warning(profile: Profile) -> str:
     return (
         f"micro-batch size(s) {sizes} ran out of memory for a single block while profiling: candidates with "
         f"micro-batches that large are left out (largest that fits: {profile.micro_batch_sizes[-1]})"
+    )
+
+
+def too_small_sizes_warning(profile: Profile) -> str:
+    """The terminal's line about micro-batch sizes the model failed to train while profiling."""
+    sizes = ", ".join(map(str, profile.too_small_micro_batch_sizes))
+    return (
+        f"micro-batch size(s) {sizes} failed to train while larger ones ran (a BatchNorm over one value per "
+        f"channel, say): candidates with micro-batches that small are left out (smallest that trains: "
+        f"{profile.micro_batch_sizes[0]})"
     )
 
 

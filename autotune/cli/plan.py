@@ -350,6 +350,12 @@ def render_profile(profile: Any) -> None:
             f"{', '.join(map(str, profile.infeasible_micro_batch_sizes))}: no candidate can use them",
             highlight=False,
         )
+    if profile.too_small_micro_batch_sizes:
+        console.print(
+            f"failed to train at micro-batch size(s) {', '.join(map(str, profile.too_small_micro_batch_sizes))} "
+            f"while larger ones ran: no candidate can use them",
+            highlight=False,
+        )
 
 
 def render_plan(

@@ -212,9 +212,13 @@ def test_profile_checks_its_series():
         Profile(micro_batch_sizes=(2, 1), layers=(layer,), input_bytes=(1, 2))
 
 
-def test_batchnorm_models_skip_micro_batch_one_and_a_failing_size_is_named(tmp_path):
+def test_batchnorm_models_skip_micro_batch_one_and_a_size_too_small_is_left_out(tmp_path):
+    """Asked for size 1 (plan and search ask for the sizes their candidates use), a BatchNorm1d block fails to train
+    on one sample: the size is left out of the profile and of every plan, as a size out of memory is, where a
+    larger one trains; alone, the failure is named in one line."""
     from autotune.errors import ModelFileError
     from autotune.model_file import load_model_file
+    from autotune.plan import plan
     from autotune.profiling import profile_model
     from tests.fakes import BATCHNORM_MODEL
 
@@ -222,8 +226,53 @@ def test_batchnorm_models_skip_micro_batch_one_and_a_failing_size_is_named(tmp_p
     path.write_text(BATCHNORM_MODEL)
     spec = load_model_file(path)
     assert profile_model(spec, batch_size=8, repeats=1).micro_batch_sizes[0] == 2
-    with pytest.raises(ModelFileError, match=r"micro-batch size 1 failed \(ValueError: Expected more than 1 value"):
-        profile_model(spec, batch_size=8, micro_batch_sizes=[1, 2], repeats=1)
+    profile = profile_model(spec, batch_size=8, micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert profile.micro_batch_sizes == (2, 4) and profile.too_small_micro_batch_sizes == (1,)
+    assert not profile.fits_micro_batch(1) and profile.fits_micro_batch(2)
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))).too_small_micro_batch_sizes == (1,)
+    planned = plan(profile, gpus=2, batch_size=8, memory_limit_bytes=None)
+    assert planned and all(p.candidate.micro_batch_size >= 2 for p in planned)
+    assert any(p.candidate.micro_batch_size == 2 for p in planned)
+    with pytest.raises(ModelFileError, match=r"micro-batch size 1 \(ValueError: Expected more than 1 value"):
+        profile_model(spec, batch_size=8, micro_batch_sizes=[1], repeats=1)
+
+
+PICKY = """
+import torch
+from torch import nn
+
+class Picky(nn.Linear):
+    def forward(self, x):
+        if x.shape[0] < SMALLEST:
+            raise RuntimeError(f"needs {SMALLEST} rows, got {x.shape[0]}")
+        return super().forward(x)
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), Picky(8, 8), nn.Linear(8, 2))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 2)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
+
+
+def test_sizes_too_small_for_a_later_block_are_left_out_and_a_block_failing_at_every_size_is_named(tmp_path):
+    from autotune.errors import ModelFileError
+    from autotune.model_file import load_model_file
+    from autotune.profiling import profile_model
+
+    (tmp_path / "picky.py").write_text(PICKY.replace("SMALLEST", "4"))
+    spec = load_model_file(tmp_path / "picky.py")
+    profile = profile_model(spec, batch_size=16, micro_batch_sizes=[1, 2, 4, 16], repeats=1)
+    assert profile.micro_batch_sizes == (4, 16) and profile.too_small_micro_batch_sizes == (1, 2)
+    assert profile.n_layers == 3 and all(layer.forward_ms[0] > 0 for layer in profile.layers)
+    (tmp_path / "never.py").write_text(PICKY.replace("SMALLEST", "100"))
+    spec = load_model_file(tmp_path / "never.py")
+    with pytest.raises(ModelFileError, match=r"block 1 .*failed at every micro-batch size tried \(1, 2, 4\), first at "
+                                             r"1 \(RuntimeError: needs 100 rows, got 1\)"):
+        profile_model(spec, batch_size=16, micro_batch_sizes=[1, 2, 4], repeats=1)
 
 
 def _measured_blocks(monkeypatch):
