@@ -134,8 +134,21 @@ def materialize_shards(
             if id(p) not in done:
                 copy_full(p, source[name])
                 done.add(id(p))
+        _real_buffers(blocks[i], reference.blocks[i], device)
         for p in source.values():
             release(p)
+
+
+def _real_buffers(block: nn.Module, source: nn.Module, device: torch.device) -> None:
+    """Buffers the block's code made on its parameters' device (the meta device while the model was built: timm's
+    Swin makes its attention mask so) take the values the block's own initialiser gave them on the materialised
+    `source` (models.materialize runs reset_parameters, which makes them again)."""
+    made = dict(source.named_modules())
+    for name, module in block.named_modules():
+        for key, buffer in module._buffers.items():
+            real = made[name]._buffers.get(key) if name in made else None
+            if buffer is not None and buffer.is_meta and real is not None and not real.is_meta:
+                module._buffers[key] = real.to(device)
 
 
 def _swap(p: nn.Parameter, data: torch.Tensor) -> None:

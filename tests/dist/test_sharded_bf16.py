@@ -6,6 +6,8 @@ and met bfloat16 activations ("expected m1 and m2 to have the same dtype"; its m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autotune.candidate import Candidate
@@ -84,3 +86,51 @@ def test_sharded_bf16_trains(tmp_path, model, pp):
                           layers_per_stage=(4,) if pp == 1 else (2, 2), precision="bf16")
     result = run_trial(spec, candidate, TrialOptions(steps=2, warmup=1, device="cpu"))
     assert result.status == "ok", result.error
+
+
+BUFFER = """
+import torch
+from torch import nn
+
+class Masked(nn.Linear):
+    \"\"\"As timm's Swin blocks make their attention mask: a buffer on the device of the block's own weight (the meta
+    device while autotune builds the model), made again by reset_parameters once the weight is real.\"\"\"
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.register_buffer("scale", torch.full((self.out_features,), 0.5, device=self.weight.device),
+                             persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+def build_model():
+    return nn.Sequential(Masked(8, 8), nn.ReLU(), Masked(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(batch_size)
+    return torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 2, generator=g)
+
+def loss_fn(output, target):
+    return nn.functional.mse_loss(output, target)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_buffer_made_on_its_blocks_device_is_real_in_a_sharded_trial(tmp_path, pp):
+    """A sharded rank's blocks are materialised on a second skeleton and their values copied into the shards: a
+    buffer the block's own initialiser makes there must come along (timm's Swin: "Tensor on device meta is not on
+    the expected device cpu" in every sharded trial)."""
+    (tmp_path / "model.py").write_text(BUFFER)
+    spec = load_model_file(tmp_path / "model.py")
+    candidate = Candidate(schedule=Schedule.ONE_F_ONE_B, pipeline_degree=pp, data_parallel_degree=2,
+                          data_parallel_mode="shard", global_batch_size=16, n_microbatches=2,
+                          layers_per_stage=(5,) if pp == 1 else (2, 3))
+    sharded = run_trial(spec, candidate, TrialOptions(steps=2, warmup=1, device="cpu"))
+    assert sharded.status == "ok", sharded.error
+    replicated = run_trial(spec, replace(candidate, data_parallel_mode="replicate"),
+                           TrialOptions(steps=2, warmup=1, device="cpu"))
+    assert replicated.status == "ok", replicated.error
+    assert sharded.losses and sharded.losses == pytest.approx(replicated.losses, rel=1e-5)  # the values too
+
