@@ -124,8 +124,8 @@ def _layer_list(base: nn.Module, plan: list[str]) -> str | None:
 
 
 def cut_hf(anatomy: Anatomy) -> BlockModel:
-    blocks = (Embedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)), Head(anatomy))
-    cutter = HFCutter(anatomy.top, blocks, context=lambda: Context(anatomy))
+    blocks = (decoder_embedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)), Head(anatomy))
+    cutter = HFCutter(anatomy.top, blocks, context=lambda: decoder_context(anatomy))
     base, n = anatomy.base_name, len(anatomy.layers)
     embedding_names = "+".join(
         f"{base}.{name}" for name, child in anatomy.base.named_children()
@@ -222,21 +222,12 @@ def _fixed_kwargs(base: nn.Module) -> dict[str, Any]:
 
 
 class Embedding(nn.Module):
-    """The base model's forward up to its first decoder layer: what layer 0 gets."""
+    """The base model's forward up to its first layer: what layer 0 gets (`base`: a view of it whose layers stop
+    the forward at layer 0)."""
 
-    def __init__(self, anatomy: Anatomy) -> None:
+    def __init__(self, base: nn.Module, recorder: Recorder, fixed: dict[str, Any]) -> None:
         super().__init__()
-        self.recorder = Recorder()
-        base = anatomy.base
-        self.base = view(
-            base,
-            replace={
-                anatomy.layers_name: stand_in_layers(anatomy.layers, self.recorder),
-                anatomy.norm_name: Absent(anatomy.norm_name, "the embedding stops at the first layer"),
-            },
-            keep_parameters=True,
-        )
-        self.fixed = _fixed_kwargs(base)
+        self.base, self.recorder, self.fixed = base, recorder, fixed
 
     def forward(self, input_ids: torch.Tensor, *, context: StageContext) -> torch.Tensor:
         self.recorder.reset(stop_at=0)
@@ -244,29 +235,31 @@ class Embedding(nn.Module):
             self.base(input_ids=input_ids, **context.side, **self.fixed)
         except Stop as stop:
             return stop.value
-        raise ModelFileError(f"{type(self.base).__name__}.forward never called its first decoder layer")
+        raise ModelFileError(f"{type(self.base).__name__}.forward never called its first layer")
+
+
+def decoder_embedding(anatomy: Anatomy) -> Embedding:
+    """A decoder's embedding block: its base model without the final norm (and any direct parameters kept)."""
+    recorder = Recorder()
+    base = view(
+        anatomy.base,
+        replace={
+            anatomy.layers_name: stand_in_layers(anatomy.layers, recorder),
+            anatomy.norm_name: Absent(anatomy.norm_name, "the embedding stops at the first layer"),
+        },
+        keep_parameters=True,
+    )
+    return Embedding(base, recorder, _fixed_kwargs(anatomy.base))
 
 
 class Context(nn.Module):
-    """The base model's forward on a view that records what each decoder layer is called with (no parameters:
-    embeddings and norms stand as zeros, dropout as identity); run once per stage forward, without gradients."""
+    """What each layer of a stage is called with, recorded from the base model's own forward on the stage's first
+    hidden state (`base`: a view of it whose layers record their calls and stop after the stage's last); run once
+    per stage forward, without gradients. No parameters of its own."""
 
-    def __init__(self, anatomy: Anatomy) -> None:
+    def __init__(self, base: nn.Module, recorder: Recorder, fixed: dict[str, Any]) -> None:
         super().__init__()
-        self.recorder = Recorder()
-        base = anatomy.base
-        replace: dict[str, nn.Module] = {anatomy.layers_name: stand_in_layers(anatomy.layers, self.recorder)}
-        for name, child in base.named_children():
-            if name in replace:
-                continue
-            if name == anatomy.norm_name:
-                replace[name] = Absent(name, "the context stops after the stage's last layer")
-            elif any(True for _ in child.parameters()):
-                replace[name] = Zero(embedding=isinstance(child, nn.Embedding))
-            elif isinstance(child, nn.modules.dropout._DropoutNd):
-                replace[name] = Passthrough()
-        self.base = view(base, replace=replace, keep_parameters=False)
-        self.fixed = _fixed_kwargs(base)
+        self.base, self.recorder, self.fixed = base, recorder, fixed
 
     def forward(self, hidden: torch.Tensor, side: dict[str, Any], *, first: int, last: int) -> dict[int, Any]:
         self.recorder.reset(first=first, last=last)
@@ -275,7 +268,25 @@ class Context(nn.Module):
                 self.base(inputs_embeds=hidden.detach(), **side, **self.fixed)
             except Stop:
                 return self.recorder.calls
-        raise ModelFileError(f"{type(self.base).__name__}.forward never called decoder layer {last}")
+        raise ModelFileError(f"{type(self.base).__name__}.forward never called layer {last}")
+
+
+def decoder_context(anatomy: Anatomy) -> Context:
+    """A decoder's context: its base model with embeddings and norms standing as zeros, dropout as identity (the
+    masks, position ids and rotary embeddings come out as the model computes them)."""
+    recorder = Recorder()
+    base = anatomy.base
+    replace: dict[str, nn.Module] = {anatomy.layers_name: stand_in_layers(anatomy.layers, recorder)}
+    for name, child in base.named_children():
+        if name in replace:
+            continue
+        if name == anatomy.norm_name:
+            replace[name] = Absent(name, "the context stops after the stage's last layer")
+        elif any(True for _ in child.parameters()):
+            replace[name] = Zero(embedding=isinstance(child, nn.Embedding))
+        elif isinstance(child, nn.modules.dropout._DropoutNd):
+            replace[name] = Passthrough()
+    return Context(view(base, replace=replace, keep_parameters=False), recorder, _fixed_kwargs(base))
 
 
 class Layer(nn.Module):
@@ -438,9 +449,9 @@ def _holds_parameters(module: nn.Module, *, besides: str) -> bool:
 
 
 def cut_hf_encoder(anatomy: EncoderAnatomy) -> BlockModel:
-    blocks = (EncoderEmbedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)),
+    blocks = (encoder_embedding(anatomy), *(Layer(layer, i) for i, layer in enumerate(anatomy.layers)),
               EncoderHead(anatomy))
-    cutter = HFCutter(anatomy.top, blocks, context=lambda: EncoderContext(anatomy))
+    cutter = HFCutter(anatomy.top, blocks, context=lambda: encoder_context(anatomy))
     n = len(anatomy.layers)
     layers = f"{anatomy.prefix}.{anatomy.container_name}.{anatomy.layers_name}"
     block: Role = "block"
@@ -480,48 +491,24 @@ def _encoder_view(anatomy: EncoderAnatomy, *, embeddings: nn.Module, layers: nn.
     return view(anatomy.base, replace=replace, keep_parameters=keep_parameters)
 
 
-class EncoderEmbedding(nn.Module):
-    """The base model's forward up to its first layer: the embeddings' output, as layer 0 gets it."""
-
-    def __init__(self, anatomy: EncoderAnatomy) -> None:
-        super().__init__()
-        self.recorder = Recorder()
-        self.base = _encoder_view(anatomy, embeddings=getattr(anatomy.base, anatomy.embeddings_name),
-                                  layers=stand_in_layers(anatomy.layers, self.recorder),
-                                  after=Absent("the base model's head", "the embedding stops at the first layer"),
-                                  keep_parameters=False)
-        self.fixed = _fixed_kwargs(anatomy.base)
-
-    def forward(self, input_ids: torch.Tensor, *, context: StageContext) -> torch.Tensor:
-        self.recorder.reset(stop_at=0)
-        try:
-            self.base(input_ids=input_ids, **context.side, **self.fixed)
-        except Stop as stop:
-            return stop.value
-        raise ModelFileError(f"{type(self.base).__name__}.forward never called its first layer")
+def encoder_embedding(anatomy: EncoderAnatomy) -> Embedding:
+    """An encoder's embedding block: its base model with the embeddings alone of its parameters."""
+    recorder = Recorder()
+    base = _encoder_view(anatomy, embeddings=getattr(anatomy.base, anatomy.embeddings_name),
+                         layers=stand_in_layers(anatomy.layers, recorder),
+                         after=Absent("the base model's head", "the embedding stops at the first layer"),
+                         keep_parameters=False)
+    return Embedding(base, recorder, _fixed_kwargs(anatomy.base))
 
 
-class EncoderContext(nn.Module):
-    """What each layer is called with (the attention mask as the model makes it), recorded from the base model's
-    forward on the stage's first hidden state given as inputs_embeds; no parameters, no gradients."""
-
-    def __init__(self, anatomy: EncoderAnatomy) -> None:
-        super().__init__()
-        self.recorder = Recorder()
-        self.base = _encoder_view(anatomy, embeddings=EmbeddedInput(),
-                                  layers=stand_in_layers(anatomy.layers, self.recorder),
-                                  after=Absent("the base model's head", "the context stops after the last layer"),
-                                  keep_parameters=False)
-        self.fixed = _fixed_kwargs(anatomy.base)
-
-    def forward(self, hidden: torch.Tensor, side: dict[str, Any], *, first: int, last: int) -> dict[int, Any]:
-        self.recorder.reset(first=first, last=last)
-        with torch.no_grad():
-            try:
-                self.base(inputs_embeds=hidden.detach(), **side, **self.fixed)
-            except Stop:
-                return self.recorder.calls
-        raise ModelFileError(f"{type(self.base).__name__}.forward never called layer {last}")
+def encoder_context(anatomy: EncoderAnatomy) -> Context:
+    """An encoder's context: its base model given the stage's hidden state as inputs_embeds, the embeddings
+    standing aside (the attention mask comes out as the model makes it from them)."""
+    recorder = Recorder()
+    base = _encoder_view(anatomy, embeddings=EmbeddedInput(), layers=stand_in_layers(anatomy.layers, recorder),
+                         after=Absent("the base model's head", "the context stops after the stage's last layer"),
+                         keep_parameters=False)
+    return Context(base, recorder, _fixed_kwargs(anatomy.base))
 
 
 class EncoderHead(nn.Module):
