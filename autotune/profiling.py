@@ -115,7 +115,9 @@ def profile_model(
     that size and the larger ones infeasible (Profile.infeasible_micro_batch_sizes); at every size, or for a block's
     parameters, gradients and optimizer state alone, it raises InfeasibleError; state_shards: the most ways sharded
     data parallelism may split that state (the GPUs, when shard layouts are planned): the block's state then needs to
-    fit under memory_limit_bytes x state_shards. On CPU torch runs one thread (one
+    fit under memory_limit_bytes x state_shards. A size at which a block fails to train for another reason (a
+    BatchNorm over one value per channel) while a larger size trains is left out with the sizes below it
+    (Profile.too_small_micro_batch_sizes); failing at every size, the block is named. On CPU torch runs one thread (one
     thread per rank is the stand-in); the caller's thread count is restored afterwards.
 
     precision bf16 runs each block's forward under torch.autocast(bfloat16), as the replicate runtime trains, so
