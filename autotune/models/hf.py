@@ -479,16 +479,17 @@ class EmbeddedInput(nn.Module):
         return given
 
 
-def _encoder_view(anatomy: EncoderAnatomy, *, embeddings: nn.Module, layers: nn.ModuleList, after: nn.Module | None,
-                  keep_parameters: bool) -> nn.Module:
-    """The base model with its embeddings and layers swapped (and its parts after the layers, unless None)."""
+def _encoder_view(anatomy: EncoderAnatomy, *, embeddings: nn.Module, layers: nn.ModuleList,
+                  after: nn.Module | None) -> nn.Module:
+    """The base model with its embeddings and layers swapped (and its parts after the layers, unless None); it has
+    no parameters of its own (recognise_encoder)."""
     container = view(anatomy.container, replace={anatomy.layers_name: layers}, keep_parameters=False)
     replace: dict[str, nn.Module] = {anatomy.embeddings_name: embeddings, anatomy.container_name: container}
     if after is not None:
         for name in anatomy.after:
             if name.startswith(f"{anatomy.prefix}."):
                 replace[name.removeprefix(f"{anatomy.prefix}.")] = after
-    return view(anatomy.base, replace=replace, keep_parameters=keep_parameters)
+    return view(anatomy.base, replace=replace, keep_parameters=False)
 
 
 def encoder_embedding(anatomy: EncoderAnatomy) -> Embedding:
@@ -496,8 +497,7 @@ def encoder_embedding(anatomy: EncoderAnatomy) -> Embedding:
     recorder = Recorder()
     base = _encoder_view(anatomy, embeddings=getattr(anatomy.base, anatomy.embeddings_name),
                          layers=stand_in_layers(anatomy.layers, recorder),
-                         after=Absent("the base model's head", "the embedding stops at the first layer"),
-                         keep_parameters=False)
+                         after=Absent("the base model's head", "the embedding stops at the first layer"))
     return Embedding(base, recorder, _fixed_kwargs(anatomy.base))
 
 
@@ -506,8 +506,7 @@ def encoder_context(anatomy: EncoderAnatomy) -> Context:
     standing aside (the attention mask comes out as the model makes it from them)."""
     recorder = Recorder()
     base = _encoder_view(anatomy, embeddings=EmbeddedInput(), layers=stand_in_layers(anatomy.layers, recorder),
-                         after=Absent("the base model's head", "the context stops after the stage's last layer"),
-                         keep_parameters=False)
+                         after=Absent("the base model's head", "the context stops after the stage's last layer"))
     return Context(base, recorder, _fixed_kwargs(anatomy.base))
 
 
@@ -518,7 +517,7 @@ class EncoderHead(nn.Module):
     def __init__(self, anatomy: EncoderAnatomy) -> None:
         super().__init__()
         base = _encoder_view(anatomy, embeddings=EmbeddedInput(), layers=stand_in_layers(anatomy.layers, Recorder()),
-                             after=None, keep_parameters=False)
+                             after=None)
         self.top = view(anatomy.top, replace={anatomy.prefix: base}, keep_parameters=False)
         self.fixed = _fixed_kwargs(anatomy.top)
 
