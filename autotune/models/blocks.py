@@ -62,8 +62,9 @@ class BlockModel:
     @property
     def output_class(self) -> type | None:
         """The class the user's model returns around its logits (a Hugging Face family's CausalLMOutputWithPast),
-        read from its forward's return annotation; None when it returns a tensor. The last stage ends with the
-        logits tensor, and loss_fn gets it in this class when it reads it that way (model_file.LossFn)."""
+        read from its forward's return annotation, or from the members of a union there (GPT-NeoX, OPT, Falcon,
+        BLOOM and BERT's `tuple | CausalLMOutputWithPast`); None when it returns a tensor. The last stage ends
+        with the logits tensor, and loss_fn gets it in this class when it reads it that way (model_file.LossFn)."""
         if isinstance(self.model, nn.Sequential):
             return None
         forward = type(self.model).forward
@@ -71,9 +72,10 @@ class BlockModel:
             annotation = typing.get_type_hints(forward).get("return")
         except Exception:  # noqa: BLE001 - an annotation naming what this module cannot import: no class known
             annotation = inspect.signature(forward).return_annotation
-        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            if "logits" in {f.name for f in dataclasses.fields(annotation)}:
-                return annotation
+        for member in (annotation, *typing.get_args(annotation)):
+            if isinstance(member, type) and dataclasses.is_dataclass(member):
+                if "logits" in {f.name for f in dataclasses.fields(member)}:
+                    return member
         return None
 
     @property

@@ -294,3 +294,21 @@ def test_check_cut_refuses_a_model_its_adapter_cuts_wrongly() -> None:
     model.blocks[0].forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch"))
     with pytest.raises(ModelFileError, match=r"fails where its own forward runs \(RuntimeError: shape mismatch\)"):
         check_cut(model, inputs)
+
+
+@pytest.mark.parametrize("family", ["Llama", *OTHERS, *ENCODERS])
+def test_loss_fn_may_read_logits_from_the_class_the_model_returns(family: str) -> None:
+    """A loss_fn written for the model as it is reads `out.logits` (model_file.LossFn): the class comes from the
+    forward's return annotation, which on GPT-NeoX, OPT, Bloom, Falcon and the encoders is a union with a tuple
+    (`tuple | CausalLMOutputWithPast`; such a loss_fn failed on them with 'Tensor' has no attribute 'logits')."""
+    torch.manual_seed(0)
+    if family in ENCODERS:
+        net, labels = encoder(family)
+        inputs, _ = encoder_batch(labels)
+    else:
+        config = getattr(transformers, f"{family}Config")(**OTHERS.get(family, SMALL))
+        net = getattr(transformers, f"{family}ForCausalLM")(config)
+        inputs, _ = batch()
+    returned = type(net(**inputs))
+    assert cut_model(net).output_class is returned
+    assert "logits" in returned.__dataclass_fields__
