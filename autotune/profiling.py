@@ -681,9 +681,15 @@ class _Walk:
         else:
             where = f"at every micro-batch size tried ({', '.join(str(size) for size, _ in failures)}), first at {m}"
         text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        fix = "run the model's own forward and backward on make_batch's inputs to see it fail"
+        if "in-place operation" in text or "modified inplace" in text:
+            # a stage's input is a leaf that needs its gradient: the model's own forward never hands the block one
+            fix = ("the block changes its input in place, which a pipeline stage's input (a leaf tensor that needs "
+                   "its gradient) does not allow: do that out of place (`x = x * a`, not `x.mul_(a)`; "
+                   "inplace=False on a module)")
         return ModelFileError(
             f"{self.spec.path}: a training step of block {self.spec.describe_layer(index)} failed {where} ({text}); "
-            f"run the model's own forward and backward on make_batch's inputs to see it fail"
+            f"{fix}"
         )
 
 

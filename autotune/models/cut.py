@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from autotune.errors import ModelFileError
@@ -32,7 +33,59 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
     - Otherwise the repeated blocks found in the model (modules of one class in nn.ModuleList / nn.Sequential).
 
     `inputs`: make_batch's inputs (a tensor, tuple or dict), or None for "the forward's first argument"; only which
-    arguments they give matters (the generic path traces the others at their defaults)."""
+    arguments they give matters (the generic path traces the others at their defaults).
+
+    A block whose first operation changes its input in place (an `nn.ReLU(inplace=True)` child of an nn.Sequential,
+    torchvision DenseNet's `features.relu0`) gets it out of place (out_of_place_inputs)."""
+    cut = _cut(model, split_at=split_at, inputs=inputs)
+    out_of_place_inputs(cut)
+    return cut
+
+
+def out_of_place_inputs(model: BlockModel) -> list[str]:
+    """Turn off `inplace` where a block's first operation would change the block's input in place; the names of
+    the blocks changed.
+
+    A pipeline stage's input is a leaf tensor that needs its gradient (torch's stage receives it so), and the
+    profile times each block on such an input: autograd refuses an in-place operation on it ("a leaf Variable that
+    requires grad is being used in an in-place operation"), where the model's own forward, which hands the block a
+    tensor computed just before, does not. The result is the same out of place; the block keeps one more tensor
+    of its input's size while it runs, which the profile measures. Covered: a block that is such a module, or
+    whose traced graph calls one (or a function with inplace=True) on its input."""
+    changed = []
+    for name, block in zip(model.names, model.blocks):
+        if _first_op_out_of_place(block):
+            changed.append(name)
+    return changed
+
+
+def _first_op_out_of_place(block: nn.Module) -> bool:
+    if getattr(block, "inplace", None) is True:
+        block.inplace = False
+        return True
+    if isinstance(block, nn.Sequential) and len(block) > 0:
+        return _first_op_out_of_place(block[0])
+    graph = getattr(block, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return False
+    changed = False
+    for node in graph.nodes:
+        if not any(isinstance(arg, torch.fx.Node) and arg.op == "placeholder" for arg in node.args):
+            continue
+        if node.op == "call_module":
+            module = block.get_submodule(node.target)
+            if getattr(module, "inplace", None) is True:
+                module.inplace = False
+                changed = True
+        elif node.op == "call_function" and node.kwargs.get("inplace") is True:
+            node.kwargs = {**node.kwargs, "inplace": False}
+            changed = True
+    if changed and isinstance(block, torch.fx.GraphModule):
+        block.recompile()
+    return changed
+
+
+def _cut(model: Any, *, split_at: Sequence[str] | None, inputs: Any) -> BlockModel:
     if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
         model = nn.Sequential(*model)
     if not isinstance(model, nn.Module):

@@ -178,3 +178,31 @@ def test_a_search_on_llama_answers_pipeline_or_fsdp_from_runs(tmp_path):
         assert float(rows[kind][3]) > 0, rows[kind]  # measured samples/s
     assert "dp2-shard/" in rows["FSDP"][2] and "dp2/" in rows["data parallel"][2]
     assert "was fastest" in section and summary["best"]["data_parallel_degree"] in (1, 2)
+
+
+RELU_IN_PLACE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                         nn.Linear(16, 2))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 2)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
+
+
+@pytest.mark.dist
+def test_a_stage_starting_with_an_in_place_relu_trains(tmp_path):
+    """An nn.Sequential with ReLU(inplace=True) children, cut right before one: the second stage's input is a leaf
+    that needs its gradient, and the trial failed on rank 1 ('Output 0 of _ContiguousGrad is a view and is being
+    modified inplace')."""
+    path = tmp_path / "relu.py"
+    path.write_text(RELU_IN_PLACE)
+    result = trial(path, "--layers-per-stage", "1,4", "--steps", "2", "--warmup", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["status"] == "ok"

@@ -414,3 +414,33 @@ def test_the_check_compares_in_the_mode_the_model_trains_in_with_the_same_dropou
         torch.manual_seed(2)
         other = model.stage(0, model.n_blocks)(x)
     assert not torch.allclose(one, other)  # dropout is on: the check is not comparing constants
+
+
+class _InPlaceGlue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.act = nn.Linear(8, 8), nn.ReLU(inplace=True)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.stem(x))
+        x = nn.functional.relu(self.body(x), inplace=True)  # on the body's own output: stays in place
+        return self.head(x)
+
+
+def test_a_traced_block_starting_in_place_runs_out_of_place() -> None:
+    """A block whose first operation changes its input in place cannot take a stage's input (a leaf that needs its
+    gradient): the module called on the block's input is turned out of place, and so is a function called with
+    inplace=True on it; an in-place operation on the block's own intermediate stays."""
+    from autotune.models.cut import _first_op_out_of_place
+
+    model = cut_model(_InPlaceGlue(), split_at=["stem", "act", "body", "head"])
+    assert model.model.act.inplace is False
+    assert "inplace = True" in model.blocks[2].code  # body's relu acts on body's output
+    x = torch.randn(4, 8)
+    assert_cuts_match(model, x, lambda out, y: nn.functional.mse_loss(out, y), torch.randn(4, 2), three_way=False)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    glue = torch.fx.symbolic_trace(lambda t: nn.functional.relu(t, inplace=True) * 2)
+    with pytest.raises(RuntimeError, match="in-place"):
+        glue(leaf)
+    assert _first_op_out_of_place(glue) and glue(leaf).grad_fn is not None

@@ -674,3 +674,46 @@ def test_a_block_timed_alone_keeps_its_own_checkpointing_times():
     assert _stage_ratio_pairs(alone) == ([(2.0, 4.0)], [(3.0, 6.0)])
     together = dataclasses.replace(alone, stage_plain=(20.0, 40.0), stage_checkpointed=(25.0, 50.0))
     assert _stage_ratio_pairs(together) == ([(20.0, 40.0)], [(25.0, 50.0)])
+
+
+IN_PLACE = """
+import torch
+from torch import nn
+
+class Halves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.lin(x)
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), LAST)
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+"""
+
+
+def test_an_in_place_first_operation_is_profiled_out_of_place_or_named_with_the_fix(tmp_path):
+    """A block is timed on a leaf input that needs its gradient, as a stage receives it: an nn.ReLU(inplace=True)
+    child failed the whole profile ('a leaf Variable that requires grad is being used in an in-place operation')
+    and is now run out of place; an in-place operation in the block's own code is named, with the fix."""
+    from autotune.errors import ModelFileError
+    from autotune.model_file import build_skeleton
+
+    (tmp_path / "relu.py").write_text(IN_PLACE.replace("LAST", "nn.ReLU(inplace=True)"))
+    spec = load_model_file(tmp_path / "relu.py")
+    assert [getattr(block, "inplace", None) for block in build_skeleton(spec).blocks] == [None, False, None, False]
+    profile = profile_model(spec, batch_size=8, micro_batch_sizes=[2, 8], repeats=1)
+    assert profile.n_layers == 4 and profile.micro_batch_sizes == (2, 8)
+    (tmp_path / "halves.py").write_text(IN_PLACE.replace("LAST", "Halves()"))
+    spec = load_model_file(tmp_path / "halves.py")
+    with pytest.raises(ModelFileError, match=r"block 3 \(Halves\) failed .*in-place operation.*changes its input in "
+                                             r"place.*`x = x \* a`, not `x.mul_\(a\)`"):
+        profile_model(spec, batch_size=8, micro_batch_sizes=[2], repeats=1)
