@@ -107,8 +107,7 @@ def load_model_file(path: str | Path, *, split_at: Sequence[str] | None = None) 
         if hook is not None and not callable(hook):
             raise ModelFileError(f"{path}: {name} is not a function; define it as a function or remove it")
 
-    with torch.device("meta"):
-        model = _call_user(path, "build_model", functions["build_model"])
+    model = _build_on_meta(path, functions["build_model"])
     if split_at is None and isinstance(model, nn.Module):
         try:
             found = split_points_from(module, model)
@@ -222,6 +221,18 @@ def build_blocks(
     return blocks
 
 
+def _build_on_meta(path: Path, build_model: Callable[[], Any]) -> Any:
+    """build_model() with every tensor it makes on the meta device (no storage, no initialisation run); where the
+    model's own code needs a value from a tensor it made (torchvision's RegNet turns its computed stage widths into
+    a list: "Cannot copy out of meta tensor"), again with only its parameters moved there (build_skeleton's way)."""
+    try:
+        with torch.device("meta"):
+            return _call_user(path, "build_model", build_model)
+    except ModelFileError:
+        with parameters_on_meta():
+            return _call_user(path, "build_model", build_model)
+
+
 def build_skeleton(spec: ModelSpec) -> BlockModel:
     """The model cut into blocks, every parameter on the meta device (no storage), buffers real."""
     with parameters_on_meta():
@@ -313,9 +324,7 @@ def check_model(spec: ModelSpec, batch_size: int) -> None:
     small, target = head_rows(inputs, rows), targets[:rows]
     large = sum(spec.parameter_bytes) > REAL_CHECK_MAX_BYTES
     if large:
-        with torch.device("meta"):
-            meta = _cut(spec.path, _call_user(spec.path, "build_model", spec.build_model), spec.split_at,
-                        spec.make_batch)
+        meta = _cut(spec.path, _build_on_meta(spec.path, spec.build_model), spec.split_at, spec.make_batch)
         try:
             with torch.no_grad():
                 output = meta.run(map_inputs(small, lambda t: t.to("meta")))

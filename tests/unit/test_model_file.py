@@ -58,3 +58,22 @@ def test_data_parallel_modes_parse_from_one_flag():
     for wrong in ("zero3", ","):
         with pytest.raises(UsageError, match="comma-separated list of replicate, shard"):
             parse_data_parallel(wrong)
+
+
+@pytest.mark.parametrize("threshold", [0, model_file.REAL_CHECK_MAX_BYTES], ids=["meta-device", "real"])
+def test_a_model_that_reads_a_tensor_it_made_while_built_loads(tmp_path, monkeypatch, threshold):
+    """torchvision's RegNet computes its stage widths with tensors and turns them into a list: built with every
+    tensor on the meta device, that ended in "build_model raised NotImplementedError: Cannot copy out of meta
+    tensor"; it is built again with only its parameters on the meta device."""
+    monkeypatch.setattr(model_file, "REAL_CHECK_MAX_BYTES", threshold)
+    path = tmp_path / "widths.py"
+    path.write_text(TINY_MODEL.replace(
+        "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
+        "    width = int((torch.arange(3) * 2).tolist()[-1])\n"
+        "    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))"))
+    spec = model_file.load_model_file(path)
+    model_file.check_model(spec, 8)
+    assert spec.n_layers == 3 and spec.parameter_bytes[0] == (4 * 4 + 4) * 4
+    (tmp_path / "broken.py").write_text(TINY_MODEL.replace("return nn.Sequential(", "return nn.Sequentia("))
+    with pytest.raises(ModelFileError, match=r"broken.py:5: build_model raised AttributeError"):
+        model_file.load_model_file(tmp_path / "broken.py")
