@@ -42,9 +42,8 @@ def cut_model(model: Any, *, split_at: Sequence[str] | None = None, inputs: Any 
     return cut
 
 
-def out_of_place_inputs(model: BlockModel) -> list[str]:
-    """Turn off `inplace` where a block's first operation would change the block's input in place; the names of
-    the blocks changed.
+def out_of_place_inputs(model: BlockModel) -> None:
+    """Turn off `inplace` where a block's first operation would change the block's input in place.
 
     A pipeline stage's input is a leaf tensor that needs its gradient (torch's stage receives it so), and the
     profile times each block on such an input: autograd refuses an in-place operation on it ("a leaf Variable that
@@ -52,11 +51,8 @@ def out_of_place_inputs(model: BlockModel) -> list[str]:
     tensor computed just before, does not. The result is the same out of place; the block keeps one more tensor
     of its input's size while it runs, which the profile measures. Covered: a block that is such a module, or
     whose traced graph calls one (or a function with inplace=True) on its input."""
-    changed = []
-    for name, block in zip(model.names, model.blocks):
-        if _first_op_out_of_place(block):
-            changed.append(name)
-    return changed
+    for block in model.blocks:
+        _first_op_out_of_place(block)
 
 
 def _first_op_out_of_place(block: nn.Module) -> bool:
@@ -65,11 +61,10 @@ def _first_op_out_of_place(block: nn.Module) -> bool:
         return True
     if isinstance(block, nn.Sequential) and len(block) > 0:
         return _first_op_out_of_place(block[0])
-    graph = getattr(block, "graph", None)
-    if not isinstance(graph, torch.fx.Graph):
+    if not isinstance(block, torch.fx.GraphModule):
         return False
     changed = False
-    for node in graph.nodes:
+    for node in block.graph.nodes:
         if not any(isinstance(arg, torch.fx.Node) and arg.op == "placeholder" for arg in node.args):
             continue
         if node.op == "call_module":
@@ -80,7 +75,7 @@ def _first_op_out_of_place(block: nn.Module) -> bool:
         elif node.op == "call_function" and node.kwargs.get("inplace") is True:
             node.kwargs = {**node.kwargs, "inplace": False}
             changed = True
-    if changed and isinstance(block, torch.fx.GraphModule):
+    if changed:
         block.recompile()
     return changed
 
