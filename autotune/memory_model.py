@@ -445,6 +445,27 @@ def input_backward_bytes(
     return peak, kept
 
 
+def first_weight_bytes(parameter_bytes: Sequence[int], kept: Sequence[int]) -> int:
+    """What a stage's first split-backward W of the step (torch's stage_backward_weight) holds at most on top of
+    what was alive as it started, its weight gradients made as .grad included (gradients_made_in_step): it runs the
+    stage's parameter groups in the stage's parameter order (its layers in order, per layer its float32 parameter
+    bytes), each making its weight gradients, which stay, and letting go of the output gradients its I kept for it
+    (kept: per layer, costs.BackwardBytes.input_kept). So the worst is at a layer: the gradients of the layers before
+    it less what they let go of, and its own.
+
+    bench/models/mlp13.py, VHalf m1 [3-5-1-4] at batch 64, rank 1's stage of five 256-wide layers (`python
+    bench/memory_breakdown.py bench/models/mlp13.py --candidates "VHalf/m1/[3-5-1-4]" --phase 1W0`): at the W's
+    peak, in its last group, four layers' gradients and the fifth's in the making were alive, and four of the five
+    kept gradients gone, 857 KB over its start where the whole stage's gradients on top of everything kept counted
+    1.32 MB (+6.5 % on the rank's peak). The W also lets go of each weight op's saved input where nothing else
+    saved it (three 64 KiB activations there), not counted: the profile does not say which."""
+    worst = made = 0
+    for nbytes, freed in zip(parameter_bytes, kept):
+        worst = max(worst, made + nbytes)
+        made += nbytes - freed
+    return int(worst)
+
+
 def split_kept_bytes(saved_bytes: Sequence[int], input_bytes: Sequence[int], *, first: bool) -> int:
     """For profiles without backward bytes (input_backward_bytes measures it), what a split backward's I keeps for
     its W, for one micro-batch, on top of the activations (which the W

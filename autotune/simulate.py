@@ -22,6 +22,7 @@ from autotune.memory_model import (
     boundary_shared,
     cast_on_wire,
     dp_shards,
+    first_weight_bytes,
     gather_buffer_bytes,
     gradient_shard_bytes,
     gradients_made_in_step,
@@ -1448,6 +1449,10 @@ class _StageCosts:
     runs a backward first (costs.stage_gradient_moves)."""
     largest_grad_bytes: list[int]
     """A W's fresh weight gradients at the stage's largest layer (memory_model.weight_gradient_factor)."""
+    first_weight_bytes: list[int]
+    """The stage's first W of the step, where it makes the gradients: what it holds at most on top, its gradients
+    included (memory_model.first_weight_bytes; the stage's parameter bytes where the profile has no backward
+    bytes)."""
     working_copy_bytes: list[int]
     """Sharded: the stage's gathered parameters (memory_model.working_copy_bytes); 0 replicated."""
     gather_unit_bytes: list[int]
@@ -1744,8 +1749,13 @@ def _stage_costs(
         if len(stage_profiled) == b - a:
             input_peak, kept = input_backward_bytes(stage_profiled, first=first, last=last, cast_out=cast_out,
                                                     arrival_grad=arrival)
+            n_layers = b - a
+            weight_kept = [p.input_kept[int(i == n_layers - 1 and not last and not cast_out)]
+                           for i, p in enumerate(stage_profiled)]
+            first_weight: int | None = first_weight_bytes(parameter_bytes[a:b], weight_kept)
         else:  # a profile saved before backward bytes were recorded
             input_peak, kept = None, split_kept_bytes(saved_bytes[a:b], layer_in, first=first)
+            first_weight = None
         result["split_kept_bytes"].append(kept)
         result["input_backward_bytes"].append(input_peak)
         result["loss_backward_bytes"].append(
@@ -1773,6 +1783,9 @@ def _stage_costs(
         result["parameter_bytes"].append(stage_parameters)
         result["shared_copy_bytes"].append(copies_of_shared)
         result["first_gradient_bytes"].append(stage_parameters + gradient_moves[s])
+        # a tied parameter's copy made on this stage counted at the worst layer; never over the whole stage's
+        result["first_weight_bytes"].append(stage_parameters if first_weight is None
+                                            else min(stage_parameters, first_weight + copies_of_shared))
         sharded = candidate.sharded
         copy = int(working_copy_bytes(stage_parameters, candidate=candidate))
         result["working_copy_bytes"].append(copy)
@@ -2073,7 +2086,7 @@ def _peak_memory(
                 on_buffers += grad[s]
             else:  # W: weight gradients only (the first stage's W runs its whole backward)
                 if s != 0:  # a first W makes the stage's gradients, kept
-                    temp = stages.largest_grad_bytes[s] if s in started else stages.parameter_bytes[s] if made else 0
+                    temp = stages.largest_grad_bytes[s] if s in started else stages.first_weight_bytes[s] if made else 0
                 rebuilt = recompute[s] if s == 0 else stages.weight_recompute_bytes[s]
                 peak = max(peak, live + during + temp + rebuilt)
                 if made and s not in started:

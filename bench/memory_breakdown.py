@@ -68,7 +68,8 @@ def _ptrs(tensors: Any) -> list[int]:
     return out
 
 
-def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str, warmup: int) -> None:
+def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str, warmup: int,
+          phase: str | None = None) -> None:
     torch.set_num_threads(1)
     keep_freed_cpu_memory()
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE)
@@ -121,14 +122,22 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
         }
 
     tracker = PeakBreakdown(kinds)
+    at_start: dict[str, int] = {}  # --phase: what is alive as the action starts
 
     def label(name: str, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             before, tracker.phase = tracker.phase, f"{name}{args[0] if args else ''}"
+            inside = phase is not None and tracker.phase == phase
+            if inside:  # --phase: the peak inside this action alone, from what is alive as it starts
+                tracker.peak_bytes = tracker.live_bytes
+                tracker._new_peak()
+                at_start.update(tracker.breakdown)
             try:
                 return fn(*args, **kwargs)
             finally:
                 tracker.phase = before
+                if inside:
+                    tracker.peak_bytes = float("inf")  # no later peak replaces it
         return wrapped
 
     for st in stages:
@@ -138,18 +147,22 @@ def _rank(rank: int, model: str, candidate: dict[str, Any], store: str, out: str
     pipe.optimizer.step = label("optimizer", pipe.optimizer.step)  # type: ignore[method-assign]
     with tracker, saved:
         pipe.step(rank_batch)
+    if tracker.peak_bytes == float("inf"):
+        tracker.peak_bytes = sum(tracker.breakdown.values())
     result = {"rank": rank, "peak_bytes": tracker.peak_bytes, "phase": tracker.peak_phase,
               "breakdown": dict(sorted(tracker.breakdown.items(), key=lambda kv: -kv[1])),
-              "saved_peak_bytes": saved.peak_bytes}
+              "saved_peak_bytes": saved.peak_bytes,
+              "at_start": dict(sorted(at_start.items(), key=lambda kv: -kv[1]))}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(model: str, candidate: Candidate, warmup: int = 2) -> list[dict[str, Any]]:
-    """Per rank: the peak, the phase at the peak and the bytes per kind alive then."""
+def measure(model: str, candidate: Candidate, warmup: int = 2, phase: str | None = None) -> list[dict[str, Any]]:
+    """Per rank: the peak, the phase at the peak and the bytes per kind alive then (phase: the peak inside that
+    action alone, e.g. 1W0, on the rank that runs it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(model, candidate.to_dict(), os.path.join(tmp, "store"), tmp, warmup),
+        mp.start_processes(_rank, args=(model, candidate.to_dict(), os.path.join(tmp, "store"), tmp, warmup, phase),
                            nprocs=WORLD_SIZE, start_method="spawn")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
@@ -160,12 +173,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--candidates", nargs="+", required=True)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--phase", help="the peak inside one action only, as the breakdown names it (1W0: stage 1's "
+                                        "W of micro-batch 0), on the rank that runs it")
     args = parser.parse_args()
     profile = profile_model(load_model_file(Path(args.model)), batch_size=args.batch_size, repeats=1,
                             precision=args.precision)
     for text in args.candidates:
         candidate = parse_candidate(text, args.batch_size, args.precision)
-        ranks = measure(args.model, candidate)
+        ranks = measure(args.model, candidate, phase=args.phase)
         predicted = simulate(profile, candidate, with_timeline=False).peak_memory_bytes
         print(f"== {text}")
         costs = profile.layer_costs(candidate.micro_batch_size)
@@ -181,6 +196,10 @@ def main() -> None:
             print(f"rank {r['rank']}: peak {r['peak_bytes']} at {r['phase']}{extra}")
             for kind, nbytes in r["breakdown"].items():
                 print(f"    {kind:45s} {nbytes:>12d}")
+            if r["at_start"]:
+                print(f"  alive as {args.phase} starts: {sum(r['at_start'].values())}")
+                for kind, nbytes in r["at_start"].items():
+                    print(f"    {kind:45s} {nbytes:>12d}")
         sys.stdout.flush()
 
 
