@@ -121,12 +121,12 @@ It was 0.6 ms a crossing post, each post charged: where a rank posts its sends a
 (DualPipeV's middle rank: two sends and two receives after each fused pair; its first rank one pair at a time), the
 one rank paid twice the other's, though the trace measured the two alike. bench/models/mlp13.py DualPipeV m32 on the
 2-core EPYC VM (bench/results/action_trace_dualpipev_mlp13.md): 9.6 and 11.0 ms a step of posts over 1 ms on ranks 0
-and 1; charged 11.5 and 21.6 ms, so predicted +19 % over its measurement in all seven saved runs. Now a rank's posts
-to one peer at one moment cross once (_crossing_posts): 10.3 ms on each rank, +2 %. Refitted over the 3139 pp 2
-configurations of the committed calibrations (the sweep re-predicts every bench/results/calibration*.json): once a
-moment at 0.6 ms 8.34 %, 0.8 7.91 %, 0.9 7.78 %, 1.0 7.69 %, 1.1 7.69 %, 1.2 7.76 %, against 7.88 % for each post at
-0.6 ms; DualPipeV's family 9.23 -> 8.22 %, every other fp32 family within 0.1 point or better (GPipe 7.20 -> 6.83 %,
-InterleavedZeroBubble 7.87 -> 7.41 %, LoopedBFS 8.75 -> 8.52 %)."""
+and 1; charged 11.5 and 21.6 ms, so predicted +18 % over its measurement in the headline calibration (over in all
+seven passes). Now a rank's posts to one peer at one moment cross once (_crossing_posts): 10.3 ms on each rank, +2 %.
+Refitted over the 3139 pp 2 configurations of the committed calibrations (the sweep re-predicts every
+bench/results/calibration*.json): once a moment at 0.6 ms 8.34 %, 0.8 7.91 %, 0.9 7.78 %, 1.0 7.69 %, 1.1 7.69 %,
+1.2 7.76 %, against 7.88 % for each post at 0.6 ms; DualPipeV's family 9.23 -> 8.22 %, every other fp32 family
+within 0.1 point or better (GPipe 7.20 -> 6.83 %, InterleavedZeroBubble 7.87 -> 7.41 %, LoopedBFS 8.75 -> 8.52 %)."""
 CROSSING_POST_JITTER_CPU_MS = 0.1
 """How far a post's moment strays from the replay's (the spread of a normal): the replay places posts to the
 microsecond, the runtime's wander by about an action's overhead (CPU_PER_ACTION_OVERHEAD_MS), and the crossing share
