@@ -385,8 +385,9 @@ class Profile:
     host_call_ms: float = 0.0
     """How fast this host runs Python and torch's dispatch: the median of HOST_CALL_REPEATS steps of a plain
     torch.optim.AdamW over a one-element parameter (whatever the model's own optimizer), measured by the CPU
-    profiler. The simulator scales the CPU stand-in's per-action overhead by it (LinkModel.for_profile). 0 on CUDA
-    and in profiles saved before it was recorded (the defaults as measured)."""
+    profiler at several moments of the profile and the lowest kept (profiling.HostProbe; one probe at its end in
+    profiles taken before 2026-12-07 16:00). The simulator scales the CPU stand-in's per-action overhead by it
+    (LinkModel.for_profile). 0 on CUDA and in profiles saved before it was recorded (the defaults as measured)."""
     idle_resume_ms: tuple[tuple[float, float], ...] = ()
     """How much longer torch's compute takes on this host right after its thread slept: (gap ms, extra ms) for a
     small MLP's forward and backward of idle_resume_window_ms, the gaps rising (profiling.idle_resume_probe). The

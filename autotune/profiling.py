@@ -155,13 +155,19 @@ def profile_model(
     idle: IdleResume | None = None
     try:
         clock: _Clock = _CudaClock() if cuda else _CpuClock()
+        host = None if cuda else HostProbe(clock)
         measured, sizes, input_bytes, target_bytes, infeasible, too_small = _Walk(
-            spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes, progress,
+            spec, sizes, torch.device(device), repeats, clock, memory_limit_bytes,
+            host.between_blocks(progress) if host else progress,
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
         call_ms = _optimizer_call_ms(spec, torch.device(device), clock, repeats)
-        host_ms = 0.0 if cuda else host_call_ms(clock)
+        if host:
+            host.sample()
         idle = None if cuda else idle_resume_probe()
+        if host:
+            host.sample()
+            host_ms = host.lowest()
     finally:
         # The walk (its batches and the tensors handed between blocks) is out of scope here, so what is still
         # allocated below is the libraries' workspaces alone, and the tuner keeps no model after profiling.
@@ -1576,13 +1582,53 @@ HOST_CALL_REPEATS = 51
 
 
 def host_call_ms(clock: _Clock | None = None) -> float:
-    """This host's Python and dispatch speed on the CPU (Profile.host_call_ms): the median time of a plain
-    torch.optim.AdamW step over a one-element parameter, the same whatever the model and its optimizer."""
-    param = nn.Parameter(torch.zeros(1))
-    param.grad = torch.zeros_like(param)
-    optimizer = torch.optim.AdamW([param])
-    optimizer.step()
-    return _median_step_ms(optimizer, clock or _CpuClock(), HOST_CALL_REPEATS)
+    """This host's Python and dispatch speed on the CPU at this moment: the median time of a plain
+    torch.optim.AdamW step over a one-element parameter, the same whatever the model and its optimizer (one of
+    HostProbe's samples)."""
+    return HostProbe(clock).sample()
+
+
+class HostProbe:
+    """Profile.host_call_ms: host_call_ms's probe taken at several moments of a profile (before the walk, after
+    each block, after the optimizer and idle probes), the lowest of them kept.
+
+    One probe is a few milliseconds, and this host's speed goes through phases of seconds: on a 2-core EPYC VM,
+    probes back to back for 8 s in each of six processes read 53-55 us at their lowest, 55-58 at their median in
+    five and 88.5 in the sixth, and up to 137-162 in all (a pure-Python loop and a small MLP's step slower alike
+    for a while); the first probe of a process read 59-82 us. A single probe that fell in a slow phase put x1.8 on the per-action costs of every prediction: the 7-pass
+    calibration of 2026-12-07 12:36 took the tail-heavy MLP's probe at 99.5 us (two of its three profiles read
+    114 and 99.5, the third 57.1), over-predicted its every configuration (+10 to +49 %, MAPE 26.6 %) and its
+    trials agreed with the third (12.1 % predicted from 57.1). The lowest is the host's speed outside those
+    phases, which trials spend most of their steps in (bench/results/calibration_host_probe.md)."""
+
+    def __init__(self, clock: _Clock | None = None) -> None:
+        self.clock = clock or _CpuClock()
+        param = nn.Parameter(torch.zeros(1))
+        param.grad = torch.zeros_like(param)
+        self.optimizer = torch.optim.AdamW([param])
+        self.optimizer.step()
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """One probe now: the median of HOST_CALL_REPEATS steps (ms)."""
+        ms = _median_step_ms(self.optimizer, self.clock, HOST_CALL_REPEATS)
+        self.samples.append(ms)
+        return ms
+
+    def between_blocks(self, progress: ProgressFn | None) -> ProgressFn:
+        """A progress function for the walk that probes after each block, then tells `progress`."""
+        if not self.samples:
+            self.sample()
+
+        def told(completed: int, total: int, description: str) -> None:
+            self.sample()
+            if progress is not None:
+                progress(completed, total, description)
+        return told
+
+    def lowest(self) -> float:
+        """The lowest probe taken (a new one if none was)."""
+        return min(self.samples) if self.samples else self.sample()
 
 
 IDLE_GAPS_MS = (0.5, 2.0, 5.0, 20.0)

@@ -717,3 +717,28 @@ def test_an_in_place_first_operation_is_profiled_out_of_place_or_named_with_the_
     with pytest.raises(ModelFileError, match=r"block 3 \(Halves\) failed .*in-place operation.*changes its input in "
                                              r"place.*`x = x \* a`, not `x.mul_\(a\)`"):
         profile_model(spec, batch_size=8, micro_batch_sizes=[2], repeats=1)
+
+
+def test_host_probe_keeps_its_lowest_sample_over_the_profile(monkeypatch):
+    """Profile.host_call_ms is the lowest of probes taken before the walk, after each block and after the optimizer
+    and idle probes: one probe that falls in a slow phase of the host (x2 for seconds on a VM) is not the host."""
+    from autotune import profiling
+
+    readings = iter([0.11, 0.12, 0.09, 0.05, 0.13] + [0.10] * 40)  # one fast moment among slow ones
+    taken = []
+    timed = profiling._median_step_ms
+
+    def probe(optimizer, clock, repeats):
+        if repeats != profiling.HOST_CALL_REPEATS:
+            return timed(optimizer, clock, repeats)  # the model's own optimizer steps
+        taken.append(repeats)
+        return next(readings)
+
+    monkeypatch.setattr(profiling, "_median_step_ms", probe)
+    spec = load_model_file(RECIPES / "mlp.py")
+    calls = []
+    profile = profile_model(spec, batch_size=4, micro_batch_sizes=[4], repeats=1,
+                            progress=lambda done, total, what: calls.append(done))
+    assert calls == list(range(1, 11))  # the caller's progress still told after each block
+    assert len(taken) == 1 + 10 + 2  # before the walk, after each of 10 blocks, after each probe after it
+    assert profile.host_call_ms == 0.05
