@@ -1595,11 +1595,13 @@ class HostProbe:
     One probe is a few milliseconds, and this host's speed goes through phases of seconds: on a 2-core EPYC VM,
     probes back to back for 8 s in each of six processes read 53-55 us at their lowest, 55-58 at their median in
     five and 88.5 in the sixth, and up to 137-162 in all (a pure-Python loop and a small MLP's step slower alike
-    for a while); the first probe of a process read 59-82 us. A single probe that fell in a slow phase put x1.8 on the per-action costs of every prediction: the 7-pass
-    calibration of 2026-12-07 12:36 took the tail-heavy MLP's probe at 99.5 us (two of its three profiles read
-    114 and 99.5, the third 57.1), over-predicted its every configuration (+10 to +49 %, MAPE 26.6 %) and its
-    trials agreed with the third (12.1 % predicted from 57.1). The lowest is the host's speed outside those
-    phases, which trials spend most of their steps in (bench/results/calibration_host_probe.md)."""
+    for a while); the first probe of a process read 59-82 us. A single probe that fell in a slow phase put x1.8 on
+    the per-action costs of every prediction: the 7-pass calibration of 2026-12-07 12:36 took the tail-heavy MLP's
+    probe at 99.5 us (two of its three profiles read 114 and 99.5, the third 57.1), over-predicted its every
+    configuration (+10 to +49 %, MAPE 26.6 %) and its trials agreed with the third (12.1 % predicted from 57.1).
+    The lowest is the host's speed outside those phases (bench/results/calibration_host_probe.md). It does not
+    follow a period of hours where trials run slower than profiles: in the next calibration every probe read
+    52-56 us and every model's trials ran 6-18 % slower than predicted (calibration_epyc_probe.md)."""
 
     def __init__(self, clock: _Clock | None = None) -> None:
         self.clock = clock or _CpuClock()
