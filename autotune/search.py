@@ -463,7 +463,8 @@ class _Engine:
         idle = repeats = 0
         max_idle = max(self.options.n_trials, MIN_IDLE_ASKS)
         patience = max(5, self.options.n_trials // 2)
-        self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs")
+        then = f", then {reserve} re-run{'s' if reserve != 1 else ''} of the leaders side by side" if reserve else ""
+        self.reporter.phase(f"searching: up to {self.options.n_trials - reserve} trial runs{then}")
         self.refit()  # a resumed or joined study has runs already
         while self._budget_left() > reserve:
             if deadline is not None and time.time() >= deadline:

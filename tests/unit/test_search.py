@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -535,3 +536,11 @@ def test_the_best_so_far_is_the_fastest_median_not_one_lucky_run():
     assert best.throughput_samples_per_s == pytest.approx(32 / 14.25 * 1000)
     assert _Engine.best_record(engine(records[:1])).candidate == a
     assert _Engine.best_record(engine(records[4:])) is None
+
+
+def test_search_says_how_its_budget_divides_between_exploring_and_re_runs(spec, tmp_path, caplog):
+    """--trials 8 is 6 runs found by the sampler and 2 re-runs of the leaders: the first line says both, so the
+    8 trials a user asked for add up (it said "up to 6 trial runs")."""
+    with caplog.at_level(logging.INFO, logger="autotune.search"):
+        search(spec, tmp_path, SimulatedRunner())
+    assert "searching: up to 6 trial runs, then 2 re-runs of the leaders side by side" in caplog.messages
