@@ -162,10 +162,9 @@ def profile_model(
             autocast=precision == "bf16", state_shards=state_shards,
         ).results(every_block=every_block)
         call_ms = _optimizer_call_ms(spec, torch.device(device), clock, repeats)
-        if host:
+        if host is not None:
             host.sample()
-        idle = None if cuda else idle_resume_probe()
-        if host:
+            idle = idle_resume_probe()
             host.sample()
             host_ms = host.lowest()
     finally:
@@ -1618,9 +1617,9 @@ class HostProbe:
         return ms
 
     def between_blocks(self, progress: ProgressFn | None) -> ProgressFn:
-        """A progress function for the walk that probes after each block, then tells `progress`."""
-        if not self.samples:
-            self.sample()
+        """Probes now (before the walk), and a progress function for the walk that probes after each block, then
+        tells `progress`."""
+        self.sample()
 
         def told(completed: int, total: int, description: str) -> None:
             self.sample()
@@ -1629,8 +1628,8 @@ class HostProbe:
         return told
 
     def lowest(self) -> float:
-        """The lowest probe taken (a new one if none was)."""
-        return min(self.samples) if self.samples else self.sample()
+        """The lowest probe taken."""
+        return min(self.samples)
 
 
 IDLE_GAPS_MS = (0.5, 2.0, 5.0, 20.0)
