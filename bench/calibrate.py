@@ -16,6 +16,9 @@ what the pipeline candidates leave out, the data-parallel collectives.
 The step-time run exits 1 when a model misses issue 24's goals (MAPE <= 10 %, every schedule family <= 15 %,
 Spearman at or above the measurements' own pass-to-pass Spearman), after writing its results with a per-schedule
 table. --from-json FILE predicts a saved run's measurements again with the simulator as it is now (nothing is run).
+On the CPU a measured run also times how steadily the machine computes, before the first model and after the last
+(rank_threads.host_spread: a fixed one-thread step's 0.5-s medians over 6 s, highest / lowest): on a host whose
+speed swings 1.5 x from second to second the errors measure the host as much as the simulator.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
+from rank_threads import host_spread, spread_table  # noqa: E402
 
 from autotune.candidate import Candidate  # noqa: E402
 from autotune.costs import Profile  # noqa: E402
@@ -254,6 +258,7 @@ def main() -> None:
     if args.memory_only:
         args.passes = 1
     measured_by = None
+    steady: dict[str, dict] = {}  # the host's steadiness before and after the runs (CPU, measured runs only)
     if args.from_json:
         whole = json.loads(args.from_json.read_text())
         saved = whole["results"]
@@ -261,11 +266,15 @@ def main() -> None:
         results = [predicted(r["recipe"], r["batch_size"], Profile.from_dict(r["profile"]), r["rows"],
                              r["pass_to_pass_spearman"], r["wall_s"], r.get("profiles")) for r in saved]
     else:
+        if args.device == "cpu" and not args.memory_only:
+            steady["before"] = host_spread()
         results = [calibrate(r, batch_size=args.batch_size, n_configs=args.configs, passes=args.passes,
                              device=args.device, memory_only=args.memory_only, data_parallel=args.data_parallel,
                              precision=args.precision, checkpointed=args.checkpointed, steps=args.steps,
                              profile_each_run=args.profile_each_run, n_profiles=args.profiles)
                    for r in [*args.recipes, *args.models]]
+        if steady:
+            steady["after"] = host_spread()
     if args.memory_only:
         memory_only_report(results, args)
         return
@@ -293,6 +302,9 @@ def main() -> None:
             [[x["candidate"], x["measured_ms"], " / ".join(f"{v:.1f}" for v in x["runs_ms"]), x["predicted_ms"],
               f"{x['error']:+.0%}", each_run(x),
               x["measured_peak"], x["predicted_peak"]] for x in r["rows"]])
+    if steady:
+        tables["the host before and after: a one-thread step's 0.5-s medians over 6 s (bench/rank_threads.py)"] = \
+            spread_table(steady)
     link = dataclasses.asdict(LinkModel.for_device(args.device))
     tables["link model (the simulator's defaults for this device)"] = _results.markdown_table(
         ["field", "value"], [[k, v] for k, v in link.items()])
@@ -300,6 +312,7 @@ def main() -> None:
              if measured_by else "")
     _results.write(args.name, title="Simulator calibration: predicted vs measured", device=args.device,
                    tables=tables, data={"results": results, "link": link,
+                                        **({"host": steady} if steady else {}),
                                         **({"measured_by": measured_by} if measured_by else {})}, notes=notes)
     missed = [(name, why) for name, whys in misses.items() for why in whys]
     if missed:

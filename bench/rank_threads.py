@@ -195,6 +195,48 @@ def _compute(seconds: float, queue) -> None:
     queue.put(statistics.median(times))
 
 
+def _windows(seconds: float, window_s: float, queue) -> None:
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(7)])
+    x = torch.randn(16, 256)
+    for _ in range(50):
+        model(x).sum().backward()
+    medians, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        times, close = [], time.perf_counter() + window_s
+        while time.perf_counter() < close:
+            start = time.perf_counter()
+            model(x).sum().backward()
+            times.append((time.perf_counter() - start) * 1e3)
+        medians.append(statistics.median(times))
+    queue.put(medians)
+
+
+def host_spread(seconds: float = 6.0, window_s: float = 0.5) -> dict[str, Any]:
+    """How steadily this machine computes now: part 2's one-thread step, no wakes, in a fresh process for `seconds`;
+    the median of each `window_s`, and their lowest, median, highest and highest / lowest. A calibration's errors on
+    a host whose windows spread 1.5 x measure the host as much as the simulator (bench/results/rank_threads.md)."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_windows, args=(seconds, window_s, queue))
+    process.start()
+    medians = queue.get()
+    process.join()
+    return {"time": time.strftime("%H:%M:%S"), "windows_ms": medians, "lowest_ms": min(medians),
+            "median_ms": statistics.median(medians), "highest_ms": max(medians),
+            "spread": max(medians) / min(medians)}
+
+
+def spread_table(spreads: dict[str, dict[str, Any]]) -> str:
+    return _results.markdown_table(
+        ["when", "time", "lowest ms", "median ms", "highest ms", "highest / lowest"],
+        [[when, h["time"], h["lowest_ms"], h["median_ms"], h["highest_ms"], h["spread"]]
+         for when, h in spreads.items()])
+
+
 def _woken(read_fd: int, core: int, queue) -> None:
     os.sched_setaffinity(0, {core})
     wakes, cpu = 0, time.process_time()

@@ -39,3 +39,15 @@ def test_the_noise_floor_is_what_the_passes_say_of_themselves() -> None:
     floor = calibrate.noise_floor(steady + bimodal)
     assert floor is not None and floor["worst_family"] > 0.0 and floor["meets"] < 1.0
     assert calibrate.noise_floor([{"candidate": "GPipe/m1/[1-1]", "runs_ms": [10.0, 11.0]}]) is None
+
+
+def test_the_hosts_steadiness_is_timed_in_windows_and_reported_as_their_spread() -> None:
+    import rank_threads
+
+    spread = rank_threads.host_spread(seconds=1.0, window_s=0.25)
+
+    assert len(spread["windows_ms"]) >= 3
+    assert 0 < spread["lowest_ms"] <= spread["median_ms"] <= spread["highest_ms"]
+    assert spread["spread"] == spread["highest_ms"] / spread["lowest_ms"] >= 1.0
+    table = rank_threads.spread_table({"before": spread})
+    assert table.splitlines()[2].startswith("| before |")
