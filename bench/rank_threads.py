@@ -178,24 +178,17 @@ def host_checks(seconds: float) -> list[dict[str, Any]]:
 
 def _compute(seconds: float, queue) -> None:
     os.sched_setaffinity(0, {0})
-    import torch
-    from torch import nn
-
-    torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(7)])
-    x = torch.randn(16, 256)
-    for _ in range(50):
-        model(x).sum().backward()
+    step = _timed_step()
     queue.put("ready")
     times, end = [], time.time() + seconds
     while time.time() < end:
-        start = time.perf_counter()
-        model(x).sum().backward()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append(step())
     queue.put(statistics.median(times))
 
 
-def _windows(seconds: float, window_s: float, queue) -> None:
+def _timed_step():
+    """The fixed workload, one thread, warmed up: 7 Linear(256) + GELU blocks' forward and backward at 16 samples;
+    returns a function that runs it once and says its ms."""
     import torch
     from torch import nn
 
@@ -204,13 +197,22 @@ def _windows(seconds: float, window_s: float, queue) -> None:
     x = torch.randn(16, 256)
     for _ in range(50):
         model(x).sum().backward()
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(x).sum().backward()
+        return (time.perf_counter() - start) * 1e3
+
+    return step
+
+
+def _windows(seconds: float, window_s: float, queue) -> None:
+    step = _timed_step()
     medians, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end:
         times, close = [], time.perf_counter() + window_s
         while time.perf_counter() < close:
-            start = time.perf_counter()
-            model(x).sum().backward()
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append(step())
         medians.append(statistics.median(times))
     queue.put(medians)
 
