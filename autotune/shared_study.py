@@ -111,11 +111,26 @@ class SharedStudy:
         """A new trial owned by this worker; with params, the trial that tries exactly them (queued and asked under
         the lock, so no other search's ask takes it)."""
         with self.storage.lock(f"ask:{self.name}"):
-            if params is not None:
-                self.study.enqueue_trial(params, user_attrs={PHASE: phase} if phase else None)
-            trial = self.study.ask()
+            trial = self.study.ask() if params is None else self._ask_exactly(params, phase)
         trial.set_user_attr(OWNER, self.owner.to_dict())
         return trial
+
+    def _ask_exactly(self, params: dict[str, Any], phase: str | None) -> optuna.Trial:
+        """Queue params and take that very trial. Study.ask takes the oldest queued trial instead, which may be a
+        seed no search has run yet: re-running the leaders of a 6-trial search of a Qwen2 model launched a planner
+        seed in the place of the first leader's re-run, and left that re-run queued in the study."""
+        user_attrs = {PHASE: phase} if phase else {}
+        self.study.enqueue_trial(params, user_attrs=user_attrs or None)
+        queued = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        for frozen in reversed(queued):  # the newest first: this one, unless another search queued the same
+            if frozen.system_attrs.get("fixed_params") != params or frozen.user_attrs != user_attrs:
+                continue
+            try:  # as Study.ask takes a queued trial: whoever moves it to RUNNING first has it
+                if self.storage.optuna.set_trial_state_values(frozen._trial_id, state=optuna.trial.TrialState.RUNNING):
+                    return optuna.Trial(self.study, frozen._trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+        return self.study.ask()
 
     def seed_once(self, enqueue: Callable[[], None]) -> None:
         """Run enqueue (queue the seeds) if no search of this study has: once per study, whoever starts first."""

@@ -193,3 +193,21 @@ def test_owner_gone_only_for_a_dead_process_on_this_host() -> None:
     assert Owner(worker="w", host=here, pid=_dead_pid()).gone()
     assert not Owner(worker="w", host=here, pid=os.getppid()).gone()
     assert not Owner(worker="w", host="elsewhere", pid=_dead_pid()).gone()
+
+
+def test_asking_for_exact_params_takes_that_trial_not_an_older_queued_seed(tmp_path) -> None:
+    from autotune.shared_study import open_shared_study
+    from autotune.study_storage import PHASE
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    shared = open_shared_study(storage, "s", resume=False, seed=0, worker="w", setup={}, profile={},
+                               stale_after_s=60.0)
+    shared.study.enqueue_trial({"x": 1}, user_attrs={PHASE: "seed"})  # a seed the exploring phase left queued
+
+    trial = shared.ask({"x": 2}, phase="remeasure")
+
+    assert trial.user_attrs[PHASE] == "remeasure"
+    assert shared.study._storage.get_trial(trial._trial_id).system_attrs["fixed_params"] == {"x": 2}
+    queued = shared.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    assert [t.system_attrs["fixed_params"] for t in queued] == [{"x": 1}]  # the seed waits for an exploring ask
+    assert shared.ask().user_attrs[PHASE] == "seed"
