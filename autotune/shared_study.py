@@ -121,13 +121,16 @@ class SharedStudy:
         seed in the place of the first leader's re-run, and left that re-run queued in the study."""
         user_attrs = {PHASE: phase} if phase else {}
         self.study.enqueue_trial(params, user_attrs=user_attrs or None)
+        storage = self.storage.optuna
+        study_id = storage.get_study_id_from_name(self.name)
         queued = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
         for frozen in reversed(queued):  # the newest first: this one, unless another search queued the same
             if frozen.system_attrs.get("fixed_params") != params or frozen.user_attrs != user_attrs:
                 continue
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, frozen.number)
             try:  # as Study.ask takes a queued trial: whoever moves it to RUNNING first has it
-                if self.storage.optuna.set_trial_state_values(frozen._trial_id, state=optuna.trial.TrialState.RUNNING):
-                    return optuna.Trial(self.study, frozen._trial_id)
+                if storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.RUNNING):
+                    return optuna.Trial(self.study, trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue
         return self.study.ask()
