@@ -360,8 +360,8 @@ def main() -> None:
     host = host_checks(args.host_seconds) if args.host_seconds else []
     server.start()
     spec = load_model_file(Path(args.model))
-    trials = [sample_trial(spec, parse_config(c, args.batch_size), args.seconds) for c in args.configs]
     # --configs with nothing after it: part 2 alone
+    trials = [sample_trial(spec, parse_config(c, args.batch_size), args.seconds) for c in args.configs]
     wakes = []
     if args.wake_rates:
         if len(os.sched_getaffinity(0)) < 2:

@@ -1,4 +1,4 @@
-"""bench/calibrate.py's own arithmetic: the profiles' median and the measurements' noise floor."""
+"""bench/calibrate.py's own arithmetic: the profiles' median, the measurements' noise floor and the profiles'."""
 
 import sys
 from pathlib import Path
@@ -18,6 +18,42 @@ def test_profiles_taken_at_several_moments_merge_by_their_median() -> None:
     assert merged["optimizer_step_ms"] == 2.3  # the slow moment's 3.7 does not carry
     assert merged["parameter_bytes"] == 100
     assert merged["layers"] == [{"forward_ms": [1.0, 2.2], "name": "a"}]
+
+
+def test_the_merged_host_probe_is_the_lowest_of_the_profiles() -> None:
+    probes = [{"host_call_ms": 0.0839, "optimizer_step_ms": 4.0}, {"host_call_ms": 0.0924, "optimizer_step_ms": 5.0},
+              {"host_call_ms": 0.0640, "optimizer_step_ms": 6.0}]
+
+    merged = calibrate.median_profile(probes)
+
+    assert merged["host_call_ms"] == 0.0640  # the median would be 0.0839
+    assert merged["optimizer_step_ms"] == 5.0  # everything else stays the median
+
+
+def test_the_profile_floor_predicts_from_each_profile_alone() -> None:
+    from autotune.candidate import Candidate
+    from autotune.costs import LayerCost, Profile
+    from autotune.schedules import Schedule
+    from autotune.simulate import simulate
+
+    def profile(ms: float) -> dict:
+        layer = LayerCost(forward_ms=ms, backward_input_ms=2 * ms, backward_weight_ms=0.0, saved_bytes=1024,
+                          output_bytes=1024, parameter_bytes=4096)
+        return Profile.from_layer_costs([layer, layer], input_bytes=64, optimizer_step_ms=0.1).to_dict()
+    candidate = Candidate(schedule=Schedule.GPIPE, pipeline_degree=2, global_batch_size=2, n_microbatches=2,
+                          layers_per_stage=(1, 1))
+    fast, slow = profile(1.0), profile(2.0)
+    measured = simulate(Profile.from_dict(fast), candidate, with_timeline=False).step_time_ms
+    rows = [{"candidate_dict": candidate.to_dict(), "measured_ms": measured}]
+
+    floor = calibrate.profile_floor(rows, [fast, slow])
+
+    assert floor is not None
+    assert floor["each_mape"][0] == 0.0 < floor["each_mape"][1]
+    assert floor["between"] > 0.2  # twice the compute: predictions far apart
+    assert calibrate.profile_floor(rows, [fast, fast])["between"] == 0.0
+    assert calibrate.profile_floor(rows, [fast]) is None
+    assert calibrate.profile_floor_text({"profile_floor": floor}).endswith(")")
 
 
 def test_profiles_of_different_shapes_keep_the_first() -> None:
