@@ -176,10 +176,10 @@ def median_profile(profiles: list[dict]) -> dict:
 
     The host probe (host_call_ms) is the lowest over them, as within one profile (profiling.HostProbe: a probe is
     only ever slowed by the host's phases). Measured over the 61 model runs of the committed calibrations with
-    several profiles (re-predicted from their profiles_taken): mean step-time MAPE 7.86 % with the median, 7.59 %
-    with the lowest, goals met on 35 either way; the 13-layer MLP of calibration_2245 (probes 83.9 / 92.4 / 64.0 us
-    where the run's other models read 42-55) 16.2 -> 10.8 %; the largest move the other way the tail-heavy MLP of
-    calibration_xeon, 7.0 -> 7.8 %."""
+    several profiles (`python bench/profile_floor.py`, bench/results/profile_floor.md): mean step-time MAPE 7.86 %
+    with the median, 7.59 % with the lowest, goals met on 35 either way; the 13-layer MLP of calibration_2245
+    (probes 83.9 / 92.4 / 64.0 us, where each other model had a profile probing 42-50) 16.2 -> 10.8 %; the largest
+    move the other way the tail-heavy MLP of calibration_xeon, 7.0 -> 7.8 %."""
     def merge(values: list):
         first = values[0]
         if isinstance(first, bool) or not all(type(v) is type(first) for v in values):
@@ -205,9 +205,10 @@ def profile_floor(rows: list[dict], taken: list[dict]) -> dict | None:
     of one's predictions against the other's, and each profile's own MAPE against the measurements. The passes'
     noise_floor is the measurements' side; this is the profile's. None with fewer than two profiles.
 
-    Why: on the 2-core EPYC VM a model's profiles minutes apart put its predictions 1-27 % apart (mean over pairs,
-    the 13 committed calibrations with several profiles), the 2-block GPT's in calibration_2245 22 % (probes 105 /
-    69 / 43 us), where the step-time goal is 10 %: a miss there is as much the profile's moment as the simulator."""
+    Why: a model's profiles minutes apart put its predictions 0.5-27 % apart, 6.1 % at the median (61 model runs
+    of the committed calibrations with several profiles, bench/results/profile_floor.md), the 2-block GPT's in
+    calibration_2245 22 % (probes 105 / 69 / 43 us), where the step-time goal is 10 %: a miss there is as much the
+    profile's moment as the simulator."""
     if len(taken) < 2:
         return None
     profiles = [Profile.from_dict(p) for p in taken]
