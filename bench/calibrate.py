@@ -99,6 +99,13 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     spec = load_model_file(path)
     check_model(spec, batch_size)
     # --profiles: the start's and more between the passes, merged by median_profile
+    host_ms: dict[str, list[float]] = {"profiles": [], "passes": []}
+
+    def host_now(when: str) -> None:  # the fixed one-thread step's median now (host_scaled)
+        if device == "cpu" and not memory_only:
+            host_ms[when].append(host_spread(seconds=HOST_READ_S)["median_ms"])
+
+    host_now("profiles")
     taken = [fresh_profile(path, batch_size=batch_size, device=device, precision=precision)]
     profile = Profile.from_dict(taken[0])
     planned = plan(profile, gpus=2, batch_size=batch_size, memory_limit_bytes=None, prune_within=None)
@@ -116,7 +123,9 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     profile_after = {round(passes * k / n_profiles) for k in range(1, n_profiles)} if not memory_only else set()
     for done in range(passes):
         if done in profile_after:
+            host_now("profiles")
             taken.append(fresh_profile(path, batch_size=batch_size, device=device, precision=precision))
+        host_now("passes")
         for c in configs:
             if profile_each_run and not memory_only:
                 profiles.append(profile_model(spec, batch_size=batch_size, micro_batch_sizes=[c.micro_batch_size],
@@ -147,7 +156,7 @@ def calibrate(recipe: str, *, batch_size: int, n_configs: int, passes: int, devi
     if len(taken) > 1:
         profile = Profile.from_dict(median_profile(taken))
     return predicted(recipe, batch_size, profile, rows, retest, time.time() - started, profiles,
-                     taken if len(taken) > 1 else [])
+                     taken if len(taken) > 1 else [], host_ms)
 
 
 def fresh_profile(path: Path, *, batch_size: int, device: str, precision: str) -> dict:
@@ -199,6 +208,22 @@ def median_profile(profiles: list[dict]) -> dict:
     return merged
 
 
+HOST_READ_S = 2.0
+"""How long host_scaled's reading of the host runs (rank_threads.host_spread; its median is kept)."""
+
+
+def host_scaled(host_ms: dict[str, list[float]]) -> float | None:
+    """How much slower the host ran a fixed one-thread step (rank_threads' 7 x Linear(256), in a fresh process) at
+    the model's passes than at its profiles: the median of the readings before each pass over the median of those
+    before each profile. A prediction times this is what the simulator would say had the profiles been taken at the
+    passes' speed: beside the headline (not the goal), it says how much of a model's error is the host's drift
+    between its profiles and its trials. None without readings of both."""
+    profiles, passes = host_ms.get("profiles") or [], host_ms.get("passes") or []
+    if not profiles or not passes:
+        return None
+    return statistics.median(passes) / statistics.median(profiles)
+
+
 def profile_floor(rows: list[dict], taken: list[dict]) -> dict | None:
     """How far the predictions move with the moment their profile was taken: every row predicted from each of the
     model's profiles (fresh processes minutes apart, --profiles) alone; the mean over pairs of profiles of the MAPE
@@ -228,8 +253,17 @@ def profile_floor_text(result: dict) -> str:
     return f"{floor['between']:.1%} ({' / '.join(f'{m:.0%}' for m in floor['each_mape'])})"
 
 
+def host_scaled_text(result: dict) -> str:
+    """A model's mean signed error, and its MAPE host-scaled with the scale ("" parts without readings)."""
+    signed = f"{result['signed_error']:+.1%}" if result.get("signed_error") is not None else ""
+    if result.get("mape_host_scaled") is None:
+        return signed
+    return f"{signed}; {result['mape_host_scaled']:.1%} (x{result['host_scale']:.2f})"
+
+
 def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], retest: float, wall_s: float,
-              profiles: list[dict] | None = None, taken: list[dict] | None = None) -> dict:
+              profiles: list[dict] | None = None, taken: list[dict] | None = None,
+              host_ms: dict[str, list[float]] | None = None) -> dict:
     """A model's calibration result: its measured rows predicted by the simulator as it is now from the profile
     taken at the start (as `autotune search` predicts), and their errors.
 
@@ -242,7 +276,8 @@ def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], 
     the start's on the tail-heavy MLP (2026-11-28 12:15: MAPE 10.0 % against 7.3 % from the start's), though
     back to back, away from trials, the two kinds agree within 3 %.
 
-    taken: the profiles merged into `profile` (--profiles), kept as profiles_taken and judged by profile_floor."""
+    taken: the profiles merged into `profile` (--profiles), kept as profiles_taken and judged by profile_floor.
+    host_ms: the fixed step's readings before each profile and each pass (host_scaled), kept as host_ms."""
     fresh = [Profile.from_dict(p) for p in profiles or []]
     for r in rows:
         candidate = Candidate.from_dict(r["candidate_dict"])
@@ -257,6 +292,9 @@ def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], 
     each = [r for r in rows if "predicted_each_run_ms" in r]
     mape_each_run = statistics.fmean(abs(r["predicted_each_run_ms"] / r["measured_ms"] - 1) for r in each) \
         if each else None
+    scale = host_scaled(host_ms or {})
+    mape_host_scaled = None if scale is None else \
+        statistics.fmean(abs(r["predicted_ms"] * scale / r["measured_ms"] - 1) for r in rows)
     rho = spearman([r["measured_ms"] for r in rows], [r["predicted_ms"] for r in rows])
     peak_err = statistics.fmean(abs(r["peak_error"]) for r in rows)
     by_schedule: dict[str, list[float]] = {}
@@ -267,7 +305,9 @@ def predicted(recipe: str, batch_size: int, profile: Profile, rows: list[dict], 
             "profile": profile.to_dict(), "configs": len(rows), "mape": mape, "mape_each_run": mape_each_run,
             "spearman": rho, "pass_to_pass_spearman": retest, "noise_floor": noise_floor(rows),
             "peak_memory_mape": peak_err, "wall_s": wall_s, "rows": rows, "profiles": profiles or [],
-            "profiles_taken": taken or [], "profile_floor": profile_floor(rows, taken or [])}
+            "profiles_taken": taken or [], "profile_floor": profile_floor(rows, taken or []),
+            "host_ms": host_ms or {}, "host_scale": scale, "mape_host_scaled": mape_host_scaled,
+            "signed_error": statistics.fmean(r["error"] for r in rows)}
 
 
 def main() -> None:
@@ -310,7 +350,7 @@ def main() -> None:
                              Profile.from_dict(median_profile(r["profiles_taken"]) if r.get("profiles_taken")
                                                else r["profile"]),
                              r["rows"], r["pass_to_pass_spearman"], r["wall_s"], r.get("profiles"),
-                             r.get("profiles_taken")) for r in saved]
+                             r.get("profiles_taken"), r.get("host_ms")) for r in saved]
     else:
         if args.device == "cpu" and not args.memory_only:
             steady["before"] = host_spread()
@@ -329,6 +369,7 @@ def main() -> None:
     summary = [[r["recipe"], r["configs"], r["mape"], "" if r["mape_each_run"] is None else r["mape_each_run"],
                 r["spearman"], r["pass_to_pass_spearman"],
                 r["peak_memory_mape"], max(families[r["recipe"]].values()), floor_text(r), profile_floor_text(r),
+                host_scaled_text(r),
                 "met" if not misses[r["recipe"]] else "missed"] for r in results]
     tables = {"summary (2 ranks)": _results.markdown_table(
         ["recipe", "configs", "step-time MAPE", "the same, each run from its own profile", "Spearman",
@@ -336,6 +377,7 @@ def main() -> None:
          "worst family's MAPE",
          "the passes against themselves: MAPE / worst family; share of resamplings meeting the goal",
          "the profiles against each other: their predictions' MAPE (each one's own MAPE)",
+         "mean signed error; MAPE with the predictions scaled by the host's speed at the passes over at the profiles",
          f"MAPE <= {MAPE_GOAL:.0%}, every family <= {FAMILY_GOAL:.0%}, Spearman >= pass-to-pass"],
         summary)}
     schedules = sorted({k for f in families.values() for k in f})

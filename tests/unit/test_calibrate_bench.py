@@ -87,3 +87,12 @@ def test_the_hosts_steadiness_is_timed_in_windows_and_reported_as_their_spread()
     assert spread["spread"] == spread["highest_ms"] / spread["lowest_ms"] >= 1.0
     table = rank_threads.spread_table({"before": spread})
     assert table.splitlines()[2].startswith("| before |")
+
+
+def test_the_host_scale_is_the_passes_readings_over_the_profiles() -> None:
+    assert calibrate.host_scaled({"profiles": [1.2, 1.0, 1.1], "passes": [1.65, 1.6, 1.7, 1.5]}) == 1.625 / 1.1
+    assert calibrate.host_scaled({"profiles": [1.0], "passes": []}) is None
+    assert calibrate.host_scaled({}) is None
+    text = calibrate.host_scaled_text({"signed_error": -0.12, "mape_host_scaled": 0.05, "host_scale": 1.48})
+    assert text == "-12.0%; 5.0% (x1.48)"
+    assert calibrate.host_scaled_text({"signed_error": 0.03, "mape_host_scaled": None}) == "+3.0%"
