@@ -634,7 +634,10 @@ class _Engine:
         if len(top) < 2 or self._budget_left() <= 0:
             return
         also = f", with {favourite.key}: predicted faster than the measured leaders" if favourite is not None else ""
-        self.reporter.phase(f"re-measuring the {len(top)} leaders side by side{also}")
+        left = self._budget_left()
+        which = (f"the {len(top)} leaders" if left >= len(top) else  # the round the budget cuts short: best first
+                 f"the first {left} of the {len(top)} leaders (the runs left)")
+        self.reporter.phase(f"re-measuring {which} side by side{also}")
         asks, max_asks = 0, 4 * self._budget_left() + 10  # a leader another search runs is refused, not waited on
         while self._budget_left() > 0 and asks < max_asks:
             launched = self.launched

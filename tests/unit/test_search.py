@@ -544,3 +544,12 @@ def test_search_says_how_its_budget_divides_between_exploring_and_re_runs(spec, 
     with caplog.at_level(logging.INFO, logger="autotune.search"):
         search(spec, tmp_path, SimulatedRunner())
     assert "searching: up to 6 trial runs, then 2 re-runs of the leaders side by side" in caplog.messages
+
+
+def test_the_re_measure_line_names_only_the_leaders_the_runs_left_can_take(spec, tmp_path, caplog):
+    """Two re-runs left for three leaders: the line said "re-measuring the 3 leaders side by side" and two ran (a
+    user's Qwen2 search, 2026-12-07); it names the two the budget takes."""
+    with caplog.at_level(logging.INFO, logger="autotune.search"):
+        search(spec, tmp_path, SimulatedRunner())
+    line = next(m for m in caplog.messages if m.startswith("re-measuring"))
+    assert line.startswith("re-measuring the first 2 of the 3 leaders (the runs left) side by side"), line
