@@ -184,9 +184,9 @@ def median_profile(profiles: list[dict]) -> dict:
     Byte counts are the same in each profile and stay so; anything that differs in shape keeps the first's.
 
     The host probe (host_call_ms) is the lowest over them, as within one profile (profiling.HostProbe: a probe is
-    only ever slowed by the host's phases). Measured over the 61 model runs of the committed calibrations with
-    several profiles (`python bench/profile_floor.py`, bench/results/profile_floor.md): mean step-time MAPE 7.86 %
-    with the median, 7.59 % with the lowest, goals met on 35 either way; the 13-layer MLP of calibration_2245
+    only ever slowed by the host's phases). Measured over the 68 model runs of the committed calibrations with
+    several profiles (`python bench/profile_floor.py`, bench/results/profile_floor.md): mean step-time MAPE 7.90 %
+    with the median, 7.59 % with the lowest, goals met on 36 and 39; the 13-layer MLP of calibration_2245
     (probes 83.9 / 92.4 / 64.0 us, where each other model had a profile probing 42-50) 16.2 -> 10.8 %; the largest
     move the other way the tail-heavy MLP of calibration_xeon, 7.0 -> 7.8 %."""
     def merge(values: list):
@@ -230,7 +230,7 @@ def profile_floor(rows: list[dict], taken: list[dict]) -> dict | None:
     of one's predictions against the other's, and each profile's own MAPE against the measurements. The passes'
     noise_floor is the measurements' side; this is the profile's. None with fewer than two profiles.
 
-    Why: a model's profiles minutes apart put its predictions 0.5-27 % apart, 6.1 % at the median (61 model runs
+    Why: a model's profiles minutes apart put its predictions 0.5-27 % apart, 6.0 % at the median (68 model runs
     of the committed calibrations with several profiles, bench/results/profile_floor.md), the 2-block GPT's in
     calibration_2245 22 % (probes 105 / 69 / 43 us), where the step-time goal is 10 %: a miss there is as much the
     profile's moment as the simulator."""
