@@ -638,7 +638,7 @@ class _Engine:
         which = (f"the {len(top)} leaders" if left >= len(top) else  # the round the budget cuts short: best first
                  f"the first {left} of the {len(top)} leaders (the runs left)")
         self.reporter.phase(f"re-measuring {which} side by side{also}")
-        asks, max_asks = 0, 4 * self._budget_left() + 10  # a leader another search runs is refused, not waited on
+        asks, max_asks = 0, 4 * left + 10  # a leader another search runs is refused, not waited on
         while self._budget_left() > 0 and asks < max_asks:
             launched = self.launched
             for candidate in top:

@@ -202,8 +202,8 @@ def median_profile(profiles: list[dict]) -> dict:
         return first
 
     merged = merge(profiles)
-    probes = [p["host_call_ms"] for p in profiles if isinstance(p.get("host_call_ms"), (int, float))]
-    if len(probes) == len(profiles) and probes:
+    probes = [p.get("host_call_ms") for p in profiles]
+    if all(isinstance(probe, (int, float)) for probe in probes):
         merged["host_call_ms"] = min(probes)
     return merged
 
